@@ -1,0 +1,176 @@
+"""Co-RoPE-GQA in PyTorch: the ground truth the Triton kernels are tested against.
+
+The math is ``corope/README.md`` (from ``shared/docs/corope.md``): the distance between
+query ``i`` and key ``j`` is the mileage ``delta[i, j] = sum_{j < t <= i} z[i, t]``, where
+``z[i, t] = sigmoid(s <qL[i], k[t]>)`` are the gates of the group's leader query, and the
+score of every head of the group is ``s <q[i], Rot(-delta[i, j] w) k[j]>``.
+
+The reference processes queries in chunks of rows: a chunk of ``M`` rows holds
+``M x N x R/2`` phases, and under autograd each chunk is recomputed in the backward
+(``torch.utils.checkpoint``), so memory stays ``O(chunk * N * R)`` in training too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fused_rope._validation import check_float_tensor, check_rope_dim
+
+LEADERS = ("first", "mean")
+
+# Elements of the largest per-chunk tensor ([B, HKV, M, N, R/2]) when chunk_size is None.
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def corope_inv_freq(
+    rope_dim: int, theta: float, inv_freq: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """``w[d] = theta ** (-2d / R)`` in fp32, or the given ``inv_freq`` (checked: ``[R/2]``)."""
+    if inv_freq is None:
+        if not theta > 0:
+            raise ValueError(f"theta must be positive, got {theta}")
+        exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
+        return (theta**-exponent).float().to(device)
+    check_float_tensor(inv_freq, "inv_freq", ndim=1)
+    if inv_freq.shape[0] != rope_dim // 2:
+        raise ValueError(
+            f"inv_freq must have rope_dim // 2 = {rope_dim // 2} entries, got {inv_freq.shape[0]}"
+        )
+    return inv_freq.float().to(device)
+
+
+def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale):
+    """Validates the arguments shared by the reference and the kernels; returns (R, s)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(t, name, ndim=4)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must share a device, got {q.device}, {k.device}, {v.device}")
+    B, HQ, N, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[2] != N or k.shape[3] != D:
+        raise ValueError(
+            f"k must be [B={B}, HKV, N={N}, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
+        )
+    HKV = k.shape[1]
+    if HKV == 0 or HQ % HKV:
+        raise ValueError(f"q's head count {HQ} must be a multiple of k's head count {HKV}")
+    if leader not in LEADERS:
+        raise ValueError(f"leader must be one of {LEADERS}, got {leader!r}")
+    R = check_rope_dim(rope_dim, D)
+    s = D**-0.5 if softmax_scale is None else float(softmax_scale)
+    if not s > 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    return R, s
+
+
+def _chunk_rows(
+    q: torch.Tensor,  # [B, HKV, G, M, D] query rows i0 .. i0 + M of every head
+    qL: torch.Tensor,  # [B, HKV, M, D] the leader's rows
+    k: torch.Tensor,  # [B, HKV, N, D]
+    v: torch.Tensor,  # [B, HKV, N, D]
+    w: torch.Tensor,  # [R/2]
+    i0: int,
+    s: float,
+    R: int,
+    detach_mileage: bool,
+    unit_gates: bool,
+):
+    M, N = q.shape[-2], k.shape[-2]
+    rows = torch.arange(i0, i0 + M, device=q.device)
+    causal = torch.arange(N, device=q.device)[None, :] <= rows[:, None]  # [M, N]
+    if unit_gates:
+        z = causal.to(q.dtype).expand(*qL.shape[:2], M, N)
+    else:
+        z = torch.sigmoid(s * qL @ k.transpose(-1, -2)) * causal  # [B, HKV, M, N]
+    # delta[i, j] = sum_{t > j} z[i, t] (z = 0 past the diagonal): an exclusive suffix sum,
+    # so the distances near the diagonal stay small numbers and keep their precision.
+    delta = z.flip(-1).cumsum(-1).flip(-1) - z
+    if detach_mileage:
+        delta = delta.detach()
+    phi = delta[..., None] * w  # [B, HKV, M, N, R/2]
+    cos, sin = phi.cos(), phi.sin()
+    k1, k2 = k[..., None, :, : R // 2], k[..., None, :, R // 2 : R]  # [B, HKV, 1, N, R/2]
+    kr1 = k1 * cos + k2 * sin  # the key rotated by -phi
+    kr2 = k2 * cos - k1 * sin
+    q1, q2 = q[..., : R // 2], q[..., R // 2 : R]  # [B, HKV, G, M, R/2]
+    scores = torch.einsum("bghmd,bgmnd->bghmn", q1, kr1) + torch.einsum(
+        "bghmd,bgmnd->bghmn", q2, kr2
+    )
+    if R < q.shape[-1]:
+        scores = scores + q[..., R:] @ k[..., None, R:].transpose(-1, -2)
+    scores = (s * scores).masked_fill(~causal, float("-inf"))  # [B, HKV, G, M, N]
+    lse = torch.logsumexp(scores, dim=-1)  # [B, HKV, G, M]
+    p = torch.exp(scores - lse[..., None])
+    o = p @ v[:, :, None]  # [B, HKV, G, M, D]
+    return o, lse
+
+
+def corope_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    theta: float = 10000.0,
+    inv_freq: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    rope_dim: int | None = None,
+    leader: str = "first",
+    detach_mileage: bool = False,
+    unit_gates: bool = False,
+    chunk_size: int | None = None,
+    return_lse: bool = False,
+):
+    """Causal Co-RoPE-GQA attention, differentiable through q, k and v.
+
+    Args:
+        q: ``[B, HQ, N, D]``; head ``h`` belongs to KV group ``h // (HQ // HKV)``.
+        k, v: ``[B, HKV, N, D]`` with ``HQ % HKV == 0``.
+        theta: RoPE base; ``w[d] = theta ** (-2d / R)``.
+        inv_freq: ``[R/2]`` frequencies overriding ``theta`` (the scaled schedules of
+            ``fused_rope.rope_frequencies``).
+        softmax_scale: ``s``, default ``1 / sqrt(D)``; it scales both the gates and the scores.
+        rope_dim: ``R``, even, at most ``D`` (default ``D``); channels ``R:`` are a plain dot product.
+        leader: ``"first"`` (the group's first query head computes the gates) or ``"mean"``
+            (the mean of the group's query heads).
+        detach_mileage: hold the mileage constant in the backward (an ablation).
+        unit_gates: force every gate to 1, which makes this exactly RoPE attention
+            (split-half layout, positions ``0..N-1``); a check of the math.
+        chunk_size: query rows per chunk (default: as many as keep the largest chunk tensor
+            near 2**25 elements).
+        return_lse: also return the per-row log-sum-exp of the scores.
+
+    Returns:
+        ``o`` ``[B, HQ, N, D]`` in q's dtype, and with ``return_lse`` the natural-log
+        log-sum-exp ``[B, HQ, N]`` in fp32 (fp64 for fp64 inputs). Computed in fp32
+        (fp64 for fp64 inputs).
+    """
+    R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    G = HQ // HKV
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    w = corope_inv_freq(R, theta, inv_freq, q.device).to(cd)
+    qg = q.to(cd).view(B, HKV, G, N, D)
+    kf, vf = k.to(cd), v.to(cd)
+    qL = qg[:, :, 0] if leader == "first" else qg.mean(dim=2)  # [B, HKV, N, D]
+    if chunk_size is None:
+        chunk_size = max(1, _CHUNK_ELEMENTS // max(1, B * HKV * N * max(R // 2, 1)))
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outs, lses = [], []
+    for i0 in range(0, N, chunk_size):
+        i1 = min(N, i0 + chunk_size)
+        args = (qg[:, :, :, i0:i1], qL[:, :, i0:i1], kf, vf, w, i0, s, R, detach_mileage, unit_gates)
+        o, lse = checkpoint(_chunk_rows, *args, use_reentrant=False) if recompute else _chunk_rows(*args)
+        outs.append(o)
+        lses.append(lse)
+    o = torch.cat(outs, dim=-2).reshape(B, HQ, N, D).to(q.dtype)
+    if return_lse:
+        return o, torch.cat(lses, dim=-1).reshape(B, HQ, N)
+    return o

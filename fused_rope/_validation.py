@@ -1,0 +1,87 @@
+"""Input checks shared by every public function of ``fused_rope`` and ``corope``.
+
+Each raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape,
+value or device) with the argument's name and what it got.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("half", "interleaved")
+
+
+def check_float_tensor(x, name: str, ndim: int | tuple[int, ...] | None = None, dtypes=None) -> None:
+    """``x`` is a floating-point tensor (of one of ``dtypes``) with ``ndim`` dimensions."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if dtypes is not None and x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else ndim
+        if x.dim() not in allowed:
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed))} dimensions, "
+                f"got shape {tuple(x.shape)}"
+            )
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors live on one device; returns it."""
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    device = named[0][1].device
+    for n, t in named[1:]:
+        if t.device != device:
+            raise ValueError(
+                f"{n} is on {t.device} but {named[0][0]} is on {device}: all inputs must share a device"
+            )
+    return device
+
+
+def check_kernel_device(device: torch.device, name: str) -> None:
+    """Triton kernels run on CUDA, or on the CPU through the interpreter only."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise ValueError(
+        f"{name} is on {device}: the Triton kernels need a CUDA tensor "
+        "(or TRITON_INTERPRET=1 set before import to run them on the CPU, slowly); "
+        "the PyTorch references in the package's naive.py run anywhere"
+    )
+
+
+def check_rope_dim(rope_dim: int | None, head_dim: int) -> int:
+    """Resolves ``rope_dim`` (default: the head dim) and checks it is even and at most D."""
+    if rope_dim is None:
+        rope_dim = head_dim
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
+        raise TypeError(f"rope_dim must be an int, got {type(rope_dim).__name__}")
+    if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
+        raise ValueError(
+            f"rope_dim must be even, positive and at most the head dim {head_dim}, got {rope_dim}"
+        )
+    return rope_dim
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def check_angles(angles, batch: int, seq_len: int, rope_dim: int, name: str = "angles") -> None:
+    """``angles`` is ``[N, R/2]`` or ``[B, N, R/2]`` and matches the input's B and N."""
+    check_float_tensor(angles, name, ndim=(2, 3))
+    if angles.shape[-2] != seq_len:
+        raise ValueError(f"{name} has {angles.shape[-2]} positions but the input has N={seq_len}")
+    if angles.shape[-1] != rope_dim // 2:
+        raise ValueError(
+            f"{name} has last dimension {angles.shape[-1]}, expected rope_dim // 2 = {rope_dim // 2}"
+        )
+    if angles.dim() == 3 and angles.shape[0] != batch:
+        raise ValueError(f"{name} has batch {angles.shape[0]} but the input has B={batch}")

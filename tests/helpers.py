@@ -1,0 +1,60 @@
+"""Shared test helpers: the device the suite runs on, and the one tolerance helper.
+
+Two measures for every comparison: the max-abs error and the relative RMSE
+(``||out - ref|| / ||ref||``), after flash-linear-attention's ``assert_close``.
+For attention outputs and gradients, flash-attention's rule: the kernel's error
+against a float64 reference is at most ``factor`` (2) times the error that plain
+PyTorch, run in the kernel's dtype, makes against the same reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Without CUDA, kernels run in the Triton interpreter on CPU tensors (tests/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max-abs error, relative RMSE) of ``out`` against ``ref``, computed in float64."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if out64.shape != ref64.shape:
+        raise AssertionError(f"shape {tuple(out64.shape)} != reference {tuple(ref64.shape)}")
+    diff = out64 - ref64
+    if not torch.isfinite(out64).all():
+        return float("inf"), float("inf")
+    max_abs = diff.abs().max().item() if diff.numel() else 0.0
+    rel_rmse = (diff.norm() / ref64.norm().clamp_min(1e-30)).item() if diff.numel() else 0.0
+    return max_abs, rel_rmse
+
+
+def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
+    """Fails unless max-abs error <= atol and relative RMSE <= rtol (NaN and inf fail)."""
+    max_abs, rel_rmse = errors(out, ref)
+    msg = f"{name}: max-abs {max_abs:.3e} (atol {atol:.1e}), rel-RMSE {rel_rmse:.3e} (rtol {rtol:.1e})"
+    assert max_abs <= atol and rel_rmse <= rtol, msg
+
+
+def assert_close_to_baseline(
+    name: str,
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    baseline: torch.Tensor,
+    factor: float = 2.0,
+    atol_floor: float = 1e-5,
+) -> None:
+    """Flash-attention's rule.
+
+    ``ref`` is the float64 reference; ``baseline`` is the same math run in PyTorch in
+    the kernel's dtype. Both error measures of ``out`` must stay within ``factor``
+    times those of ``baseline`` (plus a small floor for results that are exact).
+    """
+    k_abs, k_rmse = errors(out, ref)
+    b_abs, b_rmse = errors(baseline, ref)
+    msg = (
+        f"{name}: kernel max-abs {k_abs:.3e} rel-RMSE {k_rmse:.3e}; "
+        f"PyTorch same dtype max-abs {b_abs:.3e} rel-RMSE {b_rmse:.3e} (factor {factor})"
+    )
+    assert k_abs <= factor * b_abs + atol_floor, msg
+    assert k_rmse <= factor * b_rmse + atol_floor, msg
