@@ -13,10 +13,10 @@ The reference processes queries in chunks of rows: a chunk of ``M`` rows holds
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fused_rope._validation import check_float_tensor, check_rope_dim
+from fused_rope.frequencies import rope_frequencies
 
 LEADERS = ("first", "mean")
 
@@ -29,10 +29,7 @@ def corope_inv_freq(
 ) -> torch.Tensor:
     """``w[d] = theta ** (-2d / R)`` in fp32, or the given ``inv_freq`` (checked: ``[R/2]``)."""
     if inv_freq is None:
-        if not theta > 0:
-            raise ValueError(f"theta must be positive, got {theta}")
-        exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
-        return (theta**-exponent).float().to(device)
+        return rope_frequencies(rope_dim, theta, device=device)[0]
     check_float_tensor(inv_freq, "inv_freq", ndim=1)
     if inv_freq.shape[0] != rope_dim // 2:
         raise ValueError(
@@ -150,7 +147,9 @@ def corope_attention_ref(
         (fp64 for fp64 inputs).
     """
     R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
@@ -166,8 +165,21 @@ def corope_attention_ref(
     outs, lses = [], []
     for i0 in range(0, N, chunk_size):
         i1 = min(N, i0 + chunk_size)
-        args = (qg[:, :, :, i0:i1], qL[:, :, i0:i1], kf, vf, w, i0, s, R, detach_mileage, unit_gates)
-        o, lse = checkpoint(_chunk_rows, *args, use_reentrant=False) if recompute else _chunk_rows(*args)
+        args = (
+            qg[:, :, :, i0:i1],
+            qL[:, :, i0:i1],
+            kf,
+            vf,
+            w,
+            i0,
+            s,
+            R,
+            detach_mileage,
+            unit_gates,
+        )
+        o, lse = (
+            checkpoint(_chunk_rows, *args, use_reentrant=False) if recompute else _chunk_rows(*args)
+        )
         outs.append(o)
         lses.append(lse)
     o = torch.cat(outs, dim=-2).reshape(B, HQ, N, D).to(q.dtype)

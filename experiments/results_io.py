@@ -15,8 +15,23 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 CSV_PATH = RESULTS / "benchmarks.csv"
 FIELDS = [
-    "op", "provider", "mode", "shape", "dtype", "ms", "ms_p20", "ms_p80", "tflops", "gbps",
-    "peak_mem_mib", "gpu", "torch", "triton", "commit", "date", "note",
+    "op",
+    "provider",
+    "mode",
+    "shape",
+    "dtype",
+    "ms",
+    "ms_p20",
+    "ms_p80",
+    "tflops",
+    "gbps",
+    "peak_mem_mib",
+    "gpu",
+    "torch",
+    "triton",
+    "commit",
+    "date",
+    "note",
 ]
 KEY = ("op", "provider", "mode", "shape", "dtype", "gpu")
 
@@ -28,15 +43,21 @@ def environment() -> dict[str, str]:
 
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
             cwd=Path(__file__).resolve().parent,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
-        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-        "commit": commit, "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
+        "date": datetime.date.today().isoformat(),
     }
 
 

@@ -14,7 +14,9 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("half", "interleaved")
 
 
-def check_float_tensor(x, name: str, ndim: int | tuple[int, ...] | None = None, dtypes=None) -> None:
+def check_float_tensor(
+    x, name: str, ndim: int | tuple[int, ...] | None = None, dtypes=None
+) -> None:
     """``x`` is a floating-point tensor (of one of ``dtypes``) with ``ndim`` dimensions."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

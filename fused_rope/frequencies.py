@@ -1,16 +1,528 @@
-"""Inverse frequencies and rotation angles: the one thing every RoPE kernel consumes."""
+"""Inverse frequencies, context-extension schedules and rotation angles.
+
+Angles are the one thing every RoPE kernel consumes: fp32 ``[N, R/2]`` or
+``[B, N, R/2]`` (``R = rope_dim``), slot ``d`` rotating channel pair ``d``. Every
+function here ends in such a tensor, whatever the positions look like (1-D,
+per batch, M-RoPE's ``t/h/w`` axes, or N-dimensional coordinates).
+
+Frequencies are computed in float64 and rounded once to fp32. Angles are an
+elementwise fp32 product ``position * inv_freq``, never a matrix product: on a
+GPU a matmul may run in TF32 (10-bit mantissa), which rounds position 10_000 to a
+multiple of 8 and so moves its fastest angle by up to 4 radians.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
+
 import torch
 
+from fused_rope._validation import check_float_tensor, check_same_device
 
-def rope_frequencies(rope_dim: int, theta: float = 10000.0, scaling: dict | None = None):
-    """``(inv_freq [rope_dim // 2] fp32, attention_factor)`` for the plain schedule."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-    return inv_freq.float(), 1.0
+# Per scaling type: (required keys, optional keys) besides "type"/"rope_type" and "rope_theta".
+_SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor", "original_max_position_embeddings"), ()),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+    ),
+    "llama3": (
+        ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        (),
+    ),
+    "longrope": (
+        ("short_factor", "long_factor", "original_max_position_embeddings"),
+        ("factor", "attention_factor", "max_position_embeddings"),
+    ),
+}
+SCALING_TYPES = tuple(_SCALING_KEYS)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(params: Mapping, key: str, kind: str, *, minimum: float = 0.0, strict: bool = True):
+    """``params[key]`` as a finite number above ``minimum`` (``>=`` when not ``strict``)."""
+    value = params[key]
+    if not _is_number(value) or value < minimum or (strict and value == minimum):
+        bound = f"> {minimum}" if strict else f">= {minimum}"
+        raise ValueError(
+            f"scaling[{key!r}] for type {kind!r} must be a finite number {bound}, got {value!r}"
+        )
+    return float(value)
+
+
+def _positive_int(params: Mapping, key: str, kind: str) -> int:
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"scaling[{key!r}] for type {kind!r} must be a positive int, got {value!r}"
+        )
+    return value
+
+
+def _check_rope_dim(rope_dim) -> None:
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
+        raise TypeError(f"rope_dim must be an int, got {type(rope_dim).__name__}")
+    if rope_dim <= 0 or rope_dim % 2:
+        raise ValueError(f"rope_dim must be a positive even int, got {rope_dim}")
+
+
+def _check_theta(theta) -> None:
+    if not _is_number(theta) or theta <= 0:
+        raise ValueError(f"theta must be a finite positive number, got {theta!r}")
+
+
+def _parse_scaling(scaling: Mapping | None, theta: float) -> tuple[str, dict]:
+    """The scaling type and its parameters; keys set to None count as absent."""
+    if scaling is None:
+        return "default", {}
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"scaling must be None or a mapping, got {type(scaling).__name__}")
+    params = {k: v for k, v in scaling.items() if v is not None}
+    kinds = [params.pop(k) for k in ("type", "rope_type") if k in params]
+    if len(kinds) == 2 and kinds[0] != kinds[1]:
+        raise ValueError(
+            f"scaling has 'type' {kinds[0]!r} and 'rope_type' {kinds[1]!r} that disagree"
+        )
+    kind = kinds[0] if kinds else "default"
+    if not isinstance(kind, str) or kind not in _SCALING_KEYS:
+        raise ValueError(f"scaling['type'] must be one of {SCALING_TYPES}, got {kind!r}")
+    # transformers 5 keeps rope_theta inside rope_parameters; accept it when it agrees.
+    if "rope_theta" in params and params.pop("rope_theta") != theta:
+        raise ValueError(
+            f"scaling['rope_theta']={scaling['rope_theta']!r} disagrees with theta={theta!r}"
+        )
+    required, optional = _SCALING_KEYS[kind]
+    missing = [k for k in required if k not in params]
+    if missing:
+        raise ValueError(
+            f"scaling of type {kind!r} is missing the key(s) {missing}, got {dict(scaling)}"
+        )
+    unknown = sorted(set(params) - set(required) - set(optional))
+    if unknown:
+        raise ValueError(
+            f"scaling of type {kind!r} got unknown key(s) {unknown}; "
+            f"it takes {list(required)} and optionally {list(optional)}"
+        )
+    return kind, params
+
+
+def _ladder_exponent(rope_dim: int) -> torch.Tensor:
+    """``2d / R`` for ``d < R/2`` in float64."""
+    return torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
+
+
+def _unscaled(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
+    return inv, 1.0
+
+
+def _linear(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
+    return inv / _number(p, "factor", "linear", minimum=1.0, strict=False), 1.0
+
+
+def _dynamic(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
+    factor = _number(p, "factor", "dynamic", minimum=1.0, strict=False)
+    original = _positive_int(p, "original_max_position_embeddings", "dynamic")
+    if rope_dim <= 2:
+        raise ValueError(
+            f"dynamic NTK scaling needs rope_dim > 2 (base exponent R/(R-2)), got {rope_dim}"
+        )
+    length = original if seq_len is None else max(seq_len, original)
+    base = theta * (factor * length / original - (factor - 1)) ** (rope_dim / (rope_dim - 2))
+    return base ** -_ladder_exponent(rope_dim), 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
+    factor = _number(p, "factor", "yarn", minimum=1.0, strict=False)
+    original = _positive_int(p, "original_max_position_embeddings", "yarn")
+    beta_fast = _number(p, "beta_fast", "yarn") if "beta_fast" in p else 32.0
+    beta_slow = _number(p, "beta_slow", "yarn") if "beta_slow" in p else 1.0
+    if beta_fast < beta_slow:
+        raise ValueError(
+            f"scaling['beta_fast']={beta_fast} must be >= scaling['beta_slow']={beta_slow}"
+        )
+    truncate = p.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"scaling['truncate'] for type 'yarn' must be a bool, got {truncate!r}")
+    if "attention_factor" in p:
+        attention_factor = _number(p, "attention_factor", "yarn")
+    else:
+        mscale = _number(p, "mscale", "yarn", strict=False) if "mscale" in p else 0.0
+        mscale_all = (
+            _number(p, "mscale_all_dim", "yarn", strict=False) if "mscale_all_dim" in p else 0.0
+        )
+        # transformers uses the DeepSeek ratio only when both are set and non-zero.
+        if mscale and mscale_all:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def slot_of(rotations: float) -> float:
+        """The (fractional) slot whose wavelength fits ``rotations`` times into ``original``."""
+        return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = slot_of(beta_fast), slot_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv * (1 - ramp) + inv / factor * ramp, attention_factor
+
+
+def _llama3(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
+    factor = _number(p, "factor", "llama3", minimum=1.0, strict=False)
+    low_ff = _number(p, "low_freq_factor", "llama3")
+    high_ff = _number(p, "high_freq_factor", "llama3")
+    if high_ff <= low_ff:
+        raise ValueError(
+            f"scaling['high_freq_factor']={high_ff} must be > scaling['low_freq_factor']={low_ff}"
+        )
+    original = _positive_int(p, "original_max_position_embeddings", "llama3")
+    wavelen = 2 * math.pi / inv
+    smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
+    medium = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > original / low_ff, inv / factor, medium)
+    return torch.where(wavelen < original / high_ff, inv, out), 1.0
+
+
+def _longrope(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
+    original = _positive_int(p, "original_max_position_embeddings", "longrope")
+    if original < 2:
+        raise ValueError(
+            f"scaling['original_max_position_embeddings'] for type 'longrope' must be >= 2 "
+            f"(its log divides the attention factor), got {original}"
+        )
+    ext = {}
+    for key in ("short_factor", "long_factor"):
+        values = p[key]
+        if (
+            isinstance(values, (str, bytes))
+            or not isinstance(values, Sequence)
+            or len(values) != rope_dim // 2
+            or not all(_is_number(v) and v > 0 for v in values)
+        ):
+            raise ValueError(
+                f"scaling[{key!r}] for type 'longrope' must be a list of rope_dim // 2 = "
+                f"{rope_dim // 2} positive numbers, got {values!r}"
+            )
+        ext[key] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if "attention_factor" in p:
+        attention_factor = _number(p, "attention_factor", "longrope")
+    else:
+        if "factor" in p:
+            factor = _number(p, "factor", "longrope", minimum=1.0, strict=False)
+        elif "max_position_embeddings" in p:
+            factor = _positive_int(p, "max_position_embeddings", "longrope") / original
+        else:
+            raise ValueError(
+                "scaling of type 'longrope' needs 'attention_factor', 'factor' or "
+                "'max_position_embeddings' (Phi-3: factor = max / original context)"
+            )
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    long = seq_len is not None and seq_len > original
+    return inv / ext["long_factor" if long else "short_factor"], attention_factor
+
+
+_SCHEDULES = {
+    "default": _unscaled,
+    "linear": _linear,
+    "dynamic": _dynamic,
+    "yarn": _yarn,
+    "llama3": _llama3,
+    "longrope": _longrope,
+}
+
+
+def rope_frequencies(
+    rope_dim: int,
+    theta: float = 10000.0,
+    scaling: Mapping | None = None,
+    *,
+    seq_len: int | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of RoPE, with the context-extension schedules checkpoints use.
+
+    Unscaled: ``inv_freq[d] = theta ** (-2d / R)`` (RoFormer, Su et al. 2021). ``scaling``
+    is None or a mapping with ``"type"`` (or transformers' ``"rope_type"``) and the keys
+    below, named as in Hugging Face configs (``rope_scaling`` / ``rope_parameters``; a
+    ``"rope_theta"`` key is accepted when it equals ``theta``). ``L0`` is
+    ``original_max_position_embeddings``, ``f`` is ``factor``:
+
+    * ``"default"``: unscaled.
+    * ``"linear"`` (position interpolation, Chen et al. 2023; kaiokendev):
+      ``inv_freq / f``. Keys: ``factor``.
+    * ``"dynamic"`` (dynamic NTK, bloc97/emozilla; transformers' ``dynamic``): theta becomes
+      ``theta * (f L / L0 - (f - 1)) ** (R / (R - 2))`` with ``L = max(seq_len, L0)``
+      (``L0`` when ``seq_len`` is None: unscaled). Keys: ``factor``, ``L0`` (transformers
+      reads it from ``config.max_position_embeddings``). Recompute as ``seq_len`` grows.
+    * ``"yarn"`` (Peng et al. 2023; DeepSeek-V2/V3, Qwen2.5/Qwen3 long context, gpt-oss):
+      slot ``d`` blends
+      ``inv_freq`` (extrapolation) into ``inv_freq / f`` (interpolation) by a ramp that is 0
+      below the slot turning ``beta_fast`` (32) times over ``L0`` and 1 above the one turning
+      ``beta_slow`` (1) times (ramp ends floored/ceiled when ``truncate``, default True).
+      ``attention_factor`` defaults to ``0.1 ln f + 1``, or with ``mscale`` and
+      ``mscale_all_dim`` both set and non-zero to ``(0.1 mscale ln f + 1) /
+      (0.1 mscale_all_dim ln f + 1)`` (transformers' rule). Keys: ``factor``, ``L0``;
+      optional ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``,
+      ``attention_factor``, ``truncate``.
+    * ``"llama3"`` (Llama 3.1): wavelengths ``2 pi / inv_freq`` shorter than
+      ``L0 / high_freq_factor`` keep ``inv_freq``, longer than ``L0 / low_freq_factor`` get
+      ``inv_freq / f``, and in between ``(1 - s) inv_freq / f + s inv_freq`` with
+      ``s = (L0 / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+      Keys: ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``L0``.
+    * ``"longrope"`` (Ding et al. 2024; Phi-3/3.5): ``inv_freq / ext`` with ``ext =
+      long_factor`` when ``seq_len > L0`` else ``short_factor`` (``R/2`` numbers each);
+      ``attention_factor`` defaults to ``sqrt(1 + ln f / ln L0)`` (1 when ``f <= 1``), ``f``
+      being ``factor`` or ``max_position_embeddings / L0``. Keys: ``short_factor``,
+      ``long_factor``, ``L0``; optional ``factor``, ``max_position_embeddings``,
+      ``attention_factor``.
+
+    Args:
+        rope_dim: ``R``, the rotated channels per head (positive, even).
+        theta: the base.
+        scaling: see above; ``None`` or type ``"default"`` for plain RoPE.
+        seq_len: the current sequence length (max position + 1), a Python int; only
+            ``dynamic`` and ``longrope`` depend on it, the other types ignore it.
+        device: where ``inv_freq`` goes (default CPU).
+
+    Returns:
+        ``(inv_freq, attention_factor)``: ``inv_freq`` fp32 ``[R/2]``; ``attention_factor``
+        a float that transformers multiplies into cos and sin, i.e. into both q and k
+        (``q_scale = k_scale = attention_factor`` of ``apply_rope_qk``). transformers
+        scales only the rotated channels, so with ``rope_dim < head_dim`` the two differ
+        on the pass-through channels.
+    """
+    _check_rope_dim(rope_dim)
+    _check_theta(theta)
+    if seq_len is not None and (
+        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0
+    ):
+        raise ValueError(f"seq_len must be None or a positive int, got {seq_len!r}")
+    kind, params = _parse_scaling(scaling, theta)
+    inv = float(theta) ** -_ladder_exponent(rope_dim)
+    inv, attention_factor = _SCHEDULES[kind](inv, params, rope_dim, float(theta), seq_len)
+    return inv.to(device=device, dtype=torch.float32), float(attention_factor)
+
+
+def _check_positions(positions, name: str, ndim: tuple[int, ...] | None = None) -> None:
+    """Integer (not bool) or floating-point tensor with one of ``ndim`` dimensions."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dtype == torch.bool or positions.is_complex():
+        raise TypeError(
+            f"{name} must be an integer or floating-point tensor, got dtype {positions.dtype}"
+        )
+    if ndim is not None and positions.dim() not in ndim:
+        raise ValueError(
+            f"{name} must have {' or '.join(map(str, ndim))} dimensions, "
+            f"got shape {tuple(positions.shape)}"
+        )
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """positions ``[N]`` or ``[B, N]`` -> fp32 angles ``[..., N, R/2]`` (elementwise, no TF32)."""
-    return positions.float()[..., None] * inv_freq.float().to(positions.device)
+    """Rotation angles ``angles[..., n, d] = positions[..., n] * inv_freq[d]`` in fp32.
+
+    An elementwise product, exact up to the one fp32 rounding of each angle (a TF32
+    matmul would not be).
+
+    Args:
+        positions: ``[N]`` or ``[B, N]``, integer or floating point (cast to fp32, exact
+            for integers below 2**24).
+        inv_freq: ``[R/2]`` floating point, on ``positions``' device.
+
+    Returns:
+        fp32 ``[N, R/2]`` or ``[B, N, R/2]``.
+    """
+    _check_positions(positions, "positions", ndim=(1, 2))
+    check_float_tensor(inv_freq, "inv_freq", ndim=1)
+    check_same_device(positions=positions, inv_freq=inv_freq)
+    return positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+
+
+def _check_sections(sections, half: int) -> list[int]:
+    if isinstance(sections, (str, bytes, torch.Tensor)) or not isinstance(sections, Sequence):
+        raise TypeError(f"sections must be a list of ints, got {type(sections).__name__}")
+    ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections)
+    if not sections or not ok or sum(sections) != half:
+        raise ValueError(
+            f"sections must be non-negative ints summing to rope_dim // 2 = {half}, "
+            f"got {list(sections)}"
+        )
+    return list(sections)
+
+
+def _slot_axes(sections: list[int], interleaved: bool) -> list[int]:
+    """The position axis each frequency slot ``d < R/2`` takes its position from.
+
+    Contiguous (Qwen2-VL M-RoPE): axis 0 owns the first ``sections[0]`` slots, axis 1 the
+    next ``sections[1]``, and so on. Interleaved (Qwen3-VL / Qwen3.5, transformers'
+    ``recomposition_frequencies``): with ``K = len(sections)``, slot ``d`` belongs to axis
+    ``a = d % K`` when ``a >= 1`` and ``d < K * sections[a]``, else to axis 0.
+    """
+    if not interleaved:
+        return [a for a, size in enumerate(sections) for _ in range(size)]
+    k = len(sections)
+    axes = [d % k if d % k and d < k * sections[d % k] else 0 for d in range(sum(sections))]
+    counts = [axes.count(a) for a in range(k)]
+    if counts != sections:
+        hint = (
+            "; drop the trailing zero sections (llama.cpp's IMROPE [11, 11, 10, 0] is "
+            "[11, 11, 10] over the first three position axes)"
+            if sections[-1] == 0
+            else ""
+        )
+        raise ValueError(
+            f"sections {sections} cannot be interleaved over {sum(sections)} slots: axis "
+            f"a >= 1 takes slots a, a + K, ... below K * sections[a], which gives {counts}{hint}"
+        )
+    return axes
+
+
+def mrope_angles(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    sections: Sequence[int],
+    *,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """Multi-axis RoPE angles (M-RoPE, Qwen2-VL; interleaved MRoPE, Qwen3-VL).
+
+    ``angles[..., n, d] = positions[axis(d), ..., n] * inv_freq[d]``: each frequency slot
+    takes its position from one axis (``t, h, w`` for Qwen2-VL). Contiguous sections
+    (default): the first ``sections[0]`` slots follow axis 0, the next ``sections[1]``
+    axis 1, etc. ``interleaved=True``: slots cycle over the axes, ``d`` following axis
+    ``d % K`` while ``d < K * sections[d % K]`` and axis 0 otherwise (``K = len(sections)``,
+    the rule of transformers' Qwen3-VL/Qwen3.5; sections it cannot realise raise).
+
+    Args:
+        positions: ``[K, N]`` or ``[K, B, N]``, integer or floating point,
+            ``K = len(sections)`` (e.g. 4 for contiguous ``[11, 11, 10, 0]``, the last
+            axis unused).
+        inv_freq: ``[R/2]`` floating point, on ``positions``' device.
+        sections: ``K`` non-negative ints summing to ``R/2`` (Qwen2-VL ``[16, 24, 24]``,
+            Qwen3-VL ``[24, 20, 20]``).
+
+    Returns:
+        fp32 ``[N, R/2]`` or ``[B, N, R/2]``; with all axes equal, ``rope_angles``' result.
+    """
+    _check_positions(positions, "positions", ndim=(2, 3))
+    check_float_tensor(inv_freq, "inv_freq", ndim=1)
+    check_same_device(positions=positions, inv_freq=inv_freq)
+    sections = _check_sections(sections, inv_freq.shape[0])
+    if positions.shape[0] != len(sections):
+        raise ValueError(
+            f"positions must have one axis per section ({len(sections)}) in dimension 0, "
+            f"got shape {tuple(positions.shape)}"
+        )
+    axes = torch.tensor(_slot_axes(sections, interleaved), device=positions.device)
+    per_slot = positions.to(torch.float32)[axes].movedim(0, -1)  # [..., N, R/2]
+    return per_slot * inv_freq.to(torch.float32)
+
+
+NDROPE_LAYOUTS = ("sections", "mixed")
+
+
+def nd_rope_frequencies(
+    rope_dim: int,
+    n_axes: int,
+    theta: float = 10000.0,
+    *,
+    layout: str = "sections",
+    sections: Sequence[int] | None = None,
+    interleaved: bool = False,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Per-axis frequencies ``[n_axes, 1, R/2]`` for ``nd_rope_angles`` (one group).
+
+    Both layouts start from the 1-D ladder ``w[d] = theta ** (-2d / R)``:
+
+    * ``"sections"`` (axial, M-RoPE): each slot ``d`` belongs to one axis,
+      ``freqs[p, 0, d] = w[d] if axis(d) == p else 0``, with ``axis`` as in
+      ``mrope_angles(..., sections, interleaved=interleaved)``. ``sections`` defaults to
+      an even split, earlier axes taking the remainder (``R/2 = 64``, 3 axes:
+      ``[22, 21, 21]``).
+    * ``"mixed"`` (RoPE-Mixed, Heo et al. 2024, generalised to ``n_axes``): every slot
+      mixes all axes, ``freqs[:, 0, d] = w[d] * u_d`` with ``u_d`` a random unit vector
+      (from ``generator``); meant as the initialisation of learnable frequencies.
+
+    Returns:
+        fp32 ``[n_axes, 1, R/2]``.
+    """
+    _check_rope_dim(rope_dim)
+    _check_theta(theta)
+    if isinstance(n_axes, bool) or not isinstance(n_axes, int):
+        raise TypeError(f"n_axes must be an int, got {type(n_axes).__name__}")
+    if n_axes <= 0:
+        raise ValueError(f"n_axes must be positive, got {n_axes}")
+    if layout not in NDROPE_LAYOUTS:
+        raise ValueError(f"layout must be one of {NDROPE_LAYOUTS}, got {layout!r}")
+    half = rope_dim // 2
+    ladder = float(theta) ** -_ladder_exponent(rope_dim)
+    if layout == "mixed":
+        if sections is not None or interleaved:
+            raise ValueError("sections and interleaved apply to layout='sections' only")
+        u = torch.randn(n_axes, half, dtype=torch.float64, generator=generator)
+        freqs = ladder * u / u.norm(dim=0, keepdim=True)
+    else:
+        if sections is None:
+            sections = [half // n_axes + (a < half % n_axes) for a in range(n_axes)]
+        sections = _check_sections(sections, half)
+        if len(sections) != n_axes:
+            raise ValueError(f"sections must have n_axes = {n_axes} entries, got {sections}")
+        axes = torch.tensor(_slot_axes(sections, interleaved))
+        freqs = torch.where(axes == torch.arange(n_axes)[:, None], ladder, 0.0)
+    return freqs[:, None].to(device=device, dtype=torch.float32)
+
+
+def nd_rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """N-dimensional RoPE angles with frequency groups (nd-rotary-encodings' form).
+
+    ``angles[..., d] = sum_g sum_p positions[..., p] * freqs[p, g, d]``, accumulated in
+    fp32 one elementwise product at a time (no matmul, so no TF32). A slot whose
+    frequency is non-zero for a single ``(p, g)`` gets the exactly rounded product, as
+    in ``rope_angles``. Differentiable in ``positions`` (floating) and ``freqs``.
+
+    Args:
+        positions: ``[..., P]`` (``[N, P]`` or ``[B, N, P]`` for the kernels), integer or
+            floating point.
+        freqs: ``[P, G, R/2]`` floating point, on ``positions``' device (``G`` groups,
+            summed; e.g. from ``nd_rope_frequencies``).
+
+    Returns:
+        fp32 ``[..., R/2]``.
+    """
+    _check_positions(positions, "positions")
+    check_float_tensor(freqs, "freqs", ndim=3)
+    check_same_device(positions=positions, freqs=freqs)
+    if 0 in freqs.shape[:2]:
+        raise ValueError(
+            f"freqs must have at least one axis and one group, got shape {tuple(freqs.shape)}"
+        )
+    if positions.dim() == 0 or positions.shape[-1] != freqs.shape[0]:
+        raise ValueError(
+            f"positions' last dimension must match freqs' first (P = {freqs.shape[0]}), "
+            f"got positions {tuple(positions.shape)} and freqs {tuple(freqs.shape)}"
+        )
+    pos = positions.to(torch.float32)
+    f = freqs.to(torch.float32)
+    angles = None
+    for p in range(f.shape[0]):
+        for g in range(f.shape[1]):
+            term = pos[..., p, None] * f[p, g]
+            angles = term if angles is None else angles + term
+    return angles

@@ -59,3 +59,69 @@ def apply_rope_ref(
         y = torch.stack([y1, y2], dim=-1).flatten(-2)
     out = torch.cat([y, xf[..., R:]], dim=-1) * output_scale
     return out.to(x.dtype)
+
+
+def rope_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    theta: float = 10000.0,
+    inv_freq: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    layout: str = "half",
+    rope_dim: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q and k (``apply_rope_ref``), then attention in float32 (float64 for float64 input).
+
+    Args:
+        q: ``[B, HQ, NQ, D]``; k, v: ``[B, HKV, NK, D]`` with ``HQ`` a multiple of ``HKV``.
+        inv_freq: ``[R/2]``; default ``rope_frequencies(R, theta)``.
+        positions: keys' positions ``[NK]`` or ``[B, NK]`` (default ``0..NK-1``).
+        q_positions: ``[NQ]`` or ``[B, NQ]``; default the last NQ key positions
+            (``NK-NQ..NK-1`` when NQ > NK and the positions are the default).
+        causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right).
+
+    Returns:
+        ``o [B, HQ, NQ, D]`` in q's dtype (0 for a query that sees no key) and the
+        natural-log ``lse [B, HQ, NQ]`` in the compute dtype (``-inf`` for such a query).
+    """
+    from fused_rope.frequencies import rope_angles, rope_frequencies
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(x, name, ndim=4)
+    B, HQ, NQ, D = q.shape
+    HKV, NK = k.shape[1], k.shape[2]
+    if HQ % HKV:
+        raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads")
+    R = check_rope_dim(rope_dim, D)
+    if inv_freq is None:
+        inv_freq, _ = rope_frequencies(R, theta)
+    if q_positions is None and positions is not None and NQ > NK:
+        raise ValueError(f"NQ={NQ} > NK={NK} with explicit positions: pass q_positions")
+    if positions is None:
+        positions = torch.arange(NK, device=q.device)
+    if q_positions is None:
+        q_positions = (
+            positions[..., NK - NQ :] if NQ <= NK else torch.arange(NK - NQ, NK, device=q.device)
+        )
+    cd = _compute_dtype(q)
+    q_rot = apply_rope_ref(q.to(cd), rope_angles(q_positions, inv_freq), layout, R)
+    k_rot = apply_rope_ref(k.to(cd), rope_angles(positions, inv_freq), layout, R)
+    group = HQ // HKV
+    k_rot = k_rot.repeat_interleave(group, dim=1)
+    vf = v.to(cd).repeat_interleave(group, dim=1)
+    scale = softmax_scale if softmax_scale is not None else D**-0.5
+    s = scale * q_rot @ k_rot.transpose(-1, -2)
+    if causal:
+        i = torch.arange(NQ, device=q.device)[:, None]
+        j = torch.arange(NK, device=q.device)[None, :]
+        s = s.masked_fill(j > i + NK - NQ, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    # rows with no visible key: exp(-inf - -inf) would be NaN; they output 0
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    o = p @ vf
+    return o.to(q.dtype), lse

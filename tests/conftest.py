@@ -46,7 +46,9 @@ def _poison_empty(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs CUDA: bf16 arithmetic, large shapes, compiled kernels")
+    skip_gpu = pytest.mark.skip(
+        reason="needs CUDA: bf16 arithmetic, large shapes, compiled kernels"
+    )
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip_gpu)

@@ -1,0 +1,732 @@
+"""Frequency schedules against transformers, exactness of the angles, M-RoPE and N-d angles.
+
+transformers computes its frequencies in fp32 (``theta ** fp32_exponent``); ours are
+computed in fp64 and rounded once, so the two differ by a few fp32 ulps per element
+(measured <= 5e-7 relative). They are compared elementwise as the ratio ours / theirs,
+so the smallest frequencies count as much as the largest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fused_rope.frequencies import (
+    mrope_angles,
+    nd_rope_angles,
+    nd_rope_frequencies,
+    rope_angles,
+    rope_frequencies,
+)
+from tests.helpers import DEVICE, assert_close
+
+FREQ_RTOL = 2e-6  # relative, per element: fp32 rounding of transformers' pow, ~10 ulps
+
+
+def _assert_ratio_one(name: str, out: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
+    ratio = out.double().cpu() / ref.double().cpu()
+    assert_close(name, ratio, torch.ones_like(ratio), atol=rtol, rtol=rtol)
+
+
+def _assert_scalar(name: str, out: float, ref: float) -> None:
+    assert_close(name, torch.tensor(float(out)), torch.tensor(float(ref)), atol=1e-12, rtol=1e-12)
+
+
+def _hf_frequencies(rope_dim, theta, scaling, seq_len=None, partial_rotary_factor=1.0):
+    """transformers' own (inv_freq, attention_factor) for our ``scaling`` dict.
+
+    Keys that transformers reads from the model config instead of ``rope_parameters``
+    move there: the original context of dynamic NTK is ``max_position_embeddings``;
+    longrope's ``max_position_embeddings`` is the config's.
+    """
+    transformers = pytest.importorskip("transformers")
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    params = dict(scaling)
+    kind = params.pop("type")
+    if kind == "dynamic":
+        max_pos = params.pop("original_max_position_embeddings")
+    elif kind == "longrope":
+        max_pos = params.pop(
+            "max_position_embeddings", 2 * params["original_max_position_embeddings"]
+        )
+    else:  # the extended context, so that transformers' consistency checks stay quiet
+        max_pos = int(
+            params.get("factor", 1) * params.get("original_max_position_embeddings", 4096)
+        )
+    head_dim = round(rope_dim / partial_rotary_factor)
+    rope_parameters = {"rope_type": kind, "rope_theta": theta, **params}
+    if partial_rotary_factor != 1.0:
+        rope_parameters["partial_rotary_factor"] = partial_rotary_factor
+    config = transformers.LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rope_parameters=rope_parameters,
+    )
+    kwargs = {} if seq_len is None else {"seq_len": seq_len}
+    inv_freq, attention_factor = rope_utils.ROPE_INIT_FUNCTIONS[kind](config, "cpu", **kwargs)
+    return inv_freq, attention_factor
+
+
+def _factors(n: int, low: float, high: float, seed: int) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    return (low + (high - low) * torch.rand(n, generator=g, dtype=torch.float64)).tolist()
+
+
+# (rope_dim, theta, scaling, seq_len, partial_rotary_factor of transformers' config)
+HF_CASES = [
+    pytest.param(64, 10000.0, {"type": "linear", "factor": 2.0}, None, 1.0, id="linear-R64-f2"),
+    pytest.param(128, 500000.0, {"type": "linear", "factor": 8}, None, 1.0, id="linear-R128-f8"),
+    pytest.param(64, 10000.0, {"type": "linear", "factor": 4.0}, None, 0.5, id="linear-partial"),
+    pytest.param(
+        64,
+        10000.0,
+        {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 2048},
+        5000,
+        1.0,
+        id="dynamic-R64-L5000",
+    ),
+    pytest.param(
+        128,
+        1e6,
+        {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 4096},
+        100_000,
+        1.0,
+        id="dynamic-R128-L100k",
+    ),
+    pytest.param(
+        64,
+        10000.0,
+        {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 2048},
+        1000,
+        1.0,
+        id="dynamic-short",
+    ),
+    pytest.param(
+        64,
+        10000.0,
+        {"type": "dynamic", "factor": 3.0, "original_max_position_embeddings": 2048},
+        None,
+        1.0,
+        id="dynamic-no-seq-len",
+    ),
+    pytest.param(
+        64,
+        10000.0,
+        {
+            "type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        None,
+        1.0,
+        id="yarn-deepseek-v3",
+    ),
+    pytest.param(
+        64,
+        10000.0,
+        {
+            "type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.5,
+        },
+        None,
+        1.0,
+        id="yarn-mscale-ratio",
+    ),
+    pytest.param(
+        128,
+        1e6,
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        None,
+        1.0,
+        id="yarn-qwen2.5",
+    ),
+    pytest.param(
+        64,
+        150000.0,
+        {
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        None,
+        1.0,
+        id="yarn-gpt-oss-no-truncate",
+    ),
+    pytest.param(
+        96,
+        10000.0,
+        {
+            "type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 2048,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "attention_factor": 1.25,
+        },
+        None,
+        0.75,
+        id="yarn-betas-attention-factor-partial",
+    ),
+    pytest.param(
+        64,
+        10000.0,
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "mscale": 2.0},
+        None,
+        1.0,
+        id="yarn-mscale-alone-ignored",
+    ),
+    pytest.param(
+        128,
+        500000.0,
+        {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        None,
+        1.0,
+        id="llama3.1",
+    ),
+    pytest.param(
+        64,
+        500000.0,
+        {
+            "type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        None,
+        1.0,
+        id="llama3.2",
+    ),
+    pytest.param(
+        128,
+        10000.0,
+        {
+            "type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 2.0,
+            "high_freq_factor": 8.0,
+            "original_max_position_embeddings": 2048,
+        },
+        None,
+        1.0,
+        id="llama3-other-band",
+    ),
+    pytest.param(
+        96,
+        10000.0,
+        {
+            "type": "longrope",
+            "short_factor": _factors(48, 1.0, 2.0, 1),
+            "long_factor": _factors(48, 1.0, 60.0, 2),
+            "original_max_position_embeddings": 4096,
+            "max_position_embeddings": 131072,
+        },
+        None,
+        1.0,
+        id="longrope-phi3-short",
+    ),
+    pytest.param(
+        96,
+        10000.0,
+        {
+            "type": "longrope",
+            "short_factor": _factors(48, 1.0, 2.0, 1),
+            "long_factor": _factors(48, 1.0, 60.0, 2),
+            "original_max_position_embeddings": 4096,
+            "max_position_embeddings": 131072,
+        },
+        5000,
+        1.0,
+        id="longrope-phi3-long",
+    ),
+    pytest.param(
+        64,
+        10000.0,
+        {
+            "type": "longrope",
+            "short_factor": _factors(32, 0.5, 1.5, 3),
+            "long_factor": _factors(32, 1.0, 20.0, 4),
+            "original_max_position_embeddings": 2048,
+            "factor": 8.0,
+        },
+        4096,
+        1.0,
+        id="longrope-factor",
+    ),
+    pytest.param(
+        64,
+        10000.0,
+        {
+            "type": "longrope",
+            "short_factor": _factors(32, 0.5, 1.5, 3),
+            "long_factor": _factors(32, 1.0, 20.0, 4),
+            "original_max_position_embeddings": 2048,
+            "attention_factor": 1.1,
+        },
+        4096,
+        1.0,
+        id="longrope-attention-factor",
+    ),
+]
+
+
+@pytest.mark.parametrize("rope_dim, theta, scaling, seq_len, partial", HF_CASES)
+def test_rope_frequencies_match_transformers(rope_dim, theta, scaling, seq_len, partial):
+    hf_inv, hf_factor = _hf_frequencies(rope_dim, theta, scaling, seq_len, partial)
+    inv, factor = rope_frequencies(rope_dim, theta, scaling, seq_len=seq_len, device=DEVICE)
+    assert inv.dtype == torch.float32 and inv.shape == (rope_dim // 2,)
+    assert inv.device.type == torch.device(DEVICE).type
+    _assert_ratio_one("inv_freq / transformers'", inv, hf_inv, FREQ_RTOL)
+    _assert_scalar("attention_factor", factor, hf_factor)
+
+
+def test_scaled_schedules_change_the_frequencies():
+    """Guards the comparison above against schedules that silently fall back to plain RoPE."""
+    for rope_dim, theta, scaling, seq_len, _ in (case.values for case in HF_CASES):
+        plain, _ = rope_frequencies(rope_dim, theta)
+        inv, _ = rope_frequencies(rope_dim, theta, scaling, seq_len=seq_len)
+        original = scaling.get("original_max_position_embeddings")
+        unscaled = scaling["type"] == "dynamic" and (seq_len is None or seq_len <= original)
+        assert torch.equal(inv, plain) == unscaled, scaling
+
+
+@pytest.mark.parametrize("rope_dim, theta", [(2, 10000.0), (64, 10000.0), (128, 1e6), (80, 5e6)])
+def test_plain_frequencies_are_the_rounded_float64_ladder(rope_dim, theta):
+    inv, factor = rope_frequencies(rope_dim, theta)
+    ref = torch.tensor([math.pow(theta, -2 * d / rope_dim) for d in range(rope_dim // 2)])
+    assert inv.dtype == torch.float32 and factor == 1.0
+    _assert_ratio_one("inv_freq / math.pow", inv, ref, 1.2e-7)  # one fp32 rounding
+
+
+def test_dynamic_depends_on_seq_len_only_beyond_the_original_context():
+    scaling = {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 1024}
+    plain, _ = rope_frequencies(64)
+    for seq_len in (None, 1, 1024):
+        assert torch.equal(rope_frequencies(64, scaling=scaling, seq_len=seq_len)[0], plain)
+    longer = [rope_frequencies(64, scaling=scaling, seq_len=n)[0] for n in (2048, 8192)]
+    assert longer[0][0] == plain[0] == 1.0  # slot 0 has exponent 0 whatever the base
+    assert (longer[1][1:] < longer[0][1:]).all() and (longer[0][1:] < plain[1:]).all()
+
+
+def test_scaling_spellings_agree():
+    base = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    base["original_max_position_embeddings"] = 8192
+    ref = rope_frequencies(128, 500000.0, {"type": "llama3", **base})
+    for scaling in (
+        {"rope_type": "llama3", **base},
+        {"type": "llama3", "rope_type": "llama3", **base},
+        {"rope_type": "llama3", "rope_theta": 500000.0, **base},  # transformers 5 rope_parameters
+        {"type": "llama3", "beta_fast": None, **base},  # unset keys (None) count as absent
+    ):
+        inv, factor = rope_frequencies(128, 500000.0, scaling)
+        assert torch.equal(inv, ref[0]) and factor == ref[1]
+    plain = rope_frequencies(64)
+    for scaling in (None, {}, {"type": None}, {"type": "default"}, {"rope_type": "default"}):
+        assert torch.equal(rope_frequencies(64, scaling=scaling)[0], plain[0])
+
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+LLAMA3 = {
+    "type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0] * 32,
+    "long_factor": [2.0] * 32,
+    "original_max_position_embeddings": 4096,
+    "factor": 4.0,
+}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"rope_dim": 63}, ValueError, "rope_dim"),
+        ({"rope_dim": 0}, ValueError, "rope_dim"),
+        ({"rope_dim": -4}, ValueError, "rope_dim"),
+        ({"rope_dim": 64.0}, TypeError, "rope_dim"),
+        ({"rope_dim": True}, TypeError, "rope_dim"),
+        ({"theta": 0.0}, ValueError, "theta"),
+        ({"theta": -1.0}, ValueError, "theta"),
+        ({"theta": float("inf")}, ValueError, "theta"),
+        ({"theta": "10000"}, ValueError, "theta"),
+        ({"seq_len": 0}, ValueError, "seq_len"),
+        ({"seq_len": 2.5}, ValueError, "seq_len"),
+        ({"scaling": "yarn"}, TypeError, "scaling"),
+        ({"scaling": {"type": "ntk"}}, ValueError, "'ntk'"),
+        ({"scaling": {"type": ["yarn"]}}, ValueError, "type"),
+        ({"scaling": {"type": "linear", "rope_type": "yarn"}}, ValueError, "disagree"),
+        (
+            {"scaling": {"type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+            ValueError,
+            "rope_theta",
+        ),
+        ({"scaling": {"type": "linear"}}, ValueError, "factor"),
+        ({"scaling": {"type": "linear", "factor": 0.5}}, ValueError, "factor"),
+        ({"scaling": {"type": "linear", "factor": "2"}}, ValueError, "factor"),
+        ({"scaling": {"type": "linear", "factor": 2.0, "facter": 3}}, ValueError, "facter"),
+        ({"scaling": {"type": "default", "factor": 2.0}}, ValueError, "factor"),
+        ({"scaling": {"type": "dynamic", "factor": 2.0}}, ValueError, "original_max_position"),
+        (
+            {"rope_dim": 2, "scaling": {**YARN, "type": "dynamic"}},
+            ValueError,
+            "rope_dim > 2",
+        ),
+        ({"scaling": {**YARN, "original_max_position_embeddings": 2048.0}}, ValueError, "original"),
+        ({"scaling": {**YARN, "original_max_position_embeddings": 0}}, ValueError, "original"),
+        ({"scaling": {**YARN, "beta_fast": 1, "beta_slow": 32}}, ValueError, "beta_fast"),
+        ({"scaling": {**YARN, "beta_slow": -1}}, ValueError, "beta_slow"),
+        ({"scaling": {**YARN, "truncate": "yes"}}, ValueError, "truncate"),
+        ({"scaling": {**YARN, "attention_factor": 0}}, ValueError, "attention_factor"),
+        ({"scaling": {**YARN, "low_freq_factor": 1.0}}, ValueError, "low_freq_factor"),
+        ({"scaling": {**LLAMA3, "high_freq_factor": 1.0}}, ValueError, "high_freq_factor"),
+        ({"scaling": {**LLAMA3, "low_freq_factor": 0.0}}, ValueError, "low_freq_factor"),
+        (
+            {"scaling": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}},
+            ValueError,
+            "low",
+        ),
+        ({"scaling": {**LONGROPE, "short_factor": [1.0] * 31}}, ValueError, "short_factor"),
+        ({"scaling": {**LONGROPE, "long_factor": [1.0] * 31 + [0.0]}}, ValueError, "long_factor"),
+        ({"scaling": {**LONGROPE, "long_factor": "1.0"}}, ValueError, "long_factor"),
+        (
+            {"scaling": {k: v for k, v in LONGROPE.items() if k != "factor"}},
+            ValueError,
+            "max_position_embeddings",
+        ),
+        ({"scaling": {**LONGROPE, "original_max_position_embeddings": 1}}, ValueError, "original"),
+    ],
+)
+def test_rope_frequencies_rejects_bad_arguments(kwargs, error, match):
+    kwargs = {"rope_dim": 64, **kwargs}
+    with pytest.raises(error, match=match):
+        rope_frequencies(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "positions_dtype", [torch.int64, torch.int32, torch.float32, torch.float64]
+)
+@pytest.mark.parametrize("shape", [(63,), (2, 500)], ids=["N63", "B2-N500"])
+def test_rope_angles_are_the_exactly_rounded_product(shape, positions_dtype):
+    """fp32(p) * fp32(w) is computed exactly in fp64 (24 + 24 bits < 53), so the angle must
+    equal that product rounded once to fp32 (a TF32 matmul would move position 100_000 by up
+    to 32, hence its fastest angle by up to 32 rad)."""
+    inv, _ = rope_frequencies(128, 500000.0, device=DEVICE)
+    positions = torch.randint(0, 1 << 20, shape, device=DEVICE).to(positions_dtype)
+    positions.view(-1)[:3] = torch.tensor([0, 100_000, (1 << 20) - 1])
+    angles = rope_angles(positions, inv)
+    assert angles.dtype == torch.float32 and angles.shape == (*shape, 64)
+    ref = (positions.double()[..., None] * inv.double()).float()
+    assert torch.equal(angles, ref)
+
+
+def test_rope_angles_fractional_positions_and_gradient():
+    inv = rope_frequencies(32, device=DEVICE)[0].requires_grad_()
+    positions = (torch.rand(3, 17, device=DEVICE) * 1000).requires_grad_()
+    angles = rope_angles(positions, inv)
+    assert torch.equal(angles, positions[..., None].detach() * inv.detach())
+    cot = torch.randn_like(angles)
+    angles.backward(cot)
+    assert_close("d positions", positions.grad, (cot * inv.detach()).sum(-1), atol=1e-3, rtol=1e-6)
+    ref = (cot.double() * positions.detach().double()[..., None]).sum((0, 1))
+    assert_close("d inv_freq", inv.grad, ref, atol=1e-2, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "positions, inv_freq, error, match",
+    [
+        ([0, 1, 2], torch.ones(4), TypeError, "positions"),
+        (torch.ones(3, dtype=torch.bool), torch.ones(4), TypeError, "positions"),
+        (torch.ones(3, dtype=torch.complex64), torch.ones(4), TypeError, "positions"),
+        (torch.ones(2, 3, 4), torch.ones(4), ValueError, "positions"),
+        (torch.ones(()), torch.ones(4), ValueError, "positions"),
+        (torch.arange(3), torch.ones(4, dtype=torch.int64), TypeError, "inv_freq"),
+        (torch.arange(3), torch.ones(2, 4), ValueError, "inv_freq"),
+        (torch.arange(3), torch.ones(4, device="meta"), ValueError, "device"),
+    ],
+)
+def test_rope_angles_rejects_bad_arguments(positions, inv_freq, error, match):
+    with pytest.raises(error, match=match):
+        rope_angles(positions, inv_freq)
+
+
+# ----------------------------------------------------------------------------- M-RoPE
+
+
+def _axes_by_loop(sections: list[int], interleaved: bool) -> list[int]:
+    """The slot -> axis map written out as transformers' Qwen2-VL / Qwen3-VL code reads."""
+    axes = []
+    for d in range(sum(sections)):
+        if interleaved:
+            k = len(sections)
+            axes.append(d % k if d % k and d < k * sections[d % k] else 0)
+        else:
+            axes.append(next(a for a in range(len(sections)) if d < sum(sections[: a + 1])))
+    return axes
+
+
+@pytest.mark.parametrize(
+    "sections, interleaved",
+    [
+        ([16, 24, 24], False),
+        ([11, 11, 10, 0], False),
+        ([2, 0, 5, 1], False),
+        ([24, 20, 20], True),
+        ([11, 11, 10], True),
+        ([3, 3, 2], True),
+        ([12, 11, 9], True),  # strided, not round-robin: slot 30 is t's, 31 is h's
+    ],
+)
+@pytest.mark.parametrize("batched", [False, True], ids=["N", "B-N"])
+def test_mrope_angles_match_an_explicit_loop(sections, interleaved, batched):
+    half = sum(sections)
+    inv = torch.rand(half, device=DEVICE)
+    shape = (len(sections), 2, 63) if batched else (len(sections), 63)
+    positions = torch.randint(0, 100_000, shape, device=DEVICE)
+    angles = mrope_angles(positions, inv, sections, interleaved=interleaved)
+    assert angles.dtype == torch.float32 and angles.shape == (*shape[1:], half)
+    axes = _axes_by_loop(sections, interleaved)
+    assert [axes.count(a) for a in range(len(sections))] == sections
+    ref = torch.empty(*shape[1:], half, dtype=torch.float64, device=DEVICE)
+    for d, a in enumerate(axes):
+        ref[..., d] = positions[a].double() * inv[d].double()
+    assert torch.equal(angles, ref.float())
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_angles_with_equal_axes_are_rope_angles(interleaved):
+    inv, _ = rope_frequencies(128, 1e6, device=DEVICE)
+    positions = torch.randint(0, 32768, (2, 500), device=DEVICE)
+    angles = mrope_angles(positions.expand(3, 2, 500), inv, [24, 20, 20], interleaved=interleaved)
+    assert torch.equal(angles, rope_angles(positions, inv))
+
+
+def _hf_rotary(module: str, config_name: str, rotary_name: str, rope_parameters: dict, head_dim):
+    models = pytest.importorskip(f"transformers.models.{module}")
+    modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    config_cls, rotary_cls = (
+        getattr(models, config_name, None),
+        getattr(modeling, rotary_name, None),
+    )
+    if config_cls is None or rotary_cls is None:
+        pytest.skip(f"this transformers has no {config_name} / {rotary_name}")
+    config = config_cls(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        rope_parameters={"rope_type": "default", **rope_parameters},
+    )
+    return rotary_cls(config)
+
+
+@pytest.mark.parametrize(
+    "module, config_name, rotary_name, theta, sections, interleaved, head_dim, partial",
+    [
+        pytest.param(
+            "qwen2_vl",
+            "Qwen2VLTextConfig",
+            "Qwen2VLRotaryEmbedding",
+            1e6,
+            [16, 24, 24],
+            False,
+            128,
+            1.0,
+            id="qwen2-vl",
+        ),
+        pytest.param(
+            "qwen3_vl",
+            "Qwen3VLTextConfig",
+            "Qwen3VLTextRotaryEmbedding",
+            5e6,
+            [24, 20, 20],
+            True,
+            128,
+            1.0,
+            id="qwen3-vl",
+        ),
+        pytest.param(
+            "qwen3_5",
+            "Qwen3_5TextConfig",
+            "Qwen3_5TextRotaryEmbedding",
+            1e7,
+            [11, 11, 10],
+            True,
+            256,
+            0.25,
+            id="qwen3.5-partial",
+        ),
+    ],
+)
+def test_mrope_angles_match_transformers(
+    module, config_name, rotary_name, theta, sections, interleaved, head_dim, partial
+):
+    params = {"rope_theta": theta, "mrope_section": sections, "mrope_interleaved": interleaved}
+    if partial != 1.0:
+        params["partial_rotary_factor"] = partial
+    rotary = _hf_rotary(module, config_name, rotary_name, params, head_dim)
+    positions = torch.randint(0, 20_000, (3, 2, 63))
+    cos, sin = rotary(torch.zeros(1), positions)
+    if cos.dim() != 3:
+        pytest.skip("this transformers applies the M-RoPE sections outside the rotary module")
+    inv = rotary.inv_freq
+    assert_close("inv_freq", inv, rope_frequencies(2 * inv.shape[0], theta)[0], 1e-6, 1e-6)
+    angles = mrope_angles(positions, inv, sections, interleaved=interleaved)
+    # transformers returns [cos(angles), cos(angles)] for the "half" layout
+    assert_close("cos", cos, angles.cos().repeat(1, 1, 2), atol=1e-6, rtol=1e-6)
+    assert_close("sin", sin, angles.sin().repeat(1, 1, 2), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "positions_shape, sections, interleaved, error, match",
+    [
+        ((3, 10), [16, 16, 16], False, ValueError, "sections"),
+        ((3, 10), [16, 24, -8], False, ValueError, "sections"),
+        ((3, 10), [], False, ValueError, "sections"),
+        ((3, 10), torch.tensor([16, 24, 24]), False, TypeError, "sections"),
+        ((3, 10), [16.0, 24, 24], False, ValueError, "sections"),
+        ((4, 10), [16, 24, 24], False, ValueError, "one axis per section"),
+        ((10,), [16, 24, 24], False, ValueError, "positions"),
+        ((3, 10), [16, 24, 24], True, ValueError, "cannot be interleaved"),
+        ((4, 10), [22, 22, 20, 0], True, ValueError, "trailing zero"),
+    ],
+)
+def test_mrope_angles_rejects_bad_arguments(positions_shape, sections, interleaved, error, match):
+    positions = torch.zeros(positions_shape, dtype=torch.int64)
+    with pytest.raises(error, match=match):
+        mrope_angles(positions, torch.ones(64), sections, interleaved=interleaved)
+
+
+# ----------------------------------------------------------------------------- N-d RoPE
+
+
+@pytest.mark.parametrize("shape", [(63,), (2, 500)], ids=["N63", "B2-N500"])
+def test_nd_rope_angles_with_one_axis_are_rope_angles(shape):
+    inv, _ = rope_frequencies(64, 10000.0, device=DEVICE)
+    positions = torch.randint(0, 200_000, shape, device=DEVICE)
+    angles = nd_rope_angles(positions[..., None], inv[None, None])
+    assert torch.equal(angles, rope_angles(positions, inv))
+
+
+@pytest.mark.parametrize(
+    "rope_dim, sections, interleaved",
+    [
+        (128, None, False),
+        (128, [16, 24, 24], False),
+        (128, [24, 20, 20], True),
+        (64, [11, 11, 10, 0], False),
+        (64, [11, 11, 10], True),
+    ],
+)
+def test_nd_rope_sections_layout_is_mrope(rope_dim, sections, interleaved):
+    n_axes = 3 if sections is None else len(sections)
+    freqs = nd_rope_frequencies(
+        rope_dim, n_axes, 1e6, sections=sections, interleaved=interleaved, device=DEVICE
+    )
+    assert freqs.shape == (n_axes, 1, rope_dim // 2) and freqs.dtype == torch.float32
+    sections = sections or [22, 21, 21]  # the documented even split of 64 slots
+    inv, _ = rope_frequencies(rope_dim, 1e6, device=DEVICE)
+    axes = torch.tensor(_axes_by_loop(sections, interleaved), device=DEVICE)
+    one_hot = axes == torch.arange(n_axes, device=DEVICE)[:, None]
+    assert torch.equal(freqs[:, 0], torch.where(one_hot, inv, 0.0))
+    positions = torch.randint(0, 50_000, (n_axes, 2, 63), device=DEVICE)
+    angles = nd_rope_angles(positions.movedim(0, -1), freqs)
+    assert torch.equal(angles, mrope_angles(positions, inv, sections, interleaved=interleaved))
+
+
+def test_nd_rope_angles_sum_axes_and_groups():
+    """Dense frequencies (every slot mixes every axis and group) against fp64."""
+    positions = torch.rand(2, 63, 3, device=DEVICE) * 4096 - 2048
+    freqs = torch.randn(3, 2, 40, device=DEVICE)
+    angles = nd_rope_angles(positions, freqs)
+    ref = torch.einsum("bnp,pgd->bnd", positions.double(), freqs.double())
+    bound = (positions.double().abs()[..., :, None, None] * freqs.double().abs()).sum((-3, -2))
+    # six fp32 products and five sums: each a rounding of at most 2**-24 of the partial sum
+    assert ((angles.double() - ref).abs() <= 8 * 2**-24 * bound + 1e-30).all()
+    assert angles.shape == (2, 63, 40) and angles.dtype == torch.float32
+
+
+def test_nd_rope_angles_gradients():
+    positions = (torch.rand(5, 17, 2, device=DEVICE) * 100).requires_grad_()
+    freqs = torch.randn(2, 3, 8, device=DEVICE, requires_grad=True)
+    angles = nd_rope_angles(positions, freqs)
+    cot = torch.randn_like(angles)
+    angles.backward(cot)
+    f_sum = freqs.detach().double().sum(1)  # [P, R/2]
+    ref_pos = torch.einsum("bnd,pd->bnp", cot.double(), f_sum)
+    ref_f = torch.einsum("bnd,bnp->pd", cot.double(), positions.detach().double())
+    assert_close("d positions", positions.grad, ref_pos, atol=1e-4, rtol=1e-6)
+    for g in range(3):  # groups are summed, so every group gets the same gradient
+        assert_close(f"d freqs group {g}", freqs.grad[:, g], ref_f, atol=1e-2, rtol=1e-6)
+
+
+def test_nd_rope_mixed_layout():
+    gen = torch.Generator().manual_seed(1)
+    freqs = nd_rope_frequencies(64, 2, 100.0, layout="mixed", generator=gen)
+    again = nd_rope_frequencies(64, 2, 100.0, layout="mixed", generator=gen.manual_seed(1))
+    other = nd_rope_frequencies(64, 2, 100.0, layout="mixed", generator=gen.manual_seed(2))
+    assert freqs.shape == (2, 1, 32) and torch.equal(freqs, again) and not torch.equal(freqs, other)
+    inv, _ = rope_frequencies(64, 100.0)
+    # each slot's frequency vector has the ladder's magnitude, in a random direction
+    _assert_ratio_one("|freqs| / ladder", freqs[:, 0].double().norm(dim=0), inv, 1e-6)
+    assert (freqs[:, 0] != 0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"n_axes": 0}, ValueError, "n_axes"),
+        ({"n_axes": 2.0}, TypeError, "n_axes"),
+        ({"rope_dim": 63}, ValueError, "rope_dim"),
+        ({"theta": -1.0}, ValueError, "theta"),
+        ({"layout": "axial"}, ValueError, "layout"),
+        ({"sections": [32, 32]}, ValueError, "n_axes"),
+        ({"sections": [16, 16, 16]}, ValueError, "sections"),
+        ({"layout": "mixed", "sections": [32, 16, 16]}, ValueError, "sections"),
+        ({"sections": [16, 24, 24], "interleaved": True}, ValueError, "interleaved"),
+    ],
+)
+def test_nd_rope_frequencies_rejects_bad_arguments(kwargs, error, match):
+    kwargs = {"rope_dim": 128, "n_axes": 3, **kwargs}
+    with pytest.raises(error, match=match):
+        nd_rope_frequencies(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "positions, freqs, error, match",
+    [
+        (torch.zeros(10, 2), torch.ones(3, 1, 8), ValueError, "last dimension"),
+        (torch.zeros(()), torch.ones(1, 1, 8), ValueError, "last dimension"),
+        (torch.zeros(10, 3), torch.ones(3, 8), ValueError, "freqs"),
+        (torch.zeros(10, 3), torch.ones(3, 0, 8), ValueError, "group"),
+        (torch.zeros(10, 3), torch.ones(3, 1, 8, dtype=torch.int32), TypeError, "freqs"),
+        (torch.zeros(10, 3, dtype=torch.bool), torch.ones(3, 1, 8), TypeError, "positions"),
+        (torch.zeros(10, 3), torch.ones(3, 1, 8, device="meta"), ValueError, "device"),
+    ],
+)
+def test_nd_rope_angles_rejects_bad_arguments(positions, freqs, error, match):
+    with pytest.raises(error, match=match):
+        nd_rope_angles(positions, freqs)
