@@ -1,0 +1,30 @@
+"""RoPE as a library: frequency schedules, PyTorch references and Triton kernels.
+
+Public API:
+    rope_frequencies, rope_angles, mrope_angles, nd_rope_frequencies, nd_rope_angles
+    apply_rope, apply_rope_qk        (Triton, autograd, torch.compile-able)
+    apply_rope_ref                    (the PyTorch reference)
+"""
+
+from fused_rope.frequencies import (
+    SCALING_TYPES,
+    mrope_angles,
+    nd_rope_angles,
+    nd_rope_frequencies,
+    rope_angles,
+    rope_frequencies,
+)
+from fused_rope.naive import apply_rope_ref
+from fused_rope.rope import apply_rope, apply_rope_qk
+
+__all__ = [
+    "SCALING_TYPES",
+    "apply_rope",
+    "apply_rope_qk",
+    "apply_rope_ref",
+    "mrope_angles",
+    "nd_rope_angles",
+    "nd_rope_frequencies",
+    "rope_angles",
+    "rope_frequencies",
+]

@@ -1,0 +1,304 @@
+"""Benchmark: rotating q and k with RoPE, every provider in one process.
+
+Providers: this project's Triton kernel (``fused_rope.rope.apply_rope_qk``, one launch, sin/cos from
+fp32 angles in the kernel); the eager Hugging Face rotation (``q * cos + rotate_half(q) * sin``
+in the input dtype, cos/sin precomputed once as HF models do); ``torch.compile`` of that
+rotation; Liger-Kernel's ``liger_rotary_pos_emb`` (row says "not installed" when missing).
+
+Bandwidth counts the bytes that must move: q and k read once and written once (forward), and
+twice that for forward+backward (the backward reads dq_out, dk_out and writes dq, dk). cos/sin
+or angles are not counted (they are tiny next to q and k). The device-to-device copy bandwidth
+(``dst.copy_(src)`` of 1 GiB, bytes read + written) is measured first, and every row reports its
+percentage of it. ``peak_mem_mib`` is the memory allocated during one call beyond what was
+allocated before it (outputs, gradients and workspace).
+
+    python experiments/bench_rope.py                       # GPU: writes experiments/results/
+    python experiments/bench_rope.py --quick --out /tmp/r  # smoke run (CPU: the interpreter)
+    python experiments/bench_rope.py --tune                # GPU: sweep the launch shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+if not torch.cuda.is_available():  # must precede the import of any Triton kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.plot_benchmarks import plot_op  # noqa: E402
+from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
+from fused_rope.frequencies import rope_angles, rope_frequencies  # noqa: E402
+from fused_rope.rope import TileConfig, apply_rope_qk, rope_fwd, tile_config  # noqa: E402
+
+OP = "rope_qk"
+# (B, HQ, HK, N, D)
+SHAPES = [(4, 8, 8, 1024, 64), (2, 32, 8, 4096, 128), (1, 8, 8, 16384, 128)]
+LARGE = {(2, 32, 8, 4096, 128), (1, 8, 8, 16384, 128)}
+QUICK_SHAPES = [(1, 2, 1, 64, 32)]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MODES = ("fwd", "fwd+bwd")
+COPY_TARGET = 0.80
+
+
+def shape_id(shape) -> str:
+    B, HQ, HK, N, D = shape
+    return f"B{B}-HQ{HQ}-HK{HK}-N{N}-D{D}"
+
+
+def timer(fn, grad_to_none=None, quick=False) -> tuple[float, float, float]:
+    """(median, 20th, 80th percentile) in ms: do_bench on CUDA, wall clock on the CPU."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        rep = 20 if quick else 100
+        q = triton.testing.do_bench(
+            fn, rep=rep, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8]
+        )
+        return tuple(q)
+    fn()  # compile / warm up
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return statistics.median(times), times[0], times[-1]
+
+
+def copy_bandwidth(device, quick: bool) -> tuple[float, float]:
+    """(ms, GB/s) of a device-to-device copy, bytes read + written."""
+    n = (1 << 20) if quick else (1 << 29)  # fp16 elements: 2 MiB or 1 GiB
+    src = torch.randn(n, device=device, dtype=torch.float16)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src), quick=quick)[0]
+    return ms, 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_rope(q, k, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb: cos/sin ``[1, 1, N, D]`` in the input dtype."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def providers(angles, cos, sin, device):
+    """name -> (fn(q, k) -> (q_out, k_out)) or a string saying why it cannot run."""
+    cos4, sin4 = cos[None, None], sin[None, None]
+    out = {
+        "triton": lambda q, k: apply_rope_qk(q, k, angles),
+        "eager": lambda q, k: hf_rope(q, k, cos4, sin4),
+    }
+    if device.type == "cuda":
+        compiled = torch.compile(hf_rope, dynamic=False)
+        out["torch.compile"] = lambda q, k: compiled(q, k, cos4, sin4)
+        try:
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+            out["liger"] = lambda q, k: liger_rotary_pos_emb(q, k, cos[None], sin[None])
+        except ImportError:
+            out["liger"] = "not installed"
+    else:
+        out["torch.compile"] = out["liger"] = "needs CUDA"
+    return out
+
+
+def inputs(shape, dtype, device):
+    B, HQ, HK, N, D = shape
+    q = torch.randn(B, HQ, N, D, device=device, dtype=dtype)
+    k = torch.randn(B, HK, N, D, device=device, dtype=dtype)
+    inv_freq, _ = rope_frequencies(D)
+    angles = rope_angles(torch.arange(N, device=device), inv_freq.to(device))  # [N, D/2] fp32
+    emb = torch.cat((angles, angles), dim=-1)  # HF's [N, D] table
+    return q, k, angles, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def peak_extra_mib(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def max_error(fn, q, k, angles) -> float:
+    """Largest |out - fp32 reference| over q and k (sanity check of every provider)."""
+    from fused_rope.naive import apply_rope_ref
+
+    with torch.no_grad():
+        outs = fn(q, k)
+    return max(
+        (o.float() - apply_rope_ref(x.float(), angles)).abs().max().item()
+        for o, x in zip(outs, (q, k), strict=True)
+    )
+
+
+def run_case(shape, dtype_name, copy_gbps, env, device, quick) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    q, k, angles, cos, sin = inputs(shape, dtype, device)
+    torch._dynamo.reset()  # a fresh compile per case: no cache-size fallback to eager
+    rows = []
+    moved = 2 * (q.numel() + k.numel()) * q.element_size()
+    for name, fn in providers(angles, cos, sin, device).items():
+        for mode in MODES:
+            row = dict(
+                env, op=OP, provider=name, mode=mode, shape=shape_id(shape), dtype=dtype_name
+            )
+            if isinstance(fn, str):
+                rows.append(dict(row, note=fn))
+                continue
+            if mode == "fwd":
+                args = (q, k)
+                call = lambda fn=fn, args=args: fn(*args)
+                grads = None
+            else:
+                qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+                dq, dk = torch.randn_like(q), torch.randn_like(k)
+                call = lambda fn=fn, qg=qg, kg=kg, dq=dq, dk=dk: torch.autograd.backward(
+                    fn(qg, kg), (dq, dk)
+                )
+                grads = [qg, kg]
+            ms, p20, p80 = timer(call, grad_to_none=grads, quick=quick)
+            for g in grads or ():
+                g.grad = None  # the peak-memory call must not accumulate into old gradients
+            peak = peak_extra_mib(call, device)
+            gbps = moved * (1 if mode == "fwd" else 2) / ms / 1e6
+            err = max_error(fn, q, k, angles)
+            rows.append(
+                dict(
+                    row, ms=ms, ms_p20=p20, ms_p80=p80, gbps=gbps, peak_mem_mib=peak,
+                    note=f"{100 * gbps / copy_gbps:.0f}% of copy bw; max err {err:.1e}",
+                )
+            )  # fmt: skip
+    return rows
+
+
+def verdict(rows: list[dict], copy_gbps: float) -> list[str]:
+    """One line per failed target, then the overall verdict last."""
+    timed = [r for r in rows if r.get("ms") is not None]
+    cases = sorted({(r["shape"], r["dtype"], r["mode"]) for r in timed})
+    lines = []
+    for case in cases:
+        by = {r["provider"]: r for r in timed if (r["shape"], r["dtype"], r["mode"]) == case}
+        tri = by["triton"]
+        for rival in ("liger", "torch.compile"):
+            if rival in by and by[rival]["ms"] <= tri["ms"]:
+                lines.append(
+                    f"MISS {' '.join(case)}: {rival} {by[rival]['ms']:.4f} ms <= "
+                    f"triton {tri['ms']:.4f} ms"
+                )
+        large = any(shape_id(s) == case[0] for s in LARGE)
+        if large and tri["gbps"] < COPY_TARGET * copy_gbps:
+            lines.append(
+                f"MISS {' '.join(case)}: triton {tri['gbps']:.0f} GB/s < "
+                f"{COPY_TARGET:.0%} of copy {copy_gbps:.0f} GB/s"
+            )
+    measured = {r["provider"] for r in timed} | {r["shape"] for r in timed}
+    missing = sorted({"liger", "torch.compile", *map(shape_id, LARGE)} - measured)
+    if lines:
+        status = f"FAIL ({len(lines)} misses)"
+    else:
+        status = "INCOMPLETE" if missing else "PASS"
+    caveat = f"; not measured: {', '.join(missing)}" if missing else ""
+    lines.append(
+        f"VERDICT: {status}: target >= {COPY_TARGET:.0%} of copy bandwidth at the large shapes "
+        f"and faster than Liger and torch.compile at every shape{caveat}"
+    )
+    return lines
+
+
+def write_markdown(path: Path, rows, copy_gbps, env, lines) -> None:
+    cols = ["shape", "dtype", "mode", "provider", "ms", "ms_p20", "ms_p80", "gbps",
+            "peak_mem_mib", "note"]  # fmt: skip
+    text = (
+        f"# RoPE on q and k: `{OP}`\n\n"
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
+        f"{env['date']}. Generated by `experiments/bench_rope.py`.\n\n"
+        f"Device copy bandwidth (`copy_` of fp16 buffers, read + write): **{copy_gbps:.4g} GB/s**. "
+        "GB/s counts q and k read once and written once per pass (forward+backward: two "
+        "passes). `triton` computes sin/cos from fp32 angles in the kernel; the other "
+        "providers get cos/sin tables precomputed in the input dtype (as HF models).\n\n"
+        + markdown_table(rows, cols)
+        + "\n"
+        + "\n".join(f"- {line}" for line in lines)
+        + "\n\n![bench_rope](bench_rope.png)\n"
+    )
+    path.write_text(text)
+
+
+def tune_shape(shape, device, dtype=torch.bfloat16) -> None:
+    """Times the Triton forward over a grid of launch shapes; prints the five fastest next to
+    the heuristic's choice (``fused_rope.rope.tile_config``), with their GB/s."""
+    B, HQ, HK, N, D = shape
+    q, k, angles, _, _ = inputs(shape, dtype, device)
+    moved = 2 * (q.numel() + k.numel()) * q.element_size()
+    run = lambda cfg: timer(lambda: rope_fwd(q, k, angles, "half", D, 1.0, 1.0, config=cfg))[0]
+    base = tile_config(B, N, HQ, HK, D, device)
+    configs = {
+        TileConfig(bn, min(bh, triton.next_power_of_2(HQ)), min(bh, triton.next_power_of_2(HK)), nw)
+        for bn in (1, 2, 4, 8, 16)
+        for bh in (1, 2, 4, 8, 16)
+        for nw in (1, 2, 4, 8)
+    }
+    results = sorted(((run(cfg), cfg) for cfg in configs), key=lambda t: t[0])
+    ms = run(base)
+    print(
+        f"{shape_id(shape)} {dtype} fwd: heuristic {base}: {ms:.4f} ms {moved / ms / 1e6:.0f} GB/s"
+    )
+    for ms, cfg in results[:5]:
+        print(f"    {ms:.4f} ms {moved / ms / 1e6:.0f} GB/s  {cfg}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for csv/md/png")
+    parser.add_argument("--tune", action="store_true", help="sweep the kernel's launch shape")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tune:
+        for shape in SHAPES:
+            tune_shape(shape, device)
+        return
+    quick = args.quick or device.type == "cpu"
+    env = environment()
+    copy_ms, copy_gbps = copy_bandwidth(device, quick)
+    print(f"copy bandwidth: {copy_gbps:.4g} GB/s ({env['gpu']})")
+    shapes = QUICK_SHAPES if quick else SHAPES
+    dtypes = ["fp16"] if device.type == "cpu" else list(DTYPES)  # interpreter: no bf16
+    rows = []
+    for shape in shapes:
+        for dtype_name in dtypes:
+            rows += run_case(shape, dtype_name, copy_gbps, env, device, quick)
+    rows.append(
+        dict(env, op="copy", provider="torch.copy_", mode="fwd",
+             shape="2MiB" if quick else "1GiB", dtype="fp16", ms=copy_ms, gbps=copy_gbps)
+    )  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out / "benchmarks.csv"
+    upsert_rows(rows, csv_path)
+    op_rows = [r for r in rows if r["op"] == OP]
+    lines = verdict(op_rows, copy_gbps)
+    write_markdown(args.out / "bench_rope.md", op_rows, copy_gbps, env, lines)
+    plot_op(OP, csv_path=csv_path, out=args.out / "bench_rope.png", gpu=env["gpu"])
+    print()
+    print(markdown_table(op_rows, ["shape", "dtype", "mode", "provider", "ms", "gbps", "note"]))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,537 @@
+"""Standalone Triton RoPE: one launch rotates q and k; backward is the same kernel by -angle.
+
+Math, layouts, the output-scale fold and the support matrix: ``fused_rope/README.md``.
+
+Reads top-down: the ``@triton.jit`` kernels, the launcher ``rope_fwd`` (the backward is the
+same launch with ``conjugate=True``), the autograd.Function of eager mode, the torch custom ops
+that torch.compile sees, then the public functions ``apply_rope`` and ``apply_rope_qk``.
+"""
+
+# No ``from __future__ import annotations``: torch.library.custom_op reads the real annotations.
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_rope._validation import (
+    KERNEL_DTYPES,
+    check_angles,
+    check_float_tensor,
+    check_kernel_device,
+    check_layout,
+    check_rope_dim,
+    check_same_device,
+)
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    y_ptr,
+    stride_xh,
+    stride_xn,
+    stride_yh,
+    stride_yn,
+    offs_n,
+    mask_n,
+    cos,
+    sin,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    HALF_P: tl.constexpr,
+    PASS_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    COPY_PASS: tl.constexpr,
+):
+    """Rotates the ``[BLOCK_N]`` positions ``offs_n`` of all ``H`` heads of one batch element.
+
+    ``x_ptr``/``y_ptr`` point at the batch element; ``cos``/``sin`` are ``[1, BLOCK_N, HALF_P]``
+    fp32. ``BLOCK_H`` heads are loaded per iteration so every thread has several independent
+    16-byte loads in flight (the kernel is bound by memory latency, not arithmetic).
+    """
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF_P)
+    # int64 rows: one batch element of a long sequence can exceed 2**31 elements.
+    n64 = offs_n.to(tl.int64)[None, :, None]
+    for h0 in tl.range(0, H, BLOCK_H):
+        h = (h0 + offs_h).to(tl.int64)[:, None, None]
+        mask_row = (h < H) & mask_n[None, :, None]
+        x_row = x_ptr + h * stride_xh + n64 * stride_xn  # [BLOCK_H, BLOCK_N, 1]
+        y_row = y_ptr + h * stride_yh + n64 * stride_yn
+        if INTERLEAVED:
+            # One contiguous load of the R rotated channels, then split into (even, odd) pairs
+            # in registers: strided loads of every other channel would not vectorize.
+            offs_c = tl.arange(0, 2 * HALF_P)[None, None, :]
+            mask = mask_row & (offs_c < R)
+            x = tl.load(x_row + offs_c, mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_N, HALF_P, 2)))
+            y1 = (x1 * cos - x2 * sin) * scale
+            y2 = (x2 * cos + x1 * sin) * scale
+            y = tl.reshape(tl.join(y1, y2), (BLOCK_H, BLOCK_N, 2 * HALF_P))
+            tl.store(y_row + offs_c, y.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            mask = mask_row & (offs_d < R // 2)[None, None, :]
+            x1 = tl.load(x_row + offs_d[None, None, :], mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_row + (R // 2 + offs_d)[None, None, :], mask=mask, other=0.0)
+            x2 = x2.to(tl.float32)
+            y1 = (x1 * cos - x2 * sin) * scale
+            y2 = (x2 * cos + x1 * sin) * scale
+            tl.store(y_row + offs_d[None, None, :], y1.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                y_row + (R // 2 + offs_d)[None, None, :], y2.to(y_ptr.dtype.element_ty), mask=mask
+            )
+        if COPY_PASS:
+            offs_p = R + tl.arange(0, PASS_P)[None, None, :]
+            mask = mask_row & (offs_p < D)
+            xp = tl.load(x_row + offs_p, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + offs_p, (xp * scale).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    angles_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_qob,
+    stride_qoh,
+    stride_qon,
+    stride_kob,
+    stride_koh,
+    stride_kon,
+    stride_ab,
+    stride_an,
+    N,
+    q_scale,
+    k_scale,
+    H_Q: tl.constexpr,
+    H_K: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    HALF_P: tl.constexpr,
+    PASS_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CONJUGATE: tl.constexpr,
+    COPY_PASS: tl.constexpr,
+):
+    """Program (n-tile, b): positions ``[n0, n0 + BLOCK_N)`` of batch ``b``, every head of q then k.
+
+    The last dimension of every tensor has unit stride (checked by the launcher), which lets
+    loads vectorize. ``H_K = 0`` rotates q alone. ``stride_ab = 0`` shares angles over batches.
+    """
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_d = tl.arange(0, HALF_P)
+    a_ptrs = angles_ptr + pid_b * stride_ab + offs_n[:, None] * stride_an + offs_d[None, :]
+    theta = tl.load(a_ptrs, mask=mask_n[:, None] & (offs_d < R // 2)[None, :], other=0.0)
+    # sin/cos once per (position, frequency), in fp32, reused by all H_Q + H_K heads.
+    cos = tl.cos(theta)[None, :, :]
+    sin = tl.sin(theta)[None, :, :]
+    if CONJUGATE:
+        sin = -sin  # R(-theta) = R(theta)^T: the backward of the rotation
+    _rotate_heads(
+        q_ptr + pid_b * stride_qb, q_out_ptr + pid_b * stride_qob,
+        stride_qh, stride_qn, stride_qoh, stride_qon, offs_n, mask_n, cos, sin, q_scale,
+        H_Q, D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HQ, INTERLEAVED, COPY_PASS,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr + pid_b * stride_kb, k_out_ptr + pid_b * stride_kob,
+        stride_kh, stride_kn, stride_koh, stride_kon, offs_n, mask_n, cos, sin, k_scale,
+        H_K, D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HK, INTERLEAVED, COPY_PASS,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape: ``block_n`` positions per program, ``block_hq``/``block_hk`` heads per
+    loop iteration, ``num_warps`` warps per program."""
+
+    block_n: int
+    block_hq: int
+    block_hk: int
+    num_warps: int
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs programs one by one: fewer, larger tiles are faster
+
+
+def tile_config(
+    batch: int, seq_len: int, heads_q: int, heads_k: int, rope_dim: int, device: torch.device
+) -> TileConfig:
+    """Heuristic launch shape (no autotuning: deterministic and free to trace).
+
+    About 2048 rotated pairs per loop iteration (16 per thread with 4 warps, i.e. 2-4 vector
+    loads of each half in flight per thread), then fewer positions per program until the grid
+    has at least 4 programs per SM, because one program alone cannot hide memory latency.
+    """
+    half_p = triton.next_power_of_2(rope_dim // 2)
+    block_hq = min(triton.next_power_of_2(heads_q), 8)
+    block_hk = min(triton.next_power_of_2(max(heads_k, 1)), 8)
+    block_n = max(1, min(64, 2048 // (half_p * max(block_hq, block_hk))))
+    while block_n > 1 and batch * triton.cdiv(seq_len, block_n) < 4 * _num_sms(device):
+        block_n //= 2
+    pairs = block_n * half_p * max(block_hq, block_hk)
+    num_warps = max(1, min(8, pairs // 512))
+    return TileConfig(block_n, block_hq, block_hk, num_warps)
+
+
+def _launch(
+    q: torch.Tensor,
+    q_out: torch.Tensor,
+    k: torch.Tensor | None,
+    k_out: torch.Tensor | None,
+    angles: torch.Tensor,
+    layout: str,
+    rope_dim: int,
+    q_scale: float,
+    k_scale: float,
+    conjugate: bool,
+    config: TileConfig | None,
+) -> None:
+    B, H_Q, N, D = q.shape
+    if B == 0 or N == 0:
+        return  # a grid with a zero dimension is not a valid launch
+    H_K = 0 if k is None else k.shape[1]
+    if k is None:  # the k loop runs zero times; any valid pointer and strides do
+        k, k_out = q, q_out
+    if angles.stride(-1) != 1:
+        angles = angles.contiguous()  # [.., N, R/2] fp32: small next to q and k
+    stride_ab = angles.stride(0) if angles.dim() == 3 else 0
+    cfg = config or tile_config(B, N, H_Q, H_K, rope_dim, q.device)
+    # In place with unit scale, the pass-through channels already hold the result.
+    copy_pass = rope_dim < D and not (q_out is q and q_scale == 1.0 and k_scale == 1.0)
+    grid = (triton.cdiv(N, cfg.block_n), B)
+    _rope_kernel[grid](
+        q, k, q_out, k_out, angles,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        stride_ab, angles.stride(-2),
+        N, float(q_scale), float(k_scale),
+        H_Q=H_Q, H_K=H_K, D=D, R=rope_dim,
+        HALF_P=triton.next_power_of_2(rope_dim // 2),
+        PASS_P=triton.next_power_of_2(max(D - rope_dim, 1)),
+        BLOCK_N=cfg.block_n, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk,
+        INTERLEAVED=layout == "interleaved", CONJUGATE=conjugate, COPY_PASS=copy_pass,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    # Incoming gradients may have any strides; the kernel needs a contiguous last dimension.
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _empty_out(x: torch.Tensor) -> torch.Tensor:
+    """The fake functions' output for input ``x``: the same allocation rule as ``rope_fwd``,
+    so the strides torch.compile plans with are the strides the kernel writes."""
+    return torch.empty_like(_unit_last_stride(x))
+
+
+def rope_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    angles: torch.Tensor,
+    layout: str,
+    rope_dim: int,
+    q_scale: float,
+    k_scale: float,
+    *,
+    conjugate: bool = False,
+    config: TileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None.
+
+    ``conjugate=True`` rotates by ``-theta``: the backward, with the SAME scales (seed 000's
+    rule: ``y = s R x`` gives ``dx = s R^T dy``). Outputs come from ``torch.empty_like``: the
+    input's strides when it is dense (e.g. a ``[B, N, H, D]`` buffer viewed as
+    ``[B, H, N, D]``), contiguous otherwise.
+    """
+    q = _unit_last_stride(q)
+    k = None if k is None else _unit_last_stride(k)
+    q_out = torch.empty_like(q)
+    k_out = None if k is None else torch.empty_like(k)
+    _launch(q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale, conjugate, config)
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd. Eager calls go through a plain autograd.Function: the custom-op dispatcher costs
+# about twice as much host time per call, as much as the whole kernel at small shapes. Under
+# torch.compile the custom ops below take over. Both save only the angles, and both backward
+# passes call their own forward with the conjugate rotation, so double backward works.
+# --------------------------------------------------------------------------------------------
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate):
+        ctx.save_for_backward(angles)
+        ctx.args = (layout, rope_dim, q_scale, k_scale, not conjugate)
+        return rope_fwd(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate)
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        (angles,) = ctx.saved_tensors
+        dq, dk = _RopeFunction.apply(dq_out, dk_out, angles, *ctx.args)
+        return dq, dk, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile (fullgraph traces through them), autograd registered.
+# No device type is given, so the ops run on CUDA and, through the interpreter, on the CPU.
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fused_rope::rope", mutates_args=())
+def _rope_op(
+    x: torch.Tensor,
+    angles: torch.Tensor,
+    layout: str,
+    rope_dim: int,
+    scale: float,
+    conjugate: bool,
+) -> torch.Tensor:
+    return rope_fwd(x, None, angles, layout, rope_dim, scale, 1.0, conjugate=conjugate)[0]
+
+
+@_rope_op.register_fake
+def _(x, angles, layout, rope_dim, scale, conjugate):
+    return _empty_out(x)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.conjugate = inputs
+    ctx.save_for_backward(angles)
+
+
+def _rope_backward(ctx, grad):
+    (angles,) = ctx.saved_tensors
+    dx = _rope_op(grad, angles, ctx.layout, ctx.rope_dim, ctx.scale, not ctx.conjugate)
+    return dx, None, None, None, None, None
+
+
+_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+@torch.library.custom_op("fused_rope::rope_qk", mutates_args=())
+def _rope_qk_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    angles: torch.Tensor,
+    layout: str,
+    rope_dim: int,
+    q_scale: float,
+    k_scale: float,
+    conjugate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_fwd(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate)
+
+
+@_rope_qk_op.register_fake
+def _(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate):
+    return _empty_out(q), _empty_out(k)
+
+
+def _rope_qk_setup(ctx, inputs, output):
+    q, k, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale, ctx.conjugate = inputs
+    ctx.save_for_backward(angles)
+
+
+def _rope_qk_backward(ctx, dq_out, dk_out):
+    (angles,) = ctx.saved_tensors
+    dq, dk = _rope_qk_op(
+        dq_out, dk_out, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale,
+        not ctx.conjugate,
+    )  # fmt: skip
+    return dq, dk, None, None, None, None, None, None
+
+
+_rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
+
+
+@torch.library.custom_op("fused_rope::rope_", mutates_args=("x",))
+def _rope_inplace_op(
+    x: torch.Tensor, angles: torch.Tensor, layout: str, rope_dim: int, scale: float
+) -> None:
+    _launch(x, x, None, None, angles, layout, rope_dim, scale, 1.0, False, None)
+
+
+@_rope_inplace_op.register_fake
+def _(x, angles, layout, rope_dim, scale):
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def _check_scale(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _check_kernel_tensor(x, name: str) -> None:
+    check_float_tensor(x, name, ndim=4, dtypes=KERNEL_DTYPES)
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()} "
+            f"for shape {tuple(x.shape)}; call .contiguous() first"
+        )
+
+
+def _check_kernel_angles(angles, batch: int, seq_len: int, rope_dim: int) -> None:
+    check_angles(angles, batch, seq_len, rope_dim)
+    if angles.dtype != torch.float32:
+        raise TypeError(
+            f"angles must be float32 (in half precision, far positions are off by whole radians), "
+            f"got {angles.dtype}"
+        )
+    if angles.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "angles requires grad, but the RoPE kernels give no gradient for angles; pass "
+            "angles.detach() to train through x only, or use fused_rope.naive.apply_rope_ref"
+        )
+
+
+def apply_rope(
+    x: torch.Tensor,
+    angles: torch.Tensor,
+    *,
+    layout: str = "half",
+    rope_dim: int | None = None,
+    output_scale: float = 1.0,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Rotates the first ``rope_dim`` channels of ``x`` by ``angles`` (Triton); scales all of it.
+
+    Args:
+        x: ``[B, H, N, D]`` fp32/fp16/bf16, any strides with a contiguous last dimension.
+        angles: fp32 ``[N, R/2]`` (shared by the batch) or ``[B, N, R/2]``, ``R = rope_dim``
+            (even, at most ``D``; default ``D``). No gradient flows to ``angles``: angles that
+            require grad (in grad mode) raise ``ValueError``; detach them explicitly.
+        layout: ``"half"`` pairs channel ``d`` with ``d + R/2``; ``"interleaved"`` pairs
+            ``2d`` with ``2d + 1``.
+        output_scale: multiplies the whole output (rotated and pass-through channels);
+            the backward uses the same scale.
+        inplace: write the result into ``x``'s storage and return ``x``. Forward only:
+            refused (``ValueError``) when grad mode is on and ``x`` requires grad.
+
+    Returns:
+        ``[B, H, N, D]`` in ``x``'s dtype, with ``x``'s strides when ``x`` is dense
+        (``torch.empty_like``), contiguous otherwise. Differentiable in ``x`` (backward:
+        the same kernel rotating by ``-angles``), unless ``inplace``.
+    """
+    _check_kernel_tensor(x, "x")
+    check_layout(layout)
+    B, _, N, D = x.shape
+    R = check_rope_dim(rope_dim, D)
+    _check_kernel_angles(angles, B, N, R)
+    check_kernel_device(check_same_device(x=x, angles=angles), "x")
+    scale = _check_scale(output_scale, "output_scale")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    if not inplace:
+        if torch.compiler.is_compiling():
+            return _rope_op(x, angles, layout, R, scale, False)
+        return _RopeFunction.apply(x, None, angles, layout, R, scale, 1.0, False)[0]
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError(
+            "inplace=True overwrites x, but x requires grad and grad mode is on "
+            f"(x is {'a leaf' if x.is_leaf else 'part of a graph'}); use inplace=False, "
+            "or run under torch.no_grad() / torch.inference_mode()"
+        )
+    if any(x.stride(i) == 0 and x.shape[i] > 1 for i in range(4)):
+        raise ValueError(
+            f"inplace=True needs x without broadcast dimensions, got strides {x.stride()} "
+            f"for shape {tuple(x.shape)}"
+        )
+    if torch.compiler.is_compiling():
+        _rope_inplace_op(x, angles, layout, R, scale)
+    else:
+        _launch(x, x, None, None, angles, layout, R, scale, 1.0, False, None)
+        # Ops that saved x for their backward must see that it changed.
+        torch.autograd.graph.increment_version(x)
+    return x
+
+
+def apply_rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    angles: torch.Tensor,
+    *,
+    layout: str = "half",
+    rope_dim: int | None = None,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q and k by the same angles in one launch (Triton); sin/cos computed once.
+
+    Args:
+        q: ``[B, HQ, N, D]`` fp32/fp16/bf16, any strides with a contiguous last dimension.
+        k: ``[B, HK, N, D]``, same B, N, D and dtype as ``q``; ``HK`` may differ (GQA, MQA).
+        angles: fp32 ``[N, R/2]`` or ``[B, N, R/2]``; no gradient (see ``apply_rope``).
+        layout, rope_dim: as ``apply_rope``.
+        q_scale, k_scale: output scales of q and k (e.g. ``q_scale = softmax_scale`` folds the
+            attention scale into q; backward uses the same scales).
+
+    Returns:
+        ``(q_out [B, HQ, N, D], k_out [B, HK, N, D])``, dtypes and strides as ``apply_rope``;
+        differentiable in q and k.
+    """
+    _check_kernel_tensor(q, "q")
+    _check_kernel_tensor(k, "k")
+    check_layout(layout)
+    B, _, N, D = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (B, N, D):
+        raise ValueError(
+            f"k must match q in batch, length and head dim, got q {tuple(q.shape)} "
+            f"and k {tuple(k.shape)}"
+        )
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    R = check_rope_dim(rope_dim, D)
+    _check_kernel_angles(angles, B, N, R)
+    check_kernel_device(check_same_device(q=q, k=k, angles=angles), "q")
+    qs = _check_scale(q_scale, "q_scale")
+    ks = _check_scale(k_scale, "k_scale")
+    if torch.compiler.is_compiling():
+        return _rope_qk_op(q, k, angles, layout, R, qs, ks, False)
+    return _RopeFunction.apply(q, k, angles, layout, R, qs, ks, False)

@@ -1,0 +1,106 @@
+"""Closed-form properties of the RoPE reference ``fused_rope.naive.apply_rope_ref`` (float64)."""
+
+import math
+
+import pytest
+import torch
+
+from fused_rope.frequencies import rope_frequencies
+from fused_rope.naive import apply_rope_ref
+from tests.helpers import assert_close
+
+LAYOUTS = ["half", "interleaved"]
+
+
+def _angles(positions: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    # float64 product: fp32 angles round m*f and n*f separately, which breaks the exact
+    # relative-position identity at the 1e-7 level.
+    inv_freq, _ = rope_frequencies(rope_dim)
+    return positions.double()[:, None] * inv_freq.double()
+
+
+def _half_to_interleaved(D: int, R: int) -> torch.Tensor:
+    """Channel order taking a half-layout vector to the interleaved layout: the half pair
+    (d, d + R/2) lands on (2d, 2d + 1); pass-through channels stay put."""
+    perm = torch.arange(D)
+    perm[0:R:2] = torch.arange(R // 2)
+    perm[1:R:2] = torch.arange(R // 2) + R // 2
+    return perm
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rotation_keeps_the_norm(layout):
+    x = torch.randn(2, 3, 17, 64, dtype=torch.float64)
+    angles = torch.randn(17, 32, dtype=torch.float64) * 100
+    y = apply_rope_ref(x, angles, layout)
+    assert_close("norm", y.norm(dim=-1), x.norm(dim=-1), atol=1e-12, rtol=1e-14)
+    assert not torch.allclose(y, x)  # it did rotate
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scores_depend_only_on_relative_position(layout):
+    D, N = 64, 40
+    q = torch.randn(1, 1, 1, D, dtype=torch.float64).expand(1, 1, N, D)
+    k = torch.randn(1, 1, 1, D, dtype=torch.float64).expand(1, 1, N, D)
+    angles = _angles(torch.arange(N), D)
+    scores = apply_rope_ref(q, angles, layout)[0, 0] @ apply_rope_ref(k, angles, layout)[0, 0].T
+    # scores[m, n] is <rope(q, m), rope(k, n)>: constant along every diagonal m - n = const.
+    for offset in (-N + 1, -7, 0, 5, N - 1):
+        diag = torch.diagonal(scores, offset)
+        assert_close(f"diagonal {offset}", diag, diag[:1].expand_as(diag), atol=1e-10, rtol=1e-12)
+    assert not torch.allclose(torch.diagonal(scores, 0)[0], torch.diagonal(scores, 3)[0])
+
+
+@pytest.mark.parametrize("rope_dim", [64, 32], ids=["full", "partial"])
+def test_half_and_interleaved_agree_after_channel_permutation(rope_dim):
+    D, N = 64, 23
+    x = torch.randn(2, 2, N, D, dtype=torch.float64)
+    angles = torch.randn(2, N, rope_dim // 2, dtype=torch.float64)
+    perm = _half_to_interleaved(D, rope_dim)
+    half = apply_rope_ref(x, angles, "half", rope_dim)
+    inter = apply_rope_ref(x[..., perm], angles, "interleaved", rope_dim)
+    assert_close("interleaved(Px) vs P half(x)", inter, half[..., perm], atol=1e-12, rtol=1e-14)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_output_scale_scales_everything(layout):
+    x = torch.randn(2, 2, 9, 48, dtype=torch.float64)
+    angles = torch.randn(9, 16, dtype=torch.float64)
+    s = -0.37
+    scaled = apply_rope_ref(x, angles, layout, rope_dim=32, output_scale=s)
+    assert_close("scale", scaled, s * apply_rope_ref(x, angles, layout, rope_dim=32), 1e-14, 1e-14)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_partial_rotation_passes_the_rest_through(layout):
+    x = torch.randn(2, 3, 11, 80, dtype=torch.float64)
+    angles = torch.randn(11, 24, dtype=torch.float64)
+    y = apply_rope_ref(x, angles, layout, rope_dim=48, output_scale=2.0)
+    assert torch.equal(y[..., 48:], 2.0 * x[..., 48:])
+    full = apply_rope_ref(x[..., :48], angles, layout, output_scale=2.0)
+    assert torch.equal(y[..., :48], full)
+
+
+def test_quarter_turn_in_closed_form():
+    x = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    angles = torch.full((3, 4), math.pi / 2, dtype=torch.float64)
+    y = apply_rope_ref(x, angles, "half")
+    x1, x2 = x[..., :4], x[..., 4:]
+    assert_close("quarter turn", y, torch.cat([-x2, x1], dim=-1), atol=1e-15, rtol=1e-15)
+    assert torch.equal(apply_rope_ref(x, torch.zeros(3, 4, dtype=torch.float64)), x)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rotation_by_minus_angle_inverts(layout):
+    x = torch.randn(2, 2, 13, 32, dtype=torch.float64)
+    angles = torch.randn(2, 13, 16, dtype=torch.float64) * 50
+    back = apply_rope_ref(apply_rope_ref(x, angles, layout), -angles, layout)
+    assert_close("R(-a) R(a) x", back, x, atol=1e-12, rtol=1e-14)
+
+
+def test_shared_angles_equal_per_batch_copies():
+    x = torch.randn(3, 2, 7, 16, dtype=torch.float64)
+    angles = torch.randn(7, 8, dtype=torch.float64)
+    shared = apply_rope_ref(x, angles)
+    per_batch = apply_rope_ref(x, angles.expand(3, 7, 8))
+    assert torch.equal(shared, per_batch)

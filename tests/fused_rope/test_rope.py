@@ -1,0 +1,460 @@
+"""The Triton RoPE kernel (``fused_rope.rope``) against the PyTorch reference.
+
+Accuracy uses flash-attention's rule (``assert_close_to_baseline``): the kernel's error against
+the float64 reference is at most twice the error of the reference run on the kernel's dtype
+(fp32 math, rounded to the dtype), forward and backward. On the CPU the kernels run in the
+Triton interpreter (fp32/fp16, small shapes); on a GPU the same tests also run bf16 and large
+shapes (``gpu`` marker).
+"""
+
+import pytest
+import torch
+
+from fused_rope.frequencies import rope_angles, rope_frequencies
+from fused_rope.naive import apply_rope_ref
+from fused_rope.rope import TileConfig, apply_rope, apply_rope_qk, rope_fwd
+from tests.helpers import DEVICE, assert_close_to_baseline
+
+gpu = pytest.mark.gpu
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, marks=gpu, id="bf16"),
+]
+
+
+def _angles(batch: int, seq_len: int, rope_dim: int, per_batch: bool) -> torch.Tensor:
+    """fp32 angles of random positions up to 5000 (large arguments exercise sin/cos)."""
+    inv_freq, _ = rope_frequencies(rope_dim)
+    shape = (batch, seq_len) if per_batch else (seq_len,)
+    positions = torch.randint(0, 5000, shape, device=DEVICE)
+    return rope_angles(positions, inv_freq.to(DEVICE))
+
+
+def _ref_and_baseline(x, angles, layout, rope_dim, scale, dy=None):
+    """(float64 reference, reference on x's dtype) of the output, or of dx when ``dy`` is given."""
+    results = []
+    for xx, aa in ((x.double(), angles.double()), (x, angles)):
+        xx = xx.detach().requires_grad_(dy is not None)
+        y = apply_rope_ref(xx, aa, layout, rope_dim, scale)
+        if dy is None:
+            results.append(y)
+        else:
+            (dx,) = torch.autograd.grad(y, xx, dy.to(y.dtype))
+            results.append(dx)
+    return results
+
+
+def _check(name, out, x, angles, layout, rope_dim, scale, dy=None):
+    ref, baseline = _ref_and_baseline(x, angles, layout, rope_dim, scale, dy)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert_close_to_baseline(name, out, ref, baseline)
+
+
+# (B, H, N, D, rope_dim): N not a multiple of any tile; 48 pairs (D = 96) and 24 pairs
+# (rope_dim = 48, with 32 pass-through channels) are not powers of two (masked lanes).
+SHAPES = [
+    pytest.param(2, 4, 63, 64, None, id="B2-H4-N63-D64"),
+    pytest.param(1, 2, 500, 32, None, id="B1-H2-N500-D32"),
+    pytest.param(2, 3, 63, 96, None, id="B2-H3-N63-D96"),
+    pytest.param(2, 2, 63, 64, 32, id="B2-H2-N63-D64-R32"),
+    pytest.param(1, 3, 37, 80, 48, id="B1-H3-N37-D80-R48"),
+    pytest.param(2, 32, 4096, 128, None, marks=gpu, id="B2-H32-N4096-D128"),
+    pytest.param(1, 8, 16384, 128, 64, marks=gpu, id="B1-H8-N16384-D128-R64"),
+]
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("B, H, N, D, R", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_matches_reference(B, H, N, D, R, layout, dtype):
+    x = torch.randn(B, H, N, D, device=DEVICE, dtype=dtype)
+    angles = _angles(B, N, R or D, per_batch=False)
+    scale = 0.125 if R else 1.0
+    out = apply_rope(x, angles, layout=layout, rope_dim=R, output_scale=scale)
+    _check("apply_rope", out, x, angles, layout, R, scale)
+
+
+# (B, HQ, HK, N, D): GQA ratios 1, 4, 8 and a single KV head.
+QK_SHAPES = [
+    pytest.param(2, 4, 4, 63, 64, id="B2-HQ4-HK4-N63-D64"),
+    pytest.param(1, 8, 2, 63, 32, id="B1-HQ8-HK2-N63-D32"),
+    pytest.param(2, 8, 1, 70, 64, id="B2-HQ8-HK1-N70-D64"),
+    pytest.param(2, 32, 8, 4096, 128, marks=gpu, id="B2-HQ32-HK8-N4096-D128"),
+    pytest.param(1, 8, 8, 16384, 128, marks=gpu, id="B1-HQ8-HK8-N16384-D128"),
+]
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["shared-angles", "per-batch-angles"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("B, HQ, HK, N, D", QK_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_forward_and_backward(B, HQ, HK, N, D, layout, per_batch, dtype):
+    q = torch.randn(B, HQ, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, HK, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    angles = _angles(B, N, D, per_batch)
+    q_scale, k_scale = D**-0.5 * 1.4426950408889634, 0.75
+    q_out, k_out = apply_rope_qk(q, k, angles, layout=layout, q_scale=q_scale, k_scale=k_scale)
+    _check("q_out", q_out, q, angles, layout, None, q_scale)
+    _check("k_out", k_out, k, angles, layout, None, k_scale)
+    dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
+    torch.autograd.backward((q_out, k_out), (dq_out, dk_out))
+    _check("dq", q.grad, q, angles, layout, None, q_scale, dy=dq_out)
+    _check("dk", k.grad, k, angles, layout, None, k_scale, dy=dk_out)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_partial_rotation_and_scale(layout, dtype):
+    B, H, N, D, R = 2, 3, 63, 64, 32
+    x = torch.randn(B, H, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    angles = _angles(B, N, R, per_batch=True)
+    y = apply_rope(x, angles, layout=layout, rope_dim=R, output_scale=-1.7)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    _check("dx", x.grad, x, angles, layout, R, -1.7, dy=dy)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [TileConfig(1, 2, 1, 1), TileConfig(8, 2, 4, 2), TileConfig(4, 8, 2, 4)],
+    ids=["BN1-BHQ2-BHK1", "BN8-BHQ2-BHK4", "BN4-BHQ8-BHK2"],
+)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_launch_shapes_other_than_the_heuristic(cfg, layout):
+    # Several head iterations with a partial last one (5 = 2 + 2 + 1 heads), as on a GPU where
+    # tile_config picks small position tiles; the interpreter's own choice is one big tile.
+    B, HQ, HK, N, D, R = 2, 5, 3, 21, 48, 32
+    q = torch.randn(B, HQ, N, D, device=DEVICE)
+    k = torch.randn(B, HK, N, D, device=DEVICE)
+    angles = _angles(B, N, R, per_batch=True)
+    q_out, k_out = rope_fwd(q, k, angles, layout, R, 0.5, 2.0, config=cfg)
+    _check("q_out", q_out, q, angles, layout, R, 0.5)
+    _check("k_out", k_out, k, angles, layout, R, 2.0)
+    dq, _ = rope_fwd(q_out, None, angles, layout, R, 0.5, 1.0, conjugate=True, config=cfg)
+    _check("dq", dq, q, angles, layout, R, 0.5, dy=q_out)
+
+
+def test_gradient_with_a_strided_last_dimension():
+    x = torch.randn(2, 3, 40, 32, device=DEVICE, requires_grad=True)
+    angles = _angles(2, 40, 32, per_batch=True)
+    y = apply_rope(x, angles, layout="interleaved", output_scale=3.0)
+    dy = torch.randn(2, 3, 32, 40, device=DEVICE).transpose(-1, -2)  # last-dim stride 40
+    y.backward(dy)
+    _check("dx", x.grad, x, angles, "interleaved", None, 3.0, dy=dy)
+
+
+def test_gradient_of_an_unused_output_is_zero():
+    q = torch.randn(1, 2, 33, 32, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 1, 33, 32, device=DEVICE, requires_grad=True)
+    q_out, _ = apply_rope_qk(q, k, _angles(1, 33, 32, per_batch=False))
+    q_out.sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k))
+    assert q.grad.abs().sum() > 0
+
+
+def test_second_derivative_through_the_backward_op():
+    x = torch.randn(1, 2, 17, 16, device=DEVICE, dtype=torch.float64)
+    x = x.float().requires_grad_()
+    angles = _angles(1, 17, 16, per_batch=False)
+    y = apply_rope(x, angles, output_scale=0.5)
+    dy = torch.randn_like(y, requires_grad=True)
+    (dx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    # dx = 0.5 R(-a) dy is linear in dy: its gradient against w is 0.5 R(a) w.
+    w = torch.randn_like(dx)
+    (ddy,) = torch.autograd.grad(dx, dy, w)
+    _check("d(dx)/d(dy)", ddy, w, angles, "half", None, 0.5)
+
+
+def test_transposed_input_needs_no_copy_and_keeps_its_layout():
+    B, N, H, D = 2, 63, 4, 64
+    buf_q = torch.randn(B, N, H, D, device=DEVICE)
+    buf_k = torch.randn(B, N, 2, D, device=DEVICE)
+    q, k = buf_q.transpose(1, 2), buf_k.transpose(1, 2)  # [B, H, N, D] views, not contiguous
+    angles = _angles(B, N, D, per_batch=True)
+    q_out, k_out = apply_rope_qk(q, k, angles, layout="interleaved")
+    assert q_out.stride() == q.stride() and k_out.stride() == k.stride()
+    _check("q_out", q_out, q, angles, "interleaved", None, 1.0)
+    _check("k_out", k_out, k, angles, "interleaved", None, 1.0)
+
+
+def test_strided_slices_of_a_fused_qkv_buffer():
+    B, N, H, D = 2, 50, 3, 32
+    qkv = torch.randn(B, N, 3, H, D + 8, device=DEVICE)[..., 4 : 4 + D]  # padded rows
+    q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+    angles = _angles(B, N, D, per_batch=False).expand(B, N, D // 2)  # stride-0 batch
+    q_out, k_out = apply_rope_qk(q, k, angles)
+    _check("q_out", q_out, q, angles, "half", None, 1.0)
+    _check("k_out", k_out, k, angles, "half", None, 1.0)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("R", [None, 32], ids=["full", "partial"])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_inplace_rotates_the_storage(layout, R, scale):
+    B, N, H, D = 2, 63, 3, 64
+    buf = torch.randn(B, N, H, D, device=DEVICE, dtype=torch.float16)
+    x = buf.transpose(1, 2)
+    original = x.clone()
+    angles = _angles(B, N, R or D, per_batch=True)
+    version = x._version
+    out = apply_rope(x, angles, layout=layout, rope_dim=R, output_scale=scale, inplace=True)
+    assert out is x and x._version > version
+    _check("inplace", buf.transpose(1, 2), original, angles, layout, R, scale)
+    expected = apply_rope(original, angles, layout=layout, rope_dim=R, output_scale=scale)
+    assert torch.equal(x, expected)
+
+
+def test_inplace_refuses_when_autograd_needs_the_input():
+    angles = _angles(1, 9, 16, per_batch=False)
+    leaf = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="inplace=True overwrites x.*a leaf"):
+        apply_rope(leaf, angles, inplace=True)
+    with pytest.raises(ValueError, match="inplace=True overwrites x.*part of a graph"):
+        apply_rope(leaf * 2, angles, inplace=True)
+    with pytest.raises(ValueError, match="broadcast"):
+        apply_rope(
+            torch.randn(1, 1, 9, 16, device=DEVICE).expand(1, 2, 9, 16), angles, inplace=True
+        )
+    with torch.no_grad():  # no graph is recorded: allowed, even on a leaf
+        expected = apply_rope(leaf, angles)
+        assert apply_rope(leaf, angles, inplace=True) is leaf
+    assert torch.equal(leaf.detach(), expected)
+
+
+def test_inplace_write_is_seen_by_autograd_of_other_ops():
+    # x needs no grad itself, but w * x saved it for dw: the version bump makes autograd refuse.
+    w = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
+    x = torch.randn(1, 2, 9, 16, device=DEVICE)
+    y = (w * x).sum()
+    apply_rope(x, _angles(1, 9, 16, per_batch=False), inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_angles_that_require_grad_are_refused_in_grad_mode():
+    x = torch.randn(1, 2, 9, 16, device=DEVICE)
+    angles = _angles(1, 9, 16, per_batch=False).requires_grad_()
+    with pytest.raises(ValueError, match="angles requires grad"):
+        apply_rope(x, angles)
+    with pytest.raises(ValueError, match="angles requires grad"):
+        apply_rope_qk(x, x, angles)
+    out = apply_rope(x, angles.detach())
+    with torch.no_grad():
+        assert torch.equal(apply_rope(x, angles), out)
+
+
+def test_custom_ops_pass_torch_library_opcheck():
+    x = torch.randn(1, 2, 9, 16, device=DEVICE)
+    k = torch.randn(1, 1, 9, 16, device=DEVICE)
+    angles = _angles(1, 9, 16, per_batch=False)
+    ops = torch.ops.fused_rope
+    torch.library.opcheck(ops.rope, (x.requires_grad_(), angles, "half", 16, 0.5, False))
+    torch.library.opcheck(
+        ops.rope_qk, (x, k.requires_grad_(), angles, "interleaved", 16, 2.0, 1.0, False)
+    )
+    torch.library.opcheck(ops.rope_, (x.detach().clone(), angles, "half", 16, 0.5))
+    # Gradients reach the ops with any strides: fake and real outputs must agree on them.
+    strided = torch.randn(1, 2, 16, 9, device=DEVICE).transpose(-1, -2).requires_grad_()
+    torch.library.opcheck(ops.rope, (strided, angles, "interleaved", 16, 0.5, True))
+
+
+def _compile_case(dtype):
+    B, HQ, HK, N, D = (2, 8, 2, 500, 64) if DEVICE == "cuda" else (1, 2, 1, 40, 32)
+    q = torch.randn(B, HQ, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, HK, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    angles = _angles(B, N, D, per_batch=False)
+
+    def fn(q, k, angles):
+        q_out, k_out = apply_rope_qk(q, k, angles, q_scale=0.3)
+        partial = angles[:, : D // 4]  # a strided view of the angles: first R/2 frequencies
+        single = apply_rope(k_out * 2, partial, layout="interleaved", rope_dim=D // 2)
+        return (q_out.float().square().sum() + single.float().sum()) * 1.5
+
+    return fn, (q, k, angles)
+
+
+def _check_compiled(backend, dtype):
+    torch._dynamo.reset()
+    fn, args = _compile_case(dtype)
+    q, k, _ = args
+    eager = fn(*args)
+    dq, dk = torch.autograd.grad(eager, (q, k))
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)(*args)  # fails on a graph break
+    cdq, cdk = torch.autograd.grad(compiled, (q, k))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
+    torch.testing.assert_close(cdq, dq, rtol=tol, atol=tol)
+    torch.testing.assert_close(cdk, dk, rtol=tol, atol=tol)
+
+
+def test_fullgraph_trace_without_inductor():
+    """Dynamo + AOTAutograd trace through the custom ops (fake and autograd registrations)."""
+    _check_compiled("aot_eager", torch.float32)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_compile_fullgraph_inductor(dtype):
+    _check_compiled("inductor", dtype)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=gpu)])
+def test_inplace_under_torch_compile(backend):
+    torch._dynamo.reset()
+    dtype = torch.bfloat16 if backend == "inductor" else torch.float32
+    angles = _angles(2, 50, 32, per_batch=False)
+
+    def fn(x):
+        apply_rope(x, angles, output_scale=0.5, inplace=True)
+        return x * 1
+
+    x = torch.randn(2, 3, 50, 32, device=DEVICE, dtype=dtype)
+    expected = apply_rope(x.clone(), angles, output_scale=0.5)
+    with torch.no_grad():
+        out = torch.compile(fn, fullgraph=True, backend=backend)(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: every bad input gets ValueError/TypeError naming the argument.
+# --------------------------------------------------------------------------------------------
+
+
+def _x(*shape, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+A = lambda n=8, half=8, device=DEVICE, **kw: torch.zeros(n, half, device=device, **kw)  # [N, R/2]
+BAD_INPUTS = [
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), rope_dim=7), ValueError,
+                 "rope_dim must be even.*got 7", id="odd-rope-dim"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), rope_dim=18), ValueError,
+                 "rope_dim .*at most the head dim 16, got 18", id="rope-dim-too-large"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), rope_dim=8.0), TypeError,
+                 "rope_dim must be an int", id="float-rope-dim"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(n=9)), ValueError,
+                 "angles has 9 positions but the input has N=8", id="angles-wrong-N"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(half=4)), ValueError,
+                 "angles has last dimension 4, expected rope_dim // 2 = 8", id="angles-wrong-R"),
+    pytest.param(lambda: apply_rope(_x(2, 2, 8, 16), torch.zeros(3, 8, 8, device=DEVICE)),
+                 ValueError, "angles has batch 3 but the input has B=2", id="angles-wrong-B"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(dtype=torch.float16)), TypeError,
+                 "angles must be float32.*got torch.float16", id="angles-fp16"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), torch.zeros(8, 8, dtype=torch.int64,
+                 device=DEVICE)), TypeError, "angles must be a floating-point tensor",
+                 id="angles-int"),
+    pytest.param(lambda: apply_rope(torch.ones(1, 2, 8, 16, dtype=torch.int32, device=DEVICE),
+                 A()), TypeError, "x must be a floating-point tensor, got dtype torch.int32",
+                 id="x-int"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16, dtype=torch.float64), A()), TypeError,
+                 "x must have dtype in .*got torch.float64", id="x-fp64"),
+    pytest.param(lambda: apply_rope(_x(2, 8, 16), A()), ValueError,
+                 "x must have 4 dimensions, got shape \\(2, 8, 16\\)", id="x-3d"),
+    pytest.param(lambda: apply_rope([[1.0]], A()), TypeError,
+                 "x must be a torch.Tensor, got list", id="x-list"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), layout="neox"), ValueError,
+                 "layout must be one of .*got 'neox'", id="unknown-layout"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 16, 8).transpose(-1, -2), A()), ValueError,
+                 "x must have a contiguous last dimension", id="x-last-dim-strided"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(device="meta")), ValueError,
+                 "angles is on meta but x is on", id="different-devices"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), output_scale="2"), TypeError,
+                 "output_scale must be a Python float, got str", id="scale-str"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), output_scale=float("nan")),
+                 ValueError, "output_scale must be finite", id="scale-nan"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), inplace=1), TypeError,
+                 "inplace must be a bool, got int", id="inplace-int"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(2, 2, 8, 16), A()), ValueError,
+                 "k must match q in batch, length and head dim", id="qk-different-B"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 9, 16), A()), ValueError,
+                 "k must match q .*\\(1, 2, 9, 16\\)", id="qk-different-N"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 32), A()), ValueError,
+                 "k must match q", id="qk-different-D"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16, dtype=torch.float16),
+                 A()), TypeError, "k must have q's dtype torch.float32, got torch.float16",
+                 id="qk-different-dtype"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16, device="meta"), A()),
+                 ValueError, "k is on meta but q is on", id="qk-different-devices"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16), A(), k_scale=None),
+                 TypeError, "k_scale must be a Python float, got NoneType", id="k-scale-none"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("call, error, match", BAD_INPUTS)
+def test_bad_input_is_named_in_the_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_cpu_tensor_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="x is on cpu: the Triton kernels need a CUDA tensor"):
+        apply_rope(x, torch.zeros(8, 8))
+    with pytest.raises(ValueError, match="q is on cpu"):
+        apply_rope_qk(x, x, torch.zeros(8, 8))
+
+
+def test_empty_inputs():
+    angles = torch.zeros(0, 8, device=DEVICE)
+    assert apply_rope(torch.randn(2, 3, 0, 16, device=DEVICE), angles).shape == (2, 3, 0, 16)
+    q = torch.randn(0, 3, 5, 16, device=DEVICE)
+    q_out, k_out = apply_rope_qk(q, q[:, :1], torch.zeros(5, 8, device=DEVICE))
+    assert q_out.shape == (0, 3, 5, 16) and k_out.shape == (0, 1, 5, 16)
+
+
+# Compiles the kernel for sm_90 in a subprocess without TRITON_INTERPRET (works without a GPU)
+# and lists its global stores: 16-byte vectors only, or the kernel lost its vectorization.
+_PTX_SCRIPT = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fused_rope.rope import _rope_kernel
+
+out = {}
+for dtype, layout, D, R in json.loads(sys.argv[1]):
+    sig, attrs = {}, {}
+    for i, name in enumerate(_rope_kernel.arg_names):
+        if name.endswith("_ptr"):
+            sig[name] = "*fp32" if name == "angles_ptr" else "*" + dtype
+        elif name.startswith("stride") or name == "N":
+            sig[name] = "i32"
+        elif name.endswith("_scale"):
+            sig[name] = "fp32"
+        if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_an"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    consts = dict(H_Q=32, H_K=8, D=D, R=R, HALF_P=R // 2, PASS_P=max(D - R, 1), BLOCK_N=4,
+                  BLOCK_HQ=8, BLOCK_HK=8, INTERLEAVED=layout == "interleaved", CONJUGATE=False,
+                  COPY_PASS=R < D)
+    sig.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(ASTSource(_rope_kernel, sig, consts, attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out[f"{dtype}-{layout}-D{D}-R{R}"] = re.findall(r"st\.global[.\w]*", kernel.asm["ptx"])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_sm90_with_16_byte_stores():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = [["fp16", "half", 128, 128], ["bf16", "interleaved", 128, 128],
+             ["fp16", "interleaved", 192, 64], ["fp32", "half", 64, 64]]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _PTX_SCRIPT, json.dumps(cases)],
+        capture_output=True, text=True, env=env, cwd=root, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stores = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(stores) == len(cases)
+    for case, found in stores.items():
+        assert found and set(found) == {"st.global.v4.b32"}, f"{case}: {sorted(set(found))}"
