@@ -20,10 +20,9 @@ allocated before it (outputs, gradients and workspace).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.plot_benchmarks import plot_op  # noqa: E402
 from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
+from experiments.timing import input_sets, time_ms  # noqa: E402
 from fused_rope.frequencies import rope_angles, rope_frequencies  # noqa: E402
 from fused_rope.rope import TileConfig, apply_rope_qk, rope_fwd, tile_config  # noqa: E402
 
@@ -54,32 +54,12 @@ def shape_id(shape) -> str:
     return f"B{B}-HQ{HQ}-HK{HK}-N{N}-D{D}"
 
 
-def timer(fn, grad_to_none=None, quick=False) -> tuple[float, float, float]:
-    """(median, 20th, 80th percentile) in ms: do_bench on CUDA, wall clock on the CPU."""
-    if torch.cuda.is_available():
-        import triton.testing
-
-        rep = 20 if quick else 100
-        q = triton.testing.do_bench(
-            fn, rep=rep, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8]
-        )
-        return tuple(q)
-    fn()  # compile / warm up
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return statistics.median(times), times[0], times[-1]
-
-
 def copy_bandwidth(device, quick: bool) -> tuple[float, float]:
     """(ms, GB/s) of a device-to-device copy, bytes read + written."""
     n = (1 << 20) if quick else (1 << 29)  # fp16 elements: 2 MiB or 1 GiB
     src = torch.randn(n, device=device, dtype=torch.float16)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src), quick=quick)[0]
+    ms = time_ms(lambda: dst.copy_(src), graph=False, rep_ms=20 if quick else 100)[0]
     return ms, 2 * src.numel() * src.element_size() / ms / 1e6
 
 
@@ -148,11 +128,17 @@ def max_error(fn, q, k, angles) -> float:
 
 
 def run_case(shape, dtype_name, copy_gbps, env, device, quick) -> list[dict]:
+    """Times every provider on ``shape``. ``ms`` is GPU time (a CUDA graph of many calls that
+    cycle through enough input copies to defeat L2); the note adds the eager time per call
+    (``do_bench``: Python, autograd and launch overhead included)."""
     dtype = DTYPES[dtype_name]
     q, k, angles, cos, sin = inputs(shape, dtype, device)
     torch._dynamo.reset()  # a fresh compile per case: no cache-size fallback to eager
     rows = []
     moved = 2 * (q.numel() + k.numel()) * q.element_size()
+    n_sets = input_sets(moved, device)
+    sets = [(q, k)] + [(torch.randn_like(q), torch.randn_like(k)) for _ in range(n_sets - 1)]
+    rep = 20 if quick else 100
     for name, fn in providers(angles, cos, sin, device).items():
         for mode in MODES:
             row = dict(
@@ -162,26 +148,28 @@ def run_case(shape, dtype_name, copy_gbps, env, device, quick) -> list[dict]:
                 rows.append(dict(row, note=fn))
                 continue
             if mode == "fwd":
-                args = (q, k)
-                call = lambda fn=fn, args=args: fn(*args)
+                calls = [lambda fn=fn, a=a: fn(*a) for a in sets]
                 grads = None
             else:
-                qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
-                dq, dk = torch.randn_like(q), torch.randn_like(k)
-                call = lambda fn=fn, qg=qg, kg=kg, dq=dq, dk=dk: torch.autograd.backward(
-                    fn(qg, kg), (dq, dk)
-                )
-                grads = [qg, kg]
-            ms, p20, p80 = timer(call, grad_to_none=grads, quick=quick)
+                grads = [t.detach().requires_grad_() for a in sets for t in a]
+                cots = [(torch.randn_like(a[0]), torch.randn_like(a[1])) for a in sets]
+                calls = [
+                    lambda fn=fn, qg=qg, kg=kg, c=c: torch.autograd.backward(fn(qg, kg), c)
+                    for qg, kg, c in zip(grads[0::2], grads[1::2], cots, strict=True)
+                ]
+            cycle = itertools.cycle(calls)
+            ms, p20, p80 = time_ms(lambda c=cycle: next(c)(), grad_to_none=grads, rep_ms=rep)
+            eager_ms = time_ms(calls[0], graph=False, grad_to_none=grads, rep_ms=rep)[0]
             for g in grads or ():
                 g.grad = None  # the peak-memory call must not accumulate into old gradients
-            peak = peak_extra_mib(call, device)
+            peak = peak_extra_mib(calls[0], device)
             gbps = moved * (1 if mode == "fwd" else 2) / ms / 1e6
             err = max_error(fn, q, k, angles)
             rows.append(
                 dict(
                     row, ms=ms, ms_p20=p20, ms_p80=p80, gbps=gbps, peak_mem_mib=peak,
-                    note=f"{100 * gbps / copy_gbps:.0f}% of copy bw; max err {err:.1e}",
+                    note=f"{100 * gbps / copy_gbps:.0f}% of copy bw; eager {eager_ms:.4f} ms/call; "
+                    f"max err {err:.1e}",
                 )
             )  # fmt: skip
     return rows
@@ -246,7 +234,7 @@ def tune_shape(shape, device, dtype=torch.bfloat16) -> None:
     B, HQ, HK, N, D = shape
     q, k, angles, _, _ = inputs(shape, dtype, device)
     moved = 2 * (q.numel() + k.numel()) * q.element_size()
-    run = lambda cfg: timer(lambda: rope_fwd(q, k, angles, "half", D, 1.0, 1.0, config=cfg))[0]
+    run = lambda cfg: time_ms(lambda: rope_fwd(q, k, angles, "half", D, 1.0, 1.0, config=cfg))[0]
     base = tile_config(B, N, HQ, HK, D, device)
     configs = {
         TileConfig(bn, min(bh, triton.next_power_of_2(HQ)), min(bh, triton.next_power_of_2(HK)), nw)
