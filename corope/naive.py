@@ -99,7 +99,7 @@ def _chunk_rows(
         "bghmd,bgmnd->bghmn", q2, kr2
     )
     if R < q.shape[-1]:
-        scores = scores + q[..., R:] @ k[..., None, R:].transpose(-1, -2)
+        scores = scores + q[..., R:] @ k[:, :, None, :, R:].transpose(-1, -2)
     scores = (s * scores).masked_fill(~causal, float("-inf"))  # [B, HKV, G, M, N]
     lse = torch.logsumexp(scores, dim=-1)  # [B, HKV, G, M]
     p = torch.exp(scores - lse[..., None])

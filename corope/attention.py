@@ -1,0 +1,132 @@
+"""The public Co-RoPE-GQA attention: input checks, torch custom ops, autograd.
+
+``corope::attention`` (forward: ``o, lse``) and ``corope::attention_backward`` (``dq, dk, dv``)
+are ``torch.library`` custom ops with fake (meta) implementations, so
+``torch.compile(fullgraph=True)`` traces through them; ``register_autograd`` ties the
+backward op to the forward. The same ops run the kernels in the Triton interpreter on the
+CPU when ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from corope.forward import SUPPORTED_HEAD_DIMS, corope_fwd
+from corope.naive import check_corope_inputs, corope_inv_freq
+from fused_rope._validation import KERNEL_DTYPES, check_kernel_device
+
+
+@torch.library.custom_op("corope::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inv_freq: torch.Tensor,
+    softmax_scale: float,
+    rope_dim: int,
+    leader: str,
+    detach_mileage: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # detach_mileage and deterministic only matter to the backward; they are arguments here
+    # so that the autograd context receives them.
+    return corope_fwd(q, k, v, inv_freq, softmax_scale, rope_dim, leader)
+
+
+@_attention_op.register_fake
+def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic):
+    B, HQ, N, _ = q.shape
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return o, q.new_empty((B, HQ, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("corope::attention_backward", mutates_args=())
+def _attention_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    inv_freq: torch.Tensor,
+    softmax_scale: float,
+    rope_dim: int,
+    leader: str,
+    detach_mileage: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from corope.backward import corope_bwd  # written in parallel (task D); the lead may hoist it
+
+    return corope_bwd(
+        do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic
+    )
+
+
+@_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, inv_freq)
+    ctx.args = (softmax_scale, rope_dim, leader, detach_mileage, deterministic)
+
+
+def _backward(ctx, do, dlse):
+    # lse is an auxiliary output for the backward; gradients through it are not supported.
+    q, k, v, o, lse, inv_freq = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(do.contiguous(), q, k, v, o, lse, inv_freq, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def corope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    theta: float = 10000.0,
+    inv_freq: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    rope_dim: int | None = None,
+    leader: str = "first",
+    detach_mileage: bool = False,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Causal Co-RoPE-GQA attention with fused Triton kernels, differentiable in q, k, v.
+
+    Same function as ``corope.corope_attention_ref`` (the math is in ``corope/README.md``).
+
+    Args:
+        q: ``[B, HQ, N, D]``; head ``h`` belongs to KV group ``h // (HQ // HKV)``.
+        k, v: ``[B, HKV, N, D]`` with ``HQ % HKV == 0``. fp16, bf16 or fp32, one dtype and one
+            CUDA device for all three (the CPU only under ``TRITON_INTERPRET=1``);
+            ``D`` in ``SUPPORTED_HEAD_DIMS`` (32, 64, 128, 256). Any strides.
+        theta: RoPE base; ``w[d] = theta ** (-2d / R)``.
+        inv_freq: ``[R/2]`` frequencies overriding ``theta`` (``fused_rope.rope_frequencies``).
+        softmax_scale: ``s`` (default ``1 / sqrt(D)``), scaling both gates and scores.
+        rope_dim: ``R``, even, at most ``D`` (default ``D``); channels ``R:`` are a plain dot.
+        leader: ``"first"`` or ``"mean"``: which query computes the group's gates.
+        detach_mileage: hold the mileage constant in the backward (an ablation).
+        deterministic: ask the backward kernel for its deterministic (atomic-free) mode.
+
+    Returns:
+        ``o`` ``[B, HQ, N, D]`` in q's dtype (contiguous).
+    """
+    R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale)
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"q, k, v must be one of {[str(d) for d in KERNEL_DTYPES]} for the kernels, got "
+            f"{q.dtype} (corope_attention_ref runs float64)"
+        )
+    check_kernel_device(q.device, "q")
+    D = q.shape[-1]
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    w = corope_inv_freq(R, theta, inv_freq, q.device)
+    o, _ = _attention_op(q, k, v, w, s, R, leader, bool(detach_mileage), bool(deterministic))
+    return o

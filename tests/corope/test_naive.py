@@ -1,0 +1,101 @@
+"""Properties of the Co-RoPE-GQA reference (corope/naive.py), the ground truth of the kernels.
+
+Everything here runs in float64 on the CPU (or the GPU when present): these are identities
+of the math, so the tolerances are float64 round-off, not kernel tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corope.naive import corope_attention_ref, corope_inv_freq
+from fused_rope.naive import apply_rope_ref
+from tests.helpers import DEVICE, assert_close
+
+F64 = dict(device=DEVICE, dtype=torch.float64)
+
+
+def _qkv(B, HQ, HKV, N, D):
+    return (
+        torch.randn(B, HQ, N, D, **F64),
+        torch.randn(B, HKV, N, D, **F64),
+        torch.randn(B, HKV, N, D, **F64),
+    )
+
+
+def _rope_attention(q, k, v, rope_dim, theta, scale):
+    """RoPE (split-half, positions 0..N-1) + causal softmax attention, float64, GQA by repeat."""
+    N, D = q.shape[-2:]
+    inv_freq = corope_inv_freq(rope_dim, theta, None, q.device).double()
+    angles = torch.arange(N, **F64)[:, None] * inv_freq  # [N, R/2]
+    qr = apply_rope_ref(q, angles, "half", rope_dim)
+    kr = apply_rope_ref(k, angles, "half", rope_dim)
+    G = q.shape[1] // k.shape[1]
+    kr, vr = kr.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = scale * qr @ kr.transpose(-1, -2)
+    causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ vr
+
+
+@pytest.mark.parametrize(
+    "B, HQ, HKV, N, D, rope_dim",
+    [
+        pytest.param(1, 2, 2, 9, 8, None, id="G1-N9-D8"),
+        pytest.param(2, 4, 1, 17, 16, None, id="G4-N17-D16"),
+        pytest.param(1, 6, 2, 13, 16, 8, id="G3-N13-D16-R8"),
+    ],
+)
+def test_unit_gates_is_rope_attention(B, HQ, HKV, N, D, rope_dim):
+    q, k, v = _qkv(B, HQ, HKV, N, D)
+    out = corope_attention_ref(q, k, v, rope_dim=rope_dim, theta=500.0, unit_gates=True)
+    ref = _rope_attention(q, k, v, rope_dim or D, 500.0, D**-0.5)
+    assert_close("unit gates vs RoPE attention", out, ref, atol=1e-10, rtol=1e-12)
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
+def test_chunk_size_invariance(leader):
+    q, k, v = _qkv(1, 4, 2, 23, 16)
+    full, lse_full = corope_attention_ref(q, k, v, leader=leader, chunk_size=23, return_lse=True)
+    for chunk in (1, 5, 8):
+        out, lse = corope_attention_ref(q, k, v, leader=leader, chunk_size=chunk, return_lse=True)
+        assert_close(f"o, chunk {chunk}", out, full, atol=1e-12, rtol=1e-13)
+        assert_close(f"lse, chunk {chunk}", lse, lse_full, atol=1e-12, rtol=1e-13)
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
+def test_gradcheck(leader):
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 4, 2, 6, 4))
+    fn = lambda q, k, v: corope_attention_ref(q, k, v, leader=leader, theta=10.0, chunk_size=4)
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6)
+
+
+def test_detach_mileage_changes_gradients_not_outputs():
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 4, 2, 11, 8))
+    do = torch.randn(1, 4, 11, 8, **F64)
+    o_full = corope_attention_ref(q, k, v, theta=10.0)
+    g_full = torch.autograd.grad(o_full, (q, k, v), do)
+    o_det = corope_attention_ref(q, k, v, theta=10.0, detach_mileage=True)
+    g_det = torch.autograd.grad(o_det, (q, k, v), do)
+    assert torch.equal(o_full, o_det)
+    # v only enters through the softmax weights, which do not depend on the detach.
+    assert_close("dv", g_det[2], g_full[2], atol=1e-12, rtol=1e-12)
+    for name, a, b in (("dq", g_det[0], g_full[0]), ("dk", g_det[1], g_full[1])):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel > 1e-3, f"{name} barely changed ({rel:.2e}): the mileage path carries no gradient"
+
+
+def test_mean_leader_with_one_head_per_group_is_first():
+    q, k, v = _qkv(2, 3, 3, 10, 8)
+    first, lse1 = corope_attention_ref(q, k, v, leader="first", return_lse=True)
+    mean, lse2 = corope_attention_ref(q, k, v, leader="mean", return_lse=True)
+    assert_close("o", mean, first, atol=1e-13, rtol=1e-13)
+    assert_close("lse", lse2, lse1, atol=1e-13, rtol=1e-13)
+
+
+def test_leaders_differ_for_groups():
+    # Guards the test above against a reference that ignores the leader altogether.
+    q, k, v = _qkv(1, 4, 1, 10, 8)
+    first = corope_attention_ref(q, k, v, leader="first")
+    mean = corope_attention_ref(q, k, v, leader="mean")
+    assert (first - mean).abs().max().item() > 1e-3
