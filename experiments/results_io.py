@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import os
 import subprocess
 from pathlib import Path
 
@@ -41,8 +42,9 @@ def environment() -> dict[str, str]:
     import torch
     import triton
 
+    commit = os.environ.get("GIT_COMMIT")  # set by runs on machines that get no .git
     try:
-        commit = subprocess.run(
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
