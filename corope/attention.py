@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from corope.backward import corope_bwd
 from corope.forward import SUPPORTED_HEAD_DIMS, corope_fwd
 from corope.naive import check_corope_inputs, corope_inv_freq
 from fused_rope._validation import KERNEL_DTYPES, check_kernel_device
@@ -55,8 +56,6 @@ def _attention_backward_op(
     detach_mileage: bool,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from corope.backward import corope_bwd  # written in parallel (task D); the lead may hoist it
-
     return corope_bwd(
         do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic
     )
@@ -77,7 +76,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     # lse is an auxiliary output for the backward; gradients through it are not supported.
     q, k, v, o, lse, inv_freq = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do.contiguous(), q, k, v, o, lse, inv_freq, *ctx.args)
+    dq, dk, dv = _attention_backward_op(do, q, k, v, o, lse, inv_freq, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 

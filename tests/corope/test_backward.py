@@ -1,0 +1,203 @@
+"""The fused Co-RoPE-GQA backward (corope/backward.py) against autograd through the reference.
+
+Every case draws fresh random q, k, v and a random cotangent ``do``, runs the kernel on
+the forward's ``o`` and ``lse`` taken from the reference, and applies flash-attention's
+rule to dq, dk and dv: the kernel's error against float64 autograd (on the same rounded
+inputs) is at most twice the error of the reference run in the kernel's dtype.
+
+For fp32 inputs that baseline is autograd through the reference in fp32. For fp16 and
+bf16 inputs the reference itself computes in fp32 (it upcasts), so its baseline is
+"fp32 math on the half-precision inputs, gradients rounded to half": the honest best a
+PyTorch implementation can do in that dtype, and a stricter bar than a pure-half run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corope.backward import corope_bwd
+from corope.naive import corope_attention_ref, corope_inv_freq
+from tests.helpers import DEVICE, assert_close_to_baseline
+
+
+def _inputs(B, HQ, HKV, N, D, dtype):
+    """Random q, k, v, do in ``dtype``; the fp64 truth uses these same rounded values."""
+    q = torch.randn(B, HQ, N, D, device=DEVICE).to(dtype)
+    k = torch.randn(B, HKV, N, D, device=DEVICE).to(dtype)
+    v = torch.randn(B, HKV, N, D, device=DEVICE).to(dtype)
+    do = torch.randn(B, HQ, N, D, device=DEVICE).to(dtype)
+    return q, k, v, do
+
+
+def _ref_grads(q, k, v, do, dtype, **kw):
+    """(o, lse, dq, dk, dv) of autograd through the reference with inputs cast to ``dtype``."""
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    o, lse = corope_attention_ref(q, k, v, return_lse=True, **kw)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do.to(dtype))
+    return o.detach(), lse.detach(), dq, dk, dv
+
+
+def _check(B, HQ, HKV, N, D, rope_dim=None, leader="first", detach_mileage=False,
+           dtype=torch.float32, deterministic=False):  # fmt: skip
+    q, k, v, do = _inputs(B, HQ, HKV, N, D, dtype)
+    kw = dict(rope_dim=rope_dim, leader=leader, detach_mileage=detach_mileage)
+    truth = _ref_grads(q, k, v, do, torch.float64, **kw)
+    o, lse, *baseline = _ref_grads(q, k, v, do, dtype, **kw)
+    R = D if rope_dim is None else rope_dim
+    w = corope_inv_freq(R, 10000.0, None, q.device)
+    grads = corope_bwd(
+        do, q, k, v, o, lse.float(), w, D**-0.5, R, leader, detach_mileage, deterministic
+    )
+    for name, out, ref, base, like in zip(
+        ("dq", "dk", "dv"), grads, truth[2:], baseline, (q, k, v), strict=True
+    ):
+        assert out.dtype == like.dtype and out.shape == like.shape, name
+        if ref.abs().max() == 0:
+            # N = 1: one key, P = 1, dS = 0, so dq = dk = 0 exactly; the kernel's dP - Drow
+            # is a difference of two fp32 dot products and leaves rounding residue.
+            assert out.abs().max() <= 1e-5, f"{name}: {out.abs().max():.3e} where 0 is exact"
+            continue
+        assert_close_to_baseline(name, out, ref, base)
+    return q, k, v, do, o, lse, w, grads
+
+
+# (B, HQ, HKV, N, D, rope_dim, leader): group sizes 1, 2, 3, 4, 8, 16; N not a multiple of
+# the interpreter's 32-row tile; both leaders; rope_dim < D (pass-through channels); a head
+# dim that is not a power of two.
+CASES = [
+    pytest.param(1, 1, 1, 1, 64, None, "first", id="G1-N1-D64"),
+    pytest.param(2, 2, 2, 63, 64, None, "first", id="B2-G1-N63-D64"),
+    pytest.param(1, 4, 2, 64, 128, None, "first", id="G2-N64-D128"),
+    pytest.param(1, 4, 2, 40, 128, 96, "mean", id="G2-N40-D128-R96-mean"),
+    pytest.param(1, 6, 2, 33, 64, None, "mean", id="G3-N33-D64-mean"),
+    pytest.param(1, 4, 1, 63, 64, 32, "first", id="G4-N63-D64-R32"),
+    pytest.param(1, 8, 1, 47, 64, None, "mean", id="G8-N47-D64-mean"),
+    pytest.param(1, 8, 1, 20, 64, 48, "first", id="G8-N20-D64-R48"),
+    pytest.param(1, 16, 1, 35, 64, None, "mean", id="G16-N35-D64-mean"),
+    pytest.param(1, 2, 1, 45, 96, None, "first", id="G2-N45-D96"),
+]
+
+
+@pytest.mark.parametrize("B, HQ, HKV, N, D, rope_dim, leader", CASES)
+def test_backward_fp32(B, HQ, HKV, N, D, rope_dim, leader):
+    _check(B, HQ, HKV, N, D, rope_dim, leader)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("leader", ["first", "mean"])
+def test_backward_long_sequence(leader):
+    # Sixteen query tiles in the interpreter: carries across many key tiles.
+    _check(1, 2, 1, 500, 64, None, leader)
+
+
+@pytest.mark.parametrize(
+    "B, HQ, HKV, N, D, rope_dim, leader",
+    [
+        pytest.param(1, 2, 2, 63, 64, None, "first", id="G1-N63-D64"),
+        pytest.param(1, 4, 1, 64, 128, 64, "mean", id="G4-N64-D128-R64-mean"),
+        pytest.param(1, 8, 1, 37, 64, None, "first", id="G8-N37-D64"),
+    ],
+)
+def test_backward_fp16(B, HQ, HKV, N, D, rope_dim, leader):
+    _check(B, HQ, HKV, N, D, rope_dim, leader, dtype=torch.float16)
+
+
+def test_backward_strided_inputs():
+    # [B, N, H, D] storage viewed as [B, H, N, D]: the kernel reads any strides.
+    B, HQ, HKV, N, D = 1, 4, 2, 50, 64
+    q, k, v, do = (
+        torch.randn(B, N, h, D, device=DEVICE).transpose(1, 2) for h in (HQ, HKV, HKV, HQ)
+    )
+    o, lse, *_ = _ref_grads(q, k, v, do, torch.float32)
+    w = corope_inv_freq(D, 10000.0, None, q.device)
+    strided = corope_bwd(do, q, k, v, o, lse, w, D**-0.5, D, "first", False)
+    dense = (x.contiguous() for x in (do, q, k, v, o))
+    for a, b in zip(strided, corope_bwd(*dense, lse, w, D**-0.5, D, "first", False), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
+def test_backward_detach_mileage(leader):
+    _check(1, 4, 2, 63, 64, None, leader, detach_mileage=True)
+
+
+def test_detach_mileage_changes_the_gradients():
+    # The mileage path carries real gradient: dropping it moves dq and dk but not dv.
+    q, k, v, do, o, lse, w, full = _check(1, 4, 2, 50, 64)
+    cut = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "first", True)
+    for name, a, b in zip(("dq", "dk"), full[:2], cut[:2], strict=True):
+        assert (a - b).abs().max() > 1e-3 * a.abs().max(), name
+    torch.testing.assert_close(full[2], cut[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_deterministic(dtype):
+    q, k, v, do, o, lse, w, first = _check(
+        1, 6, 2, 100, 64, None, "mean", dtype=dtype, deterministic=True
+    )
+    again = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False, True)
+    for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
+def test_backward_validates_inputs():
+    q, k, v, do = _inputs(1, 2, 1, 8, 64, torch.float32)
+    lse = torch.zeros(1, 2, 8, device=DEVICE)
+    w = corope_inv_freq(64, 10000.0, None, q.device)
+    args = (do, q, k, v, q, lse, w, 0.125, 64, "first", False)
+
+    def call(**changes):
+        names = ("do", "q", "k", "v", "o", "lse", "inv_freq", "s", "rope_dim", "leader", "detach")
+        values = dict(zip(names, args, strict=True)) | changes
+        return corope_bwd(*values.values())
+
+    with pytest.raises(ValueError, match="^do must have q's shape"):
+        call(do=do[:, :, :4])
+    with pytest.raises(TypeError, match="^o must have q's dtype"):
+        call(o=q.half())
+    with pytest.raises(TypeError, match="^lse must have dtype"):
+        call(lse=lse.double())
+    with pytest.raises(ValueError, match=r"^lse must be \[B, HQ, N\]"):
+        call(lse=lse[:, :1])
+    with pytest.raises(ValueError, match="^inv_freq must have rope_dim // 2"):
+        call(inv_freq=w[:3])
+    with pytest.raises(ValueError, match="^leader must be one of"):
+        call(leader="last")
+    with pytest.raises(ValueError, match="^rope_dim must be even"):
+        call(rope_dim=7)
+    with pytest.raises(ValueError, match="must be a multiple of"):
+        call(k=torch.randn(1, 3, 8, 64, device=DEVICE), v=torch.randn(1, 3, 8, 64, device=DEVICE))
+    with pytest.raises(TypeError, match="^q must have dtype in"):
+        call(q=q.double(), k=k.double(), v=v.double(), do=do.double(), o=q.double())
+
+
+GPU_CASES = [
+    pytest.param(1, 4, 2, 4096, 128, None, "first", id="G2-N4096-D128"),
+    pytest.param(1, 8, 1, 4096, 64, None, "mean", id="G8-N4096-D64-mean"),
+    pytest.param(2, 8, 2, 1000, 64, 32, "first", id="B2-G4-N1000-D64-R32"),
+    pytest.param(1, 16, 1, 777, 128, None, "first", id="G16-N777-D128"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("B, HQ, HKV, N, D, rope_dim, leader", GPU_CASES)
+def test_backward_gpu(B, HQ, HKV, N, D, rope_dim, leader, dtype):
+    _check(B, HQ, HKV, N, D, rope_dim, leader, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("detach_mileage", [False, True])
+def test_backward_deterministic_gpu(detach_mileage):
+    # Many query tiles race for the same key tiles: the default mode's atomics would
+    # round differently from run to run, the ordered mode must not.
+    q, k, v, do, o, lse, w, first = _check(
+        1, 8, 2, 3000, 128, None, "first", detach_mileage, torch.bfloat16, deterministic=True
+    )
+    for _ in range(3):
+        again = corope_bwd(
+            do, q, k, v, o, lse.float(), w, 128**-0.5, 128, "first", detach_mileage, True
+        )
+        for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
