@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from corope import corope_attention, corope_attention_ref  # noqa: E402
 from corope.naive import _chunk_rows, corope_inv_freq  # noqa: E402
 from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
+from experiments.timing import time_ms  # noqa: E402
 from fused_rope.naive import apply_rope_ref  # noqa: E402
 
 OP = "corope"
@@ -54,23 +53,9 @@ def shape_id(B, HQ, HKV, N, D) -> str:
 
 
 def timer(fn, grad_to_none=None, quick=False) -> tuple[float, float, float]:
-    """(median, 20th, 80th percentile) in ms: do_bench on CUDA, wall clock on the CPU."""
-    if torch.cuda.is_available():
-        import triton.testing
-
-        return tuple(
-            triton.testing.do_bench(
-                fn, rep=20 if quick else 100, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8]
-            )
-        )
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return statistics.median(times), times[0], times[-1]
+    """(median, 20th, 80th percentile) ms per call; ``do_bench`` on CUDA: these kernels take
+    milliseconds, so the host's launch overhead does not matter."""
+    return time_ms(fn, graph=False, grad_to_none=grad_to_none, rep_ms=20 if quick else 100)
 
 
 def peak_extra_mib(fn, device, exclude_bytes: int = 0) -> float | None:
