@@ -3,9 +3,11 @@
 Public API:
     rope_frequencies, rope_angles, mrope_angles, nd_rope_frequencies, nd_rope_angles
     apply_rope, apply_rope_qk        (Triton, autograd, torch.compile-able)
-    apply_rope_ref                    (the PyTorch reference)
+    rope_attention                    (RoPE fused into FlashAttention-2, Triton)
+    apply_rope_ref, rope_attention_ref (the PyTorch references)
 """
 
+from fused_rope.attention import rope_attention
 from fused_rope.frequencies import (
     SCALING_TYPES,
     mrope_angles,
@@ -14,7 +16,7 @@ from fused_rope.frequencies import (
     rope_angles,
     rope_frequencies,
 )
-from fused_rope.naive import apply_rope_ref
+from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from fused_rope.rope import apply_rope, apply_rope_qk
 
 __all__ = [
@@ -26,5 +28,7 @@ __all__ = [
     "nd_rope_angles",
     "nd_rope_frequencies",
     "rope_angles",
+    "rope_attention",
+    "rope_attention_ref",
     "rope_frequencies",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from fused_rope._validation import check_angles, check_float_tensor, check_layout, check_rope_dim
+from fused_rope.frequencies import rope_angles, rope_frequencies
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -89,7 +90,6 @@ def rope_attention_ref(
         ``o [B, HQ, NQ, D]`` in q's dtype (0 for a query that sees no key) and the
         natural-log ``lse [B, HQ, NQ]`` in the compute dtype (``-inf`` for such a query).
     """
-    from fused_rope.frequencies import rope_angles, rope_frequencies
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(x, name, ndim=4)
@@ -99,7 +99,8 @@ def rope_attention_ref(
         raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads")
     R = check_rope_dim(rope_dim, D)
     if inv_freq is None:
-        inv_freq, _ = rope_frequencies(R, theta)
+        inv_freq, _ = rope_frequencies(R, theta, device=q.device)
+    inv_freq = inv_freq.to(q.device)
     if q_positions is None and positions is not None and NQ > NK:
         raise ValueError(f"NQ={NQ} > NK={NK} with explicit positions: pass q_positions")
     if positions is None:

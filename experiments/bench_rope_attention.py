@@ -1,0 +1,317 @@
+"""Benchmark: attention with RoPE, every provider in one process on one GPU.
+
+Providers (causal, fp16 and bf16, forward and forward+backward):
+
+* ``rope_attention``: ``fused_rope.rope_attention`` as a user calls it (``impl="auto"``).
+* ``fused``: the fused Triton kernel alone (``impl="fused"``, default positions: the kernels
+  generate them and use the angle addition inside the loops).
+* ``fused_pos_tensor``: the fused kernel given ``positions`` as a tensor (the general path: a
+  full sin/cos per loaded tile).
+* ``triton_rope+sdpa``: ``impl="separate"``, this project's Triton RoPE over q and k
+  (``fused_rope.rope.apply_rope_qk``) then PyTorch's SDPA.
+* ``sdpa_no_rope``: ``scaled_dot_product_attention`` without RoPE, the floor.
+* ``eager_rope+sdpa``: Hugging Face's rotation (``rotate_half``, cos/sin tables in the dtype,
+  computed once outside the timing as HF models do) then SDPA.
+* ``liger_rope+sdpa``: Liger-Kernel's ``liger_rotary_pos_emb`` then SDPA (if installed).
+* ``compile(rope+sdpa)``: ``torch.compile`` of the eager provider.
+
+TFLOPS counts ``4*B*H*N^2*D/2`` for the causal forward (H = query heads) and 3.5 times that
+for forward+backward, as ``/work/shared/docs/anchors.md``. Targets, per shape, dtype and pass:
+``rope_attention <= 1.10 x sdpa_no_rope`` and ``<= 0.9 x min(liger, compile)``.
+
+    python experiments/bench_rope_attention.py                      # GPU, results/ files
+    python experiments/bench_rope_attention.py --quick --out /tmp/b  # CPU smoke (interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the import of any Triton kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.nn.functional as F  # noqa: E402
+
+from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
+from experiments.timing import input_sets, time_ms  # noqa: E402
+from fused_rope.attention import rope_attention  # noqa: E402
+from fused_rope.frequencies import rope_angles, rope_frequencies  # noqa: E402
+
+OP = "rope_attention"
+# name -> (B, HQ, HKV, N, D)
+SHAPES = {
+    "Small-1K": (4, 8, 8, 1024, 64),
+    "Llama7B-2K": (2, 32, 32, 2048, 128),
+    "Llama7B-4K": (2, 32, 32, 4096, 128),
+    "Long-16K": (1, 8, 8, 16384, 128),
+    "GQA-4K": (2, 32, 8, 4096, 128),
+}
+QUICK_SHAPES = {"Tiny": (1, 2, 2, 64, 32), "Tiny-GQA": (1, 4, 2, 48, 32)}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MODES = ("fwd", "fwd+bwd")
+MAIN = "rope_attention"
+
+
+def shape_label(name: str, shape) -> str:
+    B, HQ, HKV, N, D = shape
+    heads = f"{HQ}/{HKV}" if HQ != HKV else f"{HQ}"
+    return f"{name} ({B},{heads},{N},{D})"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def eager_rope_sdpa(q, k, v, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb (cos/sin ``[1, 1, N, D]`` in the dtype), then SDPA."""
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def providers(cos, sin, device) -> dict:
+    """name -> fn(q, k, v) -> o, or a string saying why the provider cannot run."""
+    N = cos.shape[-2]
+    positions = torch.arange(N, device=device)
+    cos4, sin4 = cos[None, None], sin[None, None]
+    out = {
+        MAIN: lambda q, k, v: rope_attention(q, k, v),
+        "fused": lambda q, k, v: rope_attention(q, k, v, impl="fused"),
+        "fused_pos_tensor": lambda q, k, v: rope_attention(
+            q, k, v, positions=positions, impl="fused"
+        ),
+        "triton_rope+sdpa": lambda q, k, v: rope_attention(q, k, v, impl="separate"),
+        "sdpa_no_rope": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        ),
+        "eager_rope+sdpa": lambda q, k, v: eager_rope_sdpa(q, k, v, cos4, sin4),
+    }
+    if device.type != "cuda":
+        out["liger_rope+sdpa"] = out["compile(rope+sdpa)"] = "needs CUDA"
+        return out
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+        def liger(q, k, v):
+            q, k = liger_rotary_pos_emb(q, k, cos[None], sin[None])
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            )
+
+        out["liger_rope+sdpa"] = liger
+    except ImportError:
+        out["liger_rope+sdpa"] = "liger-kernel not installed"
+    compiled = torch.compile(eager_rope_sdpa, dynamic=False)
+    out["compile(rope+sdpa)"] = lambda q, k, v: compiled(q, k, v, cos4, sin4)
+    return out
+
+
+def peak_extra_mib(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[dict]:
+    """Times every provider on ``shape``. ``ms`` is GPU time (``experiments.timing.time_ms``: a
+    CUDA graph of many calls cycling through enough input copies to defeat L2); the note adds
+    the eager time per call (``do_bench``: Python, autograd and launch overhead included)."""
+    B, HQ, HKV, N, D = shape
+    dtype = DTYPES[dtype_name]
+    torch._dynamo.reset()  # a fresh compile per case: no cache-size fallback to eager
+    make = lambda h: torch.randn(B, h, N, D, device=device, dtype=dtype, requires_grad=True)
+    n_sets = input_sets(N * D * (HQ + 2 * HKV) * dtype.itemsize, device)
+    sets = [(make(HQ), make(HKV), make(HKV)) for _ in range(n_sets)]
+    grads = [t for s in sets for t in s]
+    do = torch.randn(B, HQ, N, D, device=device, dtype=dtype)
+    angles = rope_angles(torch.arange(N, device=device), rope_frequencies(D)[0].to(device))
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q, k, v = sets[0]
+    with torch.no_grad():
+        ref = eager_rope_sdpa(
+            q.float(), k.float(), v.float(), cos.float()[None, None], sin.float()[None, None]
+        )
+    fwd_flops = 4 * B * HQ * N * N * D / 2
+    rep = 20 if quick else 100
+    rows = []
+    for provider, fn in providers(cos, sin, device).items():
+        if only and provider not in only:
+            continue
+        base = dict(
+            op=OP, provider=provider, shape=shape_label(name, shape), dtype=dtype_name, **env
+        )
+        if isinstance(fn, str):
+            rows += [dict(base, mode=m, note=fn) for m in MODES]
+            continue
+        try:
+            with torch.no_grad():
+                err = (fn(q, k, v).float() - ref).abs().max().item()
+            for mode in MODES:
+                if mode == "fwd":
+                    calls = [lambda fn=fn, a=a: fn(*a) for a in sets]
+                    flops = fwd_flops
+                else:
+                    calls = [lambda fn=fn, a=a: fn(*a).backward(do) for a in sets]
+                    flops = 3.5 * fwd_flops
+                cycle = itertools.cycle(calls)
+                with torch.set_grad_enabled(mode != "fwd"):
+                    ms, p20, p80 = time_ms(
+                        lambda c=cycle: next(c)(), grad_to_none=grads, rep_ms=rep
+                    )
+                    eager_ms = time_ms(calls[0], graph=False, grad_to_none=grads, rep_ms=rep)[0]
+                    for t in grads:
+                        t.grad = None  # the peak-memory call must not accumulate old gradients
+                    peak = peak_extra_mib(calls[0], device)
+                note = f"eager {eager_ms:.4f} ms/call"
+                if provider != "sdpa_no_rope":
+                    note += f"; max abs error vs fp32 eager {err:.1e}"
+                rows.append(
+                    dict(
+                        base, mode=mode, ms=ms, ms_p20=p20, ms_p80=p80, tflops=flops / ms / 1e9,
+                        peak_mem_mib=peak, note=note,
+                    )
+                )  # fmt: skip
+        except Exception as e:  # a provider that fails must not hide the others' rows
+            note = f"failed: {type(e).__name__}: {e}"[:200]
+            rows += [dict(base, mode=m, note=note) for m in MODES]
+        for t in grads:
+            t.grad = None
+    return rows
+
+
+def verdicts(rows: list[dict]) -> list[dict]:
+    """One row per (shape, dtype, mode): rope_attention against the floor and the alternatives."""
+    out = []
+    keys = dict.fromkeys((r["shape"], r["dtype"], r["mode"]) for r in rows)
+    for shape, dtype, mode in keys:
+        ms = {
+            r["provider"]: r["ms"]
+            for r in rows
+            if (r["shape"], r["dtype"], r["mode"]) == (shape, dtype, mode) and r.get("ms")
+        }
+        if MAIN not in ms or "sdpa_no_rope" not in ms:
+            continue
+        vs_floor = ms[MAIN] / ms["sdpa_no_rope"]
+        alts = [ms[p] for p in ("liger_rope+sdpa", "compile(rope+sdpa)") if p in ms]
+        vs_alt = ms[MAIN] / min(alts) if alts else None
+        ok = vs_floor <= 1.10 and (vs_alt is None or vs_alt <= 0.9)
+        out.append(
+            dict(
+                shape=shape,
+                dtype=dtype,
+                mode=mode,
+                ms=ms[MAIN],
+                floor_ms=ms["sdpa_no_rope"],
+                vs_floor=round(vs_floor, 3),
+                vs_best_alt=None if vs_alt is None else round(vs_alt, 3),
+                fused_vs_separate=round(ms["fused"] / ms["triton_rope+sdpa"], 3)
+                if "fused" in ms and "triton_rope+sdpa" in ms
+                else None,
+                target="met" if ok else "MISSED",
+            )
+        )
+    return out
+
+
+def this_gpu_rows(csv_path: Path, gpu: str) -> list[dict]:
+    """The CSV's rows of this op and GPU, timings as floats (shapes in SHAPES order)."""
+    with csv_path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == OP and r["gpu"] == gpu]
+    for r in rows:
+        for key in ("ms", "tflops", "peak_mem_mib"):
+            r[key] = float(r[key]) if r[key] else None
+    order = {shape_label(n, s): i for i, (n, s) in enumerate({**SHAPES, **QUICK_SHAPES}.items())}
+    return sorted(rows, key=lambda r: order.get(r["shape"], len(order)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny shapes, fp16 only: a smoke run that also works on the CPU",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="folder for benchmarks.csv, the markdown and the PNG",
+    )
+    parser.add_argument("--shapes", nargs="*", default=None, help="subset of the shape names")
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument(
+        "--providers", nargs="*", default=None, help="subset of the providers (default: all)"
+    )
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        shapes = {n: shapes[n] for n in args.shapes}
+    dtypes = ["fp16"] if args.quick else args.dtypes
+    env = environment()
+    rows = []
+    for name, shape in shapes.items():
+        for dtype_name in dtypes:
+            rows += run_shape(name, shape, dtype_name, env, device, args.quick, args.providers)
+            print(f"done {name} {dtype_name}", flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    upsert_rows(rows, path=args.out / "benchmarks.csv")
+    # the tables cover every row of this op on this GPU, so runs split by --shapes add up
+    rows = this_gpu_rows(args.out / "benchmarks.csv", env["gpu"])
+    summary = verdicts(rows)
+    columns = ["shape", "dtype", "mode", "provider", "ms", "tflops", "peak_mem_mib", "note"]
+    v_columns = [
+        "shape",
+        "dtype",
+        "mode",
+        "ms",
+        "floor_ms",
+        "vs_floor",
+        "vs_best_alt",
+        "fused_vs_separate",
+        "target",
+    ]
+    met = sum(v["target"] == "met" for v in summary)
+    verdict = (
+        f"verdict: {met}/{len(summary)} (shape, dtype, pass) meet both targets "
+        f"(<= 1.10 x SDPA without RoPE, <= 0.9 x best of Liger and torch.compile)"
+    )
+    text = (
+        f"# {OP} benchmark\n\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+        f"commit {env['commit']}, {env['date']}. Causal; ms = median GPU time (CUDA graph).\n\n"
+        f"{markdown_table(rows, columns)}\n## Targets\n\n{markdown_table(summary, v_columns)}"
+        f"\n{verdict}\n"
+    )
+    (args.out / "bench_rope_attention.md").write_text(text)
+    try:
+        from experiments.plot_benchmarks import plot_op
+
+        print("plot:", plot_op(OP, args.out / "benchmarks.csv", args.out / f"{OP}.png", "ms"))
+    except Exception as e:  # matplotlib missing or no timed rows: the tables still stand
+        print(f"no plot: {type(e).__name__}: {e}")
+    print(markdown_table(summary, v_columns))
+    print(verdict)
+
+
+if __name__ == "__main__":
+    main()

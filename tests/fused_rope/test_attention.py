@@ -1,0 +1,524 @@
+"""RoPE fused into FlashAttention (fused_rope.attention) against RoPE + float64 attention.
+
+Every case checks o, lse and dq, dk, dv (random cotangents for o and for lse) with
+flash-attention's rule: the kernel's error against the float64 reference is at most twice
+the error of PyTorch in the kernel's dtype. That baseline is ``_torch_same_dtype``: RoPE
+computed in fp32 and cast to the dtype (apply_rope_ref), then an explicit
+``softmax(scale * q k^T) v`` whose matmuls, softmax and logsumexp run in the dtype.
+
+On CPU (Triton interpreter) a covering subset runs in fp32/fp16 at small shapes; on a GPU
+``test_gpu_product`` runs the full product of the options in fp16 and bf16 with each kernel's
+untuned config, and ``test_gpu_every_config`` runs every autotune config.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_rope import attention as attention_module
+from fused_rope.attention import rope_attention
+from fused_rope.frequencies import rope_angles, rope_frequencies
+from fused_rope.naive import apply_rope_ref, rope_attention_ref
+from tests.helpers import DEVICE, ON_GPU, assert_close, assert_close_to_baseline
+
+_TUNED_KERNELS = ("_rope_attn_fwd_kernel", "_rope_attn_bwd_dkdv_kernel", "_rope_attn_bwd_dq_kernel")
+
+
+def _use_config(monkeypatch, index: int) -> None:
+    """Makes every autotuned kernel run only its config ``index`` (fresh autotune cache)."""
+    for name in _TUNED_KERNELS:
+        kernel = getattr(attention_module, name)
+        monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
+        monkeypatch.setattr(kernel, "cache", {})
+
+
+@pytest.fixture(autouse=True)
+def _untuned(monkeypatch):
+    """On a GPU every new shape would autotune, compiling every config for every combination
+    of options: the sweeps run the untuned config; test_gpu_every_config covers the others."""
+    if ON_GPU:
+        _use_config(monkeypatch, -1)
+
+
+def _torch_same_dtype(
+    q, k, v, *, inv_freq, positions, q_positions, causal, scale, layout, rope_dim
+):
+    """The flash-attention rule's baseline: PyTorch attention in q's dtype (see module doc)."""
+    B, HQ, NQ, D = q.shape
+    HKV, NK = k.shape[1], k.shape[2]
+    q_rot = apply_rope_ref(q, rope_angles(q_positions, inv_freq), layout, rope_dim)
+    k_rot = apply_rope_ref(k, rope_angles(positions, inv_freq), layout, rope_dim)
+    k_rot = k_rot.repeat_interleave(HQ // HKV, dim=1)
+    v = v.repeat_interleave(HQ // HKV, dim=1)
+    s = (q_rot * scale) @ k_rot.transpose(-1, -2)
+    if causal:
+        i = torch.arange(NQ, device=q.device)[:, None]
+        j = torch.arange(NK, device=q.device)[None, :]
+        s = s.masked_fill(j > i + NK - NQ, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key output 0
+    return p @ v, lse
+
+
+def _loss(o, lse, do, dlse):
+    # rows with no visible key have lse = -inf and get no lse cotangent
+    return (o.float() * do).sum() + (lse.float().nan_to_num(0.0, neginf=0.0) * dlse).sum()
+
+
+def _check_case(
+    B,
+    HQ,
+    HKV,
+    NQ,
+    NK,
+    D,
+    *,
+    dtype,
+    causal=True,
+    layout="half",
+    rope_dim=None,
+    positions="default",
+    q_positions=False,
+    theta=10000.0,
+    inv_freq=None,
+    softmax_scale=None,
+    transposed=False,
+):
+    """Runs one configuration and checks o, lse, dq, dk, dv with the flash-attention rule.
+
+    positions: "default" (None), "shared" ([NK], shuffled offsets) or "batch" ([B, NK]).
+    q_positions: pass explicit (random) query positions.
+    transposed: q, k, v are [B, N, H, D] tensors seen through .transpose(1, 2).
+    """
+
+    def make(h, n):
+        if transposed:
+            return torch.randn(B, n, h, D, device=DEVICE, dtype=dtype).transpose(1, 2)
+        return torch.randn(B, h, n, D, device=DEVICE, dtype=dtype)
+
+    q, k, v = make(HQ, NQ), make(HKV, NK), make(HKV, NK)
+    pos = {
+        "default": None,
+        "shared": torch.randperm(4 * NK, device=DEVICE)[:NK],
+        "batch": torch.randint(0, 4 * NK, (B, NK), device=DEVICE),
+    }[positions]
+    qpos = torch.randint(0, 4 * NK, (B, NQ), device=DEVICE) if q_positions else None
+    kw = dict(
+        causal=causal,
+        layout=layout,
+        rope_dim=rope_dim,
+        positions=pos,
+        q_positions=qpos,
+        theta=theta,
+        inv_freq=inv_freq,
+        softmax_scale=softmax_scale,
+    )
+
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = rope_attention(*inputs, return_lse=True, impl="fused", **kw)
+    assert o.shape == q.shape and o.dtype == dtype
+    assert lse.shape == (B, HQ, NQ) and lse.dtype == torch.float32
+    do = torch.randn(o.shape, device=DEVICE)
+    dlse = torch.randn(lse.shape, device=DEVICE)
+    grads = torch.autograd.grad(_loss(o, lse, do, dlse), inputs)
+
+    inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o64, lse64 = rope_attention_ref(*inputs64, **kw)
+    grads64 = torch.autograd.grad(_loss(o64, lse64, do.double(), dlse.double()), inputs64)
+
+    R = rope_dim or D
+    freqs = inv_freq if inv_freq is not None else rope_frequencies(R, theta)[0]
+    kpos = pos if pos is not None else torch.arange(NK, device=DEVICE)
+    if qpos is None:
+        qpos = kpos[..., NK - NQ :] if NQ <= NK else torch.arange(NK - NQ, NK, device=DEVICE)
+    inputs_b = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o_b, lse_b = _torch_same_dtype(
+        *inputs_b,
+        inv_freq=freqs.to(DEVICE),
+        positions=kpos,
+        q_positions=qpos,
+        causal=causal,
+        scale=softmax_scale or D**-0.5,
+        layout=layout,
+        rope_dim=R,
+    )
+    grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), inputs_b)
+
+    empty = torch.isneginf(lse64)
+    assert torch.equal(torch.isneginf(lse), empty), "rows without a visible key must have lse=-inf"
+    assert torch.all(o[empty] == 0), "rows without a visible key must output 0"
+    finite = lambda t: t.masked_fill(empty, 0.0)
+    assert_close_to_baseline("o", o, o64, o_b)
+    assert_close_to_baseline("lse", finite(lse), finite(lse64), finite(lse_b.float()))
+    for name, g, g64, gb in zip(("dq", "dk", "dv"), grads, grads64, grads_b, strict=True):
+        assert g.shape == g64.shape and g.dtype == dtype, name
+        assert_close_to_baseline(name, g, g64, gb)
+
+
+# ------------------------------------------------------------- interpreter-sized subset
+
+CPU_CASES = [
+    # (B, HQ, HKV, NQ, NK, D, options)
+    pytest.param(2, 2, 2, 63, 63, 64, dict(), id="B2-H2-N63-D64-causal"),
+    pytest.param(1, 4, 1, 40, 100, 32, dict(layout="interleaved"), id="MQA4-NQ40-NK100-inter"),
+    pytest.param(1, 8, 2, 100, 40, 32, dict(rope_dim=16), id="GQA4-NQ100-NK40-partial16"),
+    pytest.param(
+        1,
+        8,
+        1,
+        33,
+        33,
+        32,
+        dict(causal=False, positions="batch", q_positions=True),
+        id="MQA8-N33-noncausal-batchpos-qpos",
+    ),
+    pytest.param(
+        2,
+        2,
+        1,
+        50,
+        63,
+        96,
+        dict(layout="interleaved", rope_dim=64, positions="shared"),
+        id="GQA2-D96-inter-partial64-sharedpos",
+    ),
+    pytest.param(1, 1, 1, 500, 500, 32, dict(), id="B1-H1-N500-D32-causal"),
+    pytest.param(
+        1, 2, 1, 30, 500, 32, dict(causal=False, rope_dim=20), id="NQ30-NK500-noncausal-partial20"
+    ),
+    pytest.param(
+        1,
+        2,
+        2,
+        48,
+        48,
+        128,
+        dict(layout="interleaved", transposed=True),
+        id="D128-inter-transposed",
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("B, HQ, HKV, NQ, NK, D, opts", CPU_CASES)
+def test_matches_reference(B, HQ, HKV, NQ, NK, D, opts, dtype):
+    _check_case(B, HQ, HKV, NQ, NK, D, dtype=dtype, **opts)
+
+
+def test_inv_freq_theta_and_scale():
+    """inv_freq overrides theta; theta and softmax_scale reach the kernel."""
+    scaled = rope_frequencies(32, 500000.0)[0] / 4.0
+    _check_case(
+        1, 2, 1, 40, 40, 32, dtype=torch.float32, inv_freq=scaled.to(DEVICE), softmax_scale=0.3
+    )
+    _check_case(1, 2, 1, 40, 40, 32, dtype=torch.float32, theta=100.0, layout="interleaved")
+
+
+def test_inv_freq_overrides_theta():
+    q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))
+    inv_freq = rope_frequencies(32, 10.0)[0].to(DEVICE)
+    a = rope_attention(q, k, v, inv_freq=inv_freq, theta=1e6)
+    b = rope_attention(q, k, v, theta=10.0)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, rope_attention(q, k, v, theta=1e6))
+
+
+def test_default_positions_match_explicit():
+    """Default positions take the kernels' angle-addition path; explicit ones load positions."""
+    q = torch.randn(2, 4, 40, 64, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(2, 2, 70, 64, device=DEVICE, requires_grad=True) for _ in range(2))
+    do = torch.randn(2, 4, 40, 64, device=DEVICE)
+    o1 = rope_attention(q, k, v, layout="interleaved")
+    o2 = rope_attention(
+        q,
+        k,
+        v,
+        layout="interleaved",
+        positions=torch.arange(70, device=DEVICE),
+        q_positions=torch.arange(30, 70, device=DEVICE),
+    )
+    g1 = torch.autograd.grad((o1 * do).sum(), (q, k, v))
+    g2 = torch.autograd.grad((o2 * do).sum(), (q, k, v))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o1, *g1), (o2, *g2), strict=True):
+        assert_close(name, a, b, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout, rope_dim, hkv", [("half", None, 4), ("interleaved", 16, 1)])
+def test_separate_path(layout, rope_dim, hkv):
+    """impl='separate' (Triton RoPE + SDPA) against the reference, fp32."""
+    pytest.importorskip("fused_rope.rope")
+    q = torch.randn(2, 4, 50, 32, device=DEVICE)
+    k, v = (torch.randn(2, hkv, 50, 32, device=DEVICE) for _ in range(2))
+    pos = torch.randint(0, 200, (2, 50), device=DEVICE)
+    o = rope_attention(q, k, v, impl="separate", layout=layout, rope_dim=rope_dim, positions=pos)
+    ref, _ = rope_attention_ref(
+        q.double(), k.double(), v.double(), layout=layout, rope_dim=rope_dim, positions=pos
+    )
+    assert_close("o", o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_backward_is_deterministic():
+    q, k, v = (torch.randn(1, 4, 50, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    k2, v2 = k[:, :1].detach().requires_grad_(), v[:, :1].detach().requires_grad_()
+    do = torch.randn(1, 4, 50, 32, device=DEVICE)
+    g1 = torch.autograd.grad((rope_attention(q, k2, v2) * do).sum(), (q, k2, v2))
+    g2 = torch.autograd.grad((rope_attention(q, k2, v2) * do).sum(), (q, k2, v2))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+# ------------------------------------------------------------- validation
+
+
+def _qkv(dtype=torch.float32, hq=4, hkv=2, nq=8, nk=8, d=32, device=DEVICE):
+    return (
+        torch.randn(1, hq, nq, d, device=device, dtype=dtype),
+        torch.randn(1, hkv, nk, d, device=device, dtype=dtype),
+        torch.randn(1, hkv, nk, d, device=device, dtype=dtype),
+    )
+
+
+BAD_INPUTS = [
+    ("q as list", lambda q, k, v: ([1.0], k, v, {}), TypeError, "q must be a torch.Tensor"),
+    ("int k", lambda q, k, v: (q, k.long(), v, {}), TypeError, "k must be a floating-point"),
+    (
+        "fp64",
+        lambda q, k, v: (q.double(), k.double(), v.double(), {}),
+        TypeError,
+        "q must have dtype",
+    ),
+    ("mixed dtype", lambda q, k, v: (q, k.half(), v, {}), TypeError, "share a dtype"),
+    ("3-d q", lambda q, k, v: (q[0], k, v, {}), ValueError, "q must have 4 dimensions"),
+    ("k/v mismatch", lambda q, k, v: (q, k, v[:, :, :4], {}), ValueError, "k and v must be"),
+    (
+        "head dim mismatch",
+        lambda q, k, v: (q, k[..., :16], v[..., :16], {}),
+        ValueError,
+        "k and v must be",
+    ),
+    ("heads", lambda q, k, v: (q[:, :3], k, v, {}), ValueError, "multiple of k's 2 heads"),
+    ("layout", lambda q, k, v: (q, k, v, {"layout": "neox"}), ValueError, "layout must be one of"),
+    (
+        "odd rope_dim",
+        lambda q, k, v: (q, k, v, {"rope_dim": 7}),
+        ValueError,
+        "rope_dim must be even",
+    ),
+    (
+        "big rope_dim",
+        lambda q, k, v: (q, k, v, {"rope_dim": 64}),
+        ValueError,
+        "rope_dim must be even",
+    ),
+    ("theta", lambda q, k, v: (q, k, v, {"theta": -1.0}), ValueError, "theta must be a positive"),
+    (
+        "scale",
+        lambda q, k, v: (q, k, v, {"softmax_scale": 0.0}),
+        ValueError,
+        "softmax_scale must be",
+    ),
+    ("causal", lambda q, k, v: (q, k, v, {"causal": 1}), TypeError, "causal must be a bool"),
+    (
+        "inv_freq len",
+        lambda q, k, v: (q, k, v, {"inv_freq": torch.ones(3, device=q.device)}),
+        ValueError,
+        "inv_freq must have rope_dim // 2 = 16",
+    ),
+    (
+        "positions shape",
+        lambda q, k, v: (q, k, v, {"positions": torch.arange(7, device=q.device)}),
+        ValueError,
+        r"positions must have shape \[8\] or \[1, 8\]",
+    ),
+    (
+        "positions bool",
+        lambda q, k, v: (q, k, v, {"positions": torch.ones(8, dtype=torch.bool)}),
+        TypeError,
+        "positions must have an integer or floating dtype",
+    ),
+    (
+        "q_positions batch",
+        lambda q, k, v: (q, k, v, {"q_positions": torch.zeros(2, 8, device=q.device)}),
+        ValueError,
+        r"q_positions must have shape",
+    ),
+    (
+        "NQ > NK with positions",
+        lambda q, k, v: (
+            torch.cat([q, q], 2),
+            k,
+            v,
+            {"positions": torch.arange(8, device=q.device)},
+        ),
+        ValueError,
+        "pass q_positions",
+    ),
+    ("impl", lambda q, k, v: (q, k, v, {"impl": "cudnn"}), ValueError, "impl must be"),
+    (
+        "separate NQ != NK",
+        lambda q, k, v: (q[:, :, :4], k, v, {"impl": "separate"}),
+        ValueError,
+        "needs NQ == NK",
+    ),
+    (
+        "separate lse",
+        lambda q, k, v: (q, k, v, {"impl": "separate", "return_lse": True}),
+        ValueError,
+        "return_lse=True needs",
+    ),
+]
+
+
+@pytest.mark.parametrize("make, exc, match", [pytest.param(*c[1:], id=c[0]) for c in BAD_INPUTS])
+def test_validation(make, exc, match):
+    q, k, v, kw = make(*_qkv())
+    with pytest.raises(exc, match=match):
+        rope_attention(q, k, v, **kw)
+
+
+def test_validation_size_limits():
+    q, k, v = _qkv(d=264, hq=1, hkv=1, nq=2, nk=2)
+    with pytest.raises(ValueError, match="head dim must be at most 256"):
+        rope_attention(q, k, v)
+    q, k, v = (x.expand(65536, -1, -1, -1) for x in _qkv(d=16, hq=1, hkv=1, nq=2, nk=2))
+    with pytest.raises(ValueError, match="batch x query heads must be at most 65535"):
+        rope_attention(q, k, v)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors are refused only when the interpreter is off")
+def test_cpu_tensor_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="need a CUDA tensor"):
+        rope_attention(*_qkv(device="cpu"))
+
+
+# ------------------------------------------------------------- GPU: full product, bf16, compile
+
+GPU_GROUPS = [(8, 8), (8, 2), (8, 1), (4, 1)]  # GQA ratio 1, 4, 8 (single KV head), MQA of 4
+GPU_LENGTHS = [(500, 500), (63, 500), (500, 63), (1024, 1024)]
+# Each (dtype, D) pair and each kernel option below is a compilation, so dtype and head dim
+# alternate over the grid instead of multiplying it (other head dims: test_gpu_other_head_dims).
+GPU_PRECISIONS = [(torch.float16, 128), (torch.bfloat16, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("positions", ["default", "shared", "batch"])
+@pytest.mark.parametrize("rope", ["full", "partial"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("NQ, NK", GPU_LENGTHS, ids=[f"NQ{a}-NK{b}" for a, b in GPU_LENGTHS])
+@pytest.mark.parametrize("HQ, HKV", GPU_GROUPS, ids=[f"H{a}-KV{b}" for a, b in GPU_GROUPS])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
+def test_gpu_product(causal, HQ, HKV, NQ, NK, layout, rope, positions):
+    """Every combination of the options; "batch" positions come with explicit q positions,
+    "shared" ones with NQ > NK too (the default query positions need NQ <= NK)."""
+    index = GPU_GROUPS.index((HQ, HKV)) + GPU_LENGTHS.index((NQ, NK))
+    dtype, D = GPU_PRECISIONS[index % 2]
+    _check_case(
+        2,
+        HQ,
+        HKV,
+        NQ,
+        NK,
+        D,
+        dtype=dtype,
+        causal=causal,
+        layout=layout,
+        rope_dim=D // 2 if rope == "partial" else None,
+        positions=positions,
+        q_positions=positions == "batch" or (positions == "shared" and NQ > NK),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "D, rope_dim",
+    [(32, None), (64, None), (96, None), (96, 64), (128, None), (256, None), (256, 64)],
+)
+def test_gpu_other_head_dims(D, rope_dim, dtype):
+    _check_case(2, 4, 2, 300, 300, D, dtype=dtype, rope_dim=rope_dim)
+    _check_case(
+        1, 4, 1, 100, 700, D, dtype=dtype, rope_dim=rope_dim, causal=False, layout="interleaved"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_long_sequence(dtype):
+    _check_case(1, 4, 1, 4096, 4096, 128, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
+@pytest.mark.parametrize("index", range(len(attention_module._FWD_CONFIGS)))
+def test_gpu_every_config(monkeypatch, index, dtype):
+    """Config ``index`` of each kernel's autotune list (tile shapes change the masking paths)."""
+    _use_config(monkeypatch, index)
+    _check_case(2, 4, 2, 300, 700, 128, dtype=dtype)
+    _check_case(
+        2,
+        4,
+        1,
+        700,
+        300,
+        128,
+        dtype=dtype,
+        causal=False,
+        rope_dim=64,
+        positions="batch",
+        q_positions=True,
+    )
+
+
+def test_torch_compile_fullgraph_traces_the_custom_ops():
+    """Fake-tensor and autograd registrations: fullgraph tracing (aot_eager, any device) gives
+    the eager gradients, for default and for explicit positions."""
+    q, k, v = (torch.randn(1, 4, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    pos = torch.arange(40, device=DEVICE) * 2
+
+    def f(q, k, v):
+        o, lse = rope_attention(q, k[:, :2], v[:, :2], return_lse=True, layout="interleaved")
+        o2 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16)
+        return (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum()
+
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    for name, a, b in zip(
+        ("dq", "dk", "dv"), eager, torch.autograd.grad(traced, (q, k, v)), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph():
+    q, k, v = (
+        torch.randn(2, 8, 256, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+
+    def f(q, k, v):
+        o, lse = rope_attention(q, k[:, :2], v[:, :2], return_lse=True, layout="interleaved")
+        return (o.float() ** 2).sum() + lse.sum()
+
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v), (q, k, v))
+    # inductor may round the cotangent 2*o differently: bf16-level agreement, not bitwise
+    for name, a, b in zip(("dq", "dk", "dv"), eager, compiled, strict=True):
+        assert_close(name, b, a, atol=2e-2, rtol=1e-2)
+
+
+def test_causal_alignment_is_bottom_right():
+    """With NQ < NK the last query sees every key and the first sees NK - NQ + 1 of them."""
+    q, k, v = (torch.randn(1, 1, n, 32, device=DEVICE) for n in (4, 10, 10))
+    o = rope_attention(q, k, v)
+    o_full = rope_attention(q, k, v, causal=False)
+    assert torch.allclose(o[:, :, -1], o_full[:, :, -1], atol=1e-5)
+    first = rope_attention(
+        q[:, :, :1],
+        k[:, :, :7],
+        v[:, :, :7],
+        causal=False,
+        q_positions=torch.tensor([6], device=DEVICE),
+    )
+    assert torch.allclose(o[:, :, :1], first, atol=1e-5)
