@@ -1,0 +1,225 @@
+"""Causal self-attention variants, one ``nn.Module`` each, registered by name.
+
+Every variant shares the projections (grouped-query: ``n_head`` query heads share
+``n_kv_head`` key/value heads) and differs in ``attend(q, k, v)``, where position
+information enters (or not):
+
+    nope        no position information at all
+    sinusoidal  no position inside attention; the model adds a sinusoidal table at the input
+    learned     no position inside attention; the model adds a learned table at the input
+    rope        q and k rotated by their positions (RoPE), then plain causal attention
+    corope      Co-RoPE-GQA: keys rotated by a content-gated mileage (corope/README.md)
+
+``impl`` (rope, corope): ``torch`` is the PyTorch reference path, ``triton`` the kernels,
+``auto`` takes Triton on CUDA and PyTorch elsewhere; the choice is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from fused_rope.frequencies import rope_angles, rope_frequencies
+
+log = logging.getLogger(__name__)
+
+IMPLS = ("auto", "triton", "torch")
+_logged: set[tuple[str, str, str]] = set()
+
+
+def _as_dict(cfg: Any) -> dict:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    return dict(vars(cfg))
+
+
+def scaling_dict(scaling: Any) -> dict | None:
+    """The config's scaling node as ``rope_frequencies``'s dict: null fields dropped,
+    None when no type is set."""
+    if scaling is None:
+        return None
+    d = {k: v for k, v in _as_dict(scaling).items() if v is not None}
+    return d if d.get("type") is not None else None
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"attention.impl must be one of {IMPLS}, got {impl!r}")
+
+
+def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
+    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere; logs the choice once per variant."""
+    check_impl(impl)
+    resolved = impl if impl != "auto" else ("triton" if device.type == "cuda" else "torch")
+    key = (variant, impl, resolved)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("attention %s: impl=%s -> %s on %s", variant, impl, resolved, device.type)
+    return resolved
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention without position information (``nope``).
+
+    Subclasses override ``attend``; ``input_pe`` tells the model which absolute position
+    encoding to add to the token embeddings (None: none).
+    """
+
+    input_pe: str | None = None
+
+    def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"model.d_model={d_model} must be a multiple of model.n_head={n_head}")
+        if n_kv_head < 1 or n_head % n_kv_head:
+            raise ValueError(
+                f"model.n_head={n_head} must be a multiple of model.n_kv_head={n_kv_head}"
+            )
+        self.cfg = cfg
+        self.n_head, self.n_kv_head = n_head, n_kv_head
+        self.head_dim = d_model // n_head
+        self.wq = nn.Linear(d_model, n_head * self.head_dim, bias=False)
+        self.wkv = nn.Linear(d_model, 2 * n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
+        self.timer = None  # an lm.profiling.AttentionTimer, set by the trainer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape  # (B, N, C)
+        q = self.wq(x).view(B, N, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, N, D)
+        kv = self.wkv(x).view(B, N, 2, self.n_kv_head, self.head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, HKV, N, D) each
+        o = self.timer.around(self.attend, q, k, v) if self.timer else self.attend(q, k, v)
+        return self.wo(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, C)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q ``(B, H, N, D)``, k and v ``(B, HKV, N, D)`` -> ``(B, H, N, D)``."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class SinusoidalAttention(Attention):
+    input_pe = "sinusoidal"
+
+
+class LearnedAttention(Attention):
+    input_pe = "learned"
+
+
+class RotaryFrequencies(nn.Module):
+    """``inv_freq`` of ``rope_frequencies(rope_dim, theta, scaling)``; for dynamic NTK it is
+    recomputed for each sequence length (the schedule depends on it)."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.rope_dim, self.theta, self.scaling = rope_dim, theta, scaling
+        self.dynamic = scaling is not None and scaling.get("type") == "dynamic"
+        inv_freq, self.attention_factor = rope_frequencies(rope_dim, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (R/2,)
+
+    def for_length(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        """``(inv_freq (R/2,), attention_factor)`` for sequences of ``seq_len`` tokens."""
+        if not self.dynamic:
+            return self.inv_freq, self.attention_factor
+        inv_freq, factor = rope_frequencies(
+            self.rope_dim, self.theta, self.scaling, seq_len=seq_len
+        )
+        return inv_freq.to(self.inv_freq.device), factor
+
+
+def _rope_dim(cfg: Any, head_dim: int) -> int:
+    rope_dim = head_dim if cfg.rope_dim is None else cfg.rope_dim
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
+        raise ValueError(
+            f"attention.rope_dim must be even and in [2, head_dim={head_dim}], got {cfg.rope_dim}"
+        )
+    return rope_dim
+
+
+class RopeAttention(Attention):
+    """RoPE on q and k (positions ``0..N-1``), then causal SDPA. The attention factor of the
+    scaled schedules (YaRN's mscale) multiplies q and k, as HF's scaled cos/sin do."""
+
+    def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
+        super().__init__(cfg, d_model, n_head, n_kv_head)
+        check_impl(cfg.impl)
+        if cfg.layout not in ("half", "interleaved"):
+            raise ValueError(
+                f"attention.layout must be 'half' or 'interleaved', got {cfg.layout!r}"
+            )
+        self.rope_dim = _rope_dim(cfg, self.head_dim)
+        self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        N = q.shape[2]
+        inv_freq, factor = self.freqs.for_length(N)
+        angles = rope_angles(torch.arange(N, device=q.device), inv_freq)  # (N, R/2) fp32
+        layout, R = self.cfg.layout, self.rope_dim
+        if resolve_impl(self.cfg.impl, q.device, "rope") == "triton":
+            from fused_rope.rope import apply_rope_qk
+
+            q, k = apply_rope_qk(
+                q, k, angles, layout=layout, rope_dim=R, q_scale=factor, k_scale=factor
+            )
+        else:
+            from fused_rope.naive import apply_rope_ref
+
+            q = apply_rope_ref(q, angles, layout, R, output_scale=factor)
+            k = apply_rope_ref(k, angles, layout, R, output_scale=factor)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class CoRopeAttention(Attention):
+    """Co-RoPE-GQA. The frequencies follow the same scaling options as RoPE; the attention
+    factor is not applied (Co-RoPE's scale also sets the gates' temperature)."""
+
+    def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
+        super().__init__(cfg, d_model, n_head, n_kv_head)
+        check_impl(cfg.impl)
+        if cfg.leader not in ("first", "mean"):
+            raise ValueError(f"attention.leader must be 'first' or 'mean', got {cfg.leader!r}")
+        self.rope_dim = _rope_dim(cfg, self.head_dim)
+        self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        inv_freq, _ = self.freqs.for_length(q.shape[2])
+        kwargs = dict(
+            inv_freq=inv_freq,
+            rope_dim=self.rope_dim,
+            leader=self.cfg.leader,
+            detach_mileage=self.cfg.detach_mileage,
+        )
+        if resolve_impl(self.cfg.impl, q.device, "corope") == "triton":
+            from corope import corope_attention
+
+            return corope_attention(q, k, v, **kwargs)
+        from corope.naive import corope_attention_ref
+
+        return corope_attention_ref(q, k, v, chunk_size=self.cfg.chunk_size, **kwargs)
+
+
+ATTENTIONS: dict[str, type[Attention]] = {
+    "nope": Attention,
+    "sinusoidal": SinusoidalAttention,
+    "learned": LearnedAttention,
+    "rope": RopeAttention,
+    "corope": CoRopeAttention,
+}
+
+
+def attention_class(cfg: Any) -> type[Attention]:
+    """The module class for ``cfg.name``; ValueError naming the known ones otherwise."""
+    name = cfg.name
+    if name not in ATTENTIONS:
+        raise ValueError(f"unknown attention.name {name!r}; known: {sorted(ATTENTIONS)}")
+    return ATTENTIONS[name]
+
+
+def build_attention(cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> Attention:
+    """The attention module ``cfg`` names, for a model of width ``d_model``."""
+    return attention_class(cfg)(cfg, d_model, n_head, n_kv_head)

@@ -1,0 +1,184 @@
+"""Structured configs: one dataclass per config group, registered in Hydra's ConfigStore.
+
+Every yaml file of a group starts with ``defaults: [<name>_schema, _self_]``, so Hydra
+merges it onto its schema and a misspelled key (``model.n_layers=2``) or a wrong type
+fails at start-up with the key's name. ``register_configs()`` must run before Hydra
+composes (``train.py`` and the tests call it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class RopeScalingConfig:
+    """``fused_rope.rope_frequencies``'s ``scaling`` dict; ``type: null`` = no scaling.
+
+    Only the keys that are set (not null) are passed on, so each type takes the defaults of
+    ``rope_frequencies`` for the rest.
+    """
+
+    type: str | None = None  # linear | dynamic | yarn | llama3
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    truncate: bool | None = None
+
+
+@dataclass
+class AttentionConfig:
+    """Fields every attention variant has; ``name`` picks the module in ``lm.attention``."""
+
+    name: str = MISSING
+
+
+@dataclass
+class NopeAttentionConfig(AttentionConfig):
+    name: str = "nope"
+
+
+@dataclass
+class SinusoidalAttentionConfig(AttentionConfig):
+    name: str = "sinusoidal"
+    base: float = 10000.0
+
+
+@dataclass
+class LearnedAttentionConfig(AttentionConfig):
+    name: str = "learned"
+
+
+@dataclass
+class RopeAttentionConfig(AttentionConfig):
+    name: str = "rope"
+    impl: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch
+    theta: float = 10000.0
+    rope_dim: int | None = None  # rotated channels per head; null = the head dim
+    layout: str = "half"  # half (GPT-NeoX, Llama) | interleaved (GPT-J)
+    scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+
+
+@dataclass
+class CoRopeAttentionConfig(AttentionConfig):
+    name: str = "corope"
+    impl: str = "auto"
+    theta: float = 10000.0
+    rope_dim: int | None = None
+    leader: str = "first"  # first | mean: which query of a GQA group computes the gates
+    detach_mileage: bool = False
+    chunk_size: int | None = None  # query rows per chunk of the PyTorch path (null = automatic)
+    scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+
+
+ATTENTION_SCHEMAS: dict[str, type] = {
+    "nope": NopeAttentionConfig,
+    "sinusoidal": SinusoidalAttentionConfig,
+    "learned": LearnedAttentionConfig,
+    "rope": RopeAttentionConfig,
+    "corope": CoRopeAttentionConfig,
+}
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 128
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int = 2  # grouped-query attention: n_head % n_kv_head == 0
+    mlp_hidden: int | None = None  # SwiGLU hidden width; null = 8/3 d_model rounded up to 32
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.1  # matrices only; norms, biases and embeddings get none
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 300
+    batch_size: int = 32  # per process; the global batch is batch_size * world_size
+    eval_every: int = 100  # and always at the end; 0 = only at the end
+    eval_batch_size: int = 64
+    log_every: int = 10
+    ckpt_every: int = 100  # and always at the end; 0 = only at the end
+    resume: bool = False  # continue from ckpt_path if it exists
+    ckpt_path: str | None = None  # null = <output dir>/checkpoint.pt
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Intra-op threads when training on the CPU (null = torch's default, one per core). One
+    # thread: a tiny model gains little from more, and a shared CPU loses a lot to them.
+    cpu_threads: int | None = 1
+    time_attention: bool = True  # time spent in the attention op (see lm/profiling.py)
+    progress: bool = True  # tqdm progress bar on rank 0
+
+
+@dataclass
+class LoggerConfig:
+    """``_target_`` is instantiated with the remaining fields (``hydra.utils.instantiate``)."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    _target_: str = "lm.loggers.WandbLogger"
+    project: str = "fused-rope"
+    entity: str | None = None
+    mode: str = "offline"  # offline (no account, no network) | online | disabled
+
+
+@dataclass
+class NoLoggerConfig(LoggerConfig):
+    _target_: str = "lm.loggers.NullLogger"
+
+
+@dataclass
+class TrainConfig:
+    """The root config (``configs/train.yaml``)."""
+
+    name: str = "default"  # experiment name: the wandb group, set by configs/experiment/*
+    seed: int = 0  # model init and dropout; the data has its own data.seed
+    metric: str = "best_val_loss"  # the key of train()'s dict that train.py returns to sweepers
+    attention: Any = MISSING
+    model: ModelConfig = MISSING
+    data: Any = MISSING
+    optim: OptimConfig = MISSING
+    train: LoopConfig = field(default_factory=LoopConfig)
+    logger: Any = MISSING
+
+
+def register_configs() -> None:
+    """Registers every schema; idempotent."""
+    from lm.data.config import DATA_SCHEMAS
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+    cs.store(group="logger", name="wandb_schema", node=WandbLoggerConfig)
+    cs.store(group="logger", name="none_schema", node=NoLoggerConfig)
+    for key, schema in ATTENTION_SCHEMAS.items():
+        cs.store(group="attention", name=f"{key}_schema", node=schema)
+    for key, schema in DATA_SCHEMAS.items():
+        cs.store(group="data", name=f"{key}_schema", node=schema)

@@ -1,0 +1,386 @@
+"""The training loop: ``train(cfg) -> metrics``.
+
+AdamW (weight decay on matrices only), linear warmup then cosine decay, gradient
+clipping, bf16 autocast on CUDA, DDP under torchrun. Rank 0 evaluates every
+``train.eval_every`` steps and at the end, logs, and writes into the output directory:
+
+    metrics.jsonl    one JSON object per log/eval event ({"step": ..., "train/loss": ...})
+    summary.json     the final metrics, speed and run facts (what experiments/collect.py reads)
+    checkpoint.pt    model, optimizer, scheduler, step, RNG states (``train.resume=true``)
+
+Speed (in ``summary.json`` and the logs), measured over the training steps after the
+first (which pays for kernel compilation and warm-up) and excluding evaluation:
+``tokens_per_s`` (global), ``step_ms``, ``peak_mem_mib`` (CUDA, else null), ``mfu``
+(``lm.profiling.model_flops_per_token`` x tokens/s over the GPUs' peak bf16 rate; null on
+the CPU and unknown GPUs), ``attn_time_frac`` (share of the step inside the attention op,
+forward and backward: CUDA events on GPU, wall clock on CPU; ``train.time_attention``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from lm import distributed
+from lm.attention import attention_class, resolve_impl
+from lm.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from lm.data import build_dataset
+from lm.evaluation import autocast, evaluate
+from lm.model import GPT
+from lm.profiling import AttentionTimer, model_flops_per_token, peak_bf16_flops
+
+log = logging.getLogger(__name__)
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at ``step`` (0-based): linear warmup over
+    ``warmup`` steps, then a cosine from 1 down to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Any, total_steps: int):
+    """AdamW with decay on matrices only, and its warmup + cosine ``LambdaLR``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {
+            "params": [p for p in params if p.dim() >= 2 and p is not _embedding(model)],
+            "weight_decay": cfg.weight_decay,
+        },
+        {
+            "params": [p for p in params if p.dim() < 2 or p is _embedding(model)],
+            "weight_decay": 0.0,
+        },
+    ]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    )
+    return opt, sched
+
+
+def _embedding(model: torch.nn.Module) -> torch.Tensor:
+    return model.tok_emb.weight
+
+
+def _overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _output_dir(output_dir: str | None) -> Path:
+    if output_dir is None:
+        if not HydraConfig.initialized():
+            raise ValueError("train(cfg) outside @hydra.main needs output_dir")
+        output_dir = HydraConfig.get().runtime.output_dir
+    return Path(output_dir)
+
+
+def _summaries(splits: list[str], kind: str) -> dict[str, str]:
+    """What wandb's run summary keeps per metric: the best loss, the final accuracy."""
+    out = {}
+    for split in splits:
+        out[f"{split}/loss"] = "min"
+        out[f"{split}/acc"] = "last"
+        out[f"{split}/{'ppl' if kind == 'lm' else 'err'}"] = "last"
+    return out
+
+
+class _Jsonl:
+    """``metrics.jsonl``; on resume it keeps only the records up to the checkpoint's step,
+    so the file reads as one uninterrupted run."""
+
+    def __init__(self, path: Path, keep_until: int | None) -> None:
+        self.path = path
+        if keep_until is not None and path.exists():
+            records = [json.loads(line) for line in path.read_text().splitlines() if line]
+            kept = [r for r in records if r["step"] <= keep_until]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif path.exists():
+            path.unlink()
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
+    """Trains the model ``cfg`` describes; returns the summary metrics (also ``summary.json``).
+
+    Args:
+        cfg: the composed root config (``configs/train.yaml``, schema ``lm.config.TrainConfig``).
+        output_dir: where logs and checkpoints go; default: Hydra's run directory.
+
+    Raises:
+        FloatingPointError: a non-finite loss or gradient norm, naming the step; the last
+            checkpoint (from an earlier step) is kept.
+    """
+    attention_class(cfg.attention)  # an unknown name fails before any data is loaded
+    info = distributed.setup(cfg.train.device)
+    try:
+        out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
+        if info.device.type == "cpu" and cfg.train.cpu_threads:
+            torch.set_num_threads(cfg.train.cpu_threads)
+        torch.manual_seed(cfg.seed)
+        dataset = build_dataset(cfg.data)
+        model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len).to(info.device)
+        run = _Run(cfg, info, out_dir, dataset, model)
+        try:
+            return run.loop()
+        except BaseException:
+            if run.logger is not None:
+                run.logger.abort()
+            raise
+    finally:
+        distributed.teardown()
+
+
+class _Run:
+    """The state of one training run; ``loop()`` runs it to the end."""
+
+    def __init__(self, cfg: DictConfig, info, out_dir: Path, dataset, model: GPT) -> None:
+        self.cfg, self.info, self.out_dir = cfg, info, out_dir
+        self.dataset, self.model = dataset, model
+        self.t = cfg.train
+        self.opt, self.sched = build_optimizer(model, cfg.optim, self.t.steps)
+        self.ckpt_path = Path(self.t.ckpt_path) if self.t.ckpt_path else out_dir / "checkpoint.pt"
+        self.step = 0
+        # Carried through checkpoints, so a resumed run reports the whole run's speed.
+        self.state = {
+            "best_val_loss": math.inf,
+            "train_s": 0.0,
+            "attn_s": 0.0,
+            "timed_steps": 0,
+            "timed_tokens": 0,
+        }
+        self.last_ckpt_step: int | None = None
+        resumed = self._maybe_resume()
+        self.ddp = (
+            DistributedDataParallel(
+                model, device_ids=[info.device] if info.device.type == "cuda" else None
+            )
+            if info.world_size > 1
+            else model
+        )
+        self.timer = AttentionTimer(info.device) if self.t.time_attention else None
+        for block in model.blocks:
+            block.attn.timer = self.timer
+        self.logger = None
+        if info.main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = _Jsonl(out_dir / "metrics.jsonl", self.step if resumed else None)
+            self.logger = instantiate(
+                cfg.logger,
+                run_dir=str(out_dir),
+                name=out_dir.name,
+                group=cfg.name,
+                tags=_overrides(),
+                run_config=OmegaConf.to_container(cfg, resolve=True),
+                summaries=_summaries(dataset.eval_splits(), dataset.kind),
+                _recursive_=False,
+                _convert_="all",  # run_config holds _target_ keys: keep them as data
+            )
+
+    def _maybe_resume(self) -> bool:
+        if not (self.t.resume and self.ckpt_path.exists()):
+            if self.t.resume:
+                log.info("train.resume: no checkpoint at %s, starting from step 0", self.ckpt_path)
+            return False
+        ckpt = load_checkpoint(self.ckpt_path)
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.sched.load_state_dict(ckpt["scheduler"])
+        set_rng_state(ckpt["rng"])
+        self.step = self.last_ckpt_step = ckpt["step"]
+        self.state = ckpt["state"]
+        log.info("resumed from %s at step %d", self.ckpt_path, self.step)
+        return True
+
+    def _save(self) -> None:
+        if self.info.main:
+            save_checkpoint(
+                self.ckpt_path,
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.opt.state_dict(),
+                    "scheduler": self.sched.state_dict(),
+                    "rng": rng_state(),
+                    "step": self.step,
+                    "state": self.state,
+                },
+            )
+        self.last_ckpt_step = self.step
+
+    def _record(self, metrics: dict[str, float]) -> None:
+        self.jsonl.write({"step": self.step, **metrics})
+        self.logger.log(metrics, self.step)
+
+    def _train_step(self) -> tuple[float, int]:
+        """One optimizer step; returns (loss averaged over ranks, tokens in the global batch)."""
+        t, info = self.t, self.info
+        x, y = self.dataset.train_batch(self.step, t.batch_size, info.rank, info.world_size)
+        x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
+        with autocast(info.device):
+            logits = self.ddp(x)  # (B, L, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        loss_value = distributed.mean(loss, info).item()
+        if not math.isfinite(loss_value):
+            self._fail(f"loss is {loss_value}")
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        if not math.isfinite(grad_norm):
+            self._fail(f"gradient norm is {grad_norm}")
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        return loss_value, x.numel() * info.world_size
+
+    def _fail(self, what: str) -> None:
+        kept = (
+            f"the last good checkpoint is {self.ckpt_path} (step {self.last_ckpt_step})"
+            if self.last_ckpt_step is not None
+            else "no checkpoint was written yet"
+        )
+        raise FloatingPointError(f"{what} at step {self.step + 1}; stopping: {kept}")
+
+    def _eval(self) -> dict[str, float]:
+        if self.timer:  # the attention share is of the training steps only
+            self.timer.enabled = False
+        metrics = evaluate(self.model, self.dataset, self.t.eval_batch_size, self.info.device)
+        if self.timer:
+            self.timer.enabled = True
+        first = self.dataset.eval_splits()[0]
+        self.state["best_val_loss"] = min(self.state["best_val_loss"], metrics[f"{first}/loss"])
+        return metrics
+
+    def loop(self) -> dict[str, Any]:
+        t, info = self.t, self.info
+        if self.timer:
+            self.timer.enabled = True
+        bar = tqdm(
+            total=t.steps,
+            initial=self.step,
+            disable=not (info.main and t.progress),
+            desc="train",
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
+        first_step, losses = self.step, []
+        eval_metrics: dict[str, float] = {}
+        with logging_redirect_tqdm():
+            while self.step < t.steps:
+                start = time.perf_counter()
+                loss, tokens = self._train_step()  # its .item() calls synchronise the GPU
+                seconds = time.perf_counter() - start
+                attn_s = self.timer.pop_seconds() if self.timer else 0.0
+                if self.step > first_step + 1:  # the first step pays for compilation and warm-up
+                    self.state["train_s"] += seconds
+                    self.state["attn_s"] += attn_s
+                    self.state["timed_steps"] += 1
+                    self.state["timed_tokens"] += tokens
+                losses.append(loss)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                if info.main and (self.step % t.log_every == 0 or self.step == t.steps):
+                    lr = self.sched.get_last_lr()[0]
+                    self._record(
+                        {"train/loss": sum(losses) / len(losses), "lr": lr, **self._speed()}
+                    )
+                    losses = []
+                if self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0):
+                    if info.main:
+                        eval_metrics = self._eval()
+                        self._record(eval_metrics)
+                    self.state["best_val_loss"] = distributed.broadcast(
+                        self.state["best_val_loss"], info
+                    )
+                if self.step == t.steps or (t.ckpt_every and self.step % t.ckpt_every == 0):
+                    self._save()
+        bar.close()
+        if not info.main:
+            return {}
+        if not eval_metrics:  # resumed a finished run: evaluate the saved model
+            eval_metrics = self._eval()
+        return self._finish(eval_metrics)
+
+    def _speed(self) -> dict[str, float | None]:
+        s, info = self.state, self.info
+        if s["timed_steps"] == 0:
+            return {}
+        tokens_per_s = s["timed_tokens"] / s["train_s"]
+        peak = peak_bf16_flops(info.device)
+        mfu = None
+        if peak is not None:
+            cfg = self.cfg.model
+            seq_len = s["timed_tokens"] / (s["timed_steps"] * self.t.batch_size * info.world_size)
+            flops = model_flops_per_token(
+                self.model.matmul_params(), cfg.n_layer, cfg.d_model, seq_len
+            )
+            mfu = flops * tokens_per_s / (peak * info.world_size)
+        return {
+            "tokens_per_s": tokens_per_s,
+            "step_ms": 1e3 * s["train_s"] / s["timed_steps"],
+            "attn_time_frac": s["attn_s"] / s["train_s"] if self.timer else None,
+            "mfu": mfu,
+            "peak_mem_mib": torch.cuda.max_memory_allocated(info.device) / 2**20
+            if info.device.type == "cuda"
+            else None,
+        }
+
+    def _finish(self, eval_metrics: dict[str, float]) -> dict[str, Any]:
+        first = self.dataset.eval_splits()[0]
+        impl = self.cfg.attention.get("impl")
+        summary: dict[str, Any] = {
+            **eval_metrics,
+            "val_loss": eval_metrics[f"{first}/loss"],
+            "best_val_loss": self.state["best_val_loss"],
+            **self._speed(),
+            "steps": self.step,
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "attention": self.cfg.attention.name,
+            "attention_impl": resolve_impl(impl, self.info.device, self.cfg.attention.name)
+            if impl
+            else None,
+            "data": self.cfg.data.name,
+            "seed": self.cfg.seed,
+            "device": str(self.info.device),
+            "world_size": self.info.world_size,
+            "overrides": _overrides(),
+        }
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.logger.finish(summary)
+        log.info("final | %s", _final_line(summary, self.dataset.eval_splits(), self.dataset.kind))
+        return summary
+
+
+def _final_line(summary: dict[str, Any], splits: list[str], kind: str) -> str:
+    """The key metrics on one line: per split loss and accuracy (tasks: error rate), speed."""
+    quality = "acc" if kind == "lm" else "err"
+    parts = [f"step {summary['steps']}"]
+    parts += [
+        f"{s} loss {summary[f'{s}/loss']:.4f} {quality} {summary[f'{s}/{quality}']:.4f}"
+        for s in splits
+    ]
+    if "tokens_per_s" in summary:
+        parts.append(f"{summary['tokens_per_s']:.0f} tok/s, {summary['step_ms']:.1f} ms/step")
+        if summary["mfu"] is not None:
+            parts.append(f"MFU {100 * summary['mfu']:.1f}%")
+        if summary["attn_time_frac"] is not None:
+            parts.append(f"attention {100 * summary['attn_time_frac']:.0f}% of the step")
+    return " | ".join(parts)

@@ -1,0 +1,150 @@
+"""The attention variants of lm/attention.py against plain fp64 math, and their config checks."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fused_rope.frequencies import rope_angles, rope_frequencies
+from fused_rope.naive import apply_rope_ref
+from lm.attention import ATTENTIONS, RotaryFrequencies, build_attention, scaling_dict
+from lm.config import ATTENTION_SCHEMAS
+from lm.profiling import AttentionTimer
+from tests.helpers import DEVICE, assert_close
+
+
+def attn_cfg(name: str, **overrides):
+    return OmegaConf.merge(OmegaConf.structured(ATTENTION_SCHEMAS[name]), overrides)
+
+
+def causal_attention64(q, k, v):
+    """fp64 softmax attention, GQA by repeating the KV heads."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    n = q.shape[2]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def qkv(B=2, H=4, HKV=2, N=37, D=16, dtype=torch.float32):
+    q = torch.randn(B, H, N, D, device=DEVICE, dtype=dtype)
+    k = torch.randn(B, HKV, N, D, device=DEVICE, dtype=dtype)
+    v = torch.randn(B, HKV, N, D, device=DEVICE, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("name", ["nope", "sinusoidal", "learned"])
+def test_position_free_variants_are_causal_gqa_attention(name):
+    attn = build_attention(attn_cfg(name), d_model=64, n_head=4, n_kv_head=2).to(DEVICE)
+    q, k, v = qkv()
+    assert_close(name, attn.attend(q, k, v), causal_attention64(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rope_dim", [None, 8])
+def test_rope_torch_path(layout, rope_dim):
+    cfg = attn_cfg("rope", impl="torch", layout=layout, rope_dim=rope_dim)
+    attn = build_attention(cfg, d_model=64, n_head=4, n_kv_head=1).to(DEVICE)
+    q, k, v = qkv(HKV=1)
+    R = rope_dim or 16
+    angles = rope_angles(torch.arange(q.shape[2]), rope_frequencies(R)[0]).double().to(DEVICE)
+    ref = causal_attention64(
+        apply_rope_ref(q.double(), angles, layout, R),
+        apply_rope_ref(k.double(), angles, layout, R),
+        v,
+    )
+    assert_close("rope", attn.attend(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_triton_path_matches_torch_path():
+    q, k, v = qkv(N=63)
+    out = {}
+    for impl in ("torch", "triton"):
+        cfg = attn_cfg(
+            "rope",
+            impl=impl,
+            scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        )
+        attn = build_attention(cfg, d_model=64, n_head=4, n_kv_head=2).to(DEVICE)
+        out[impl] = attn.attend(q, k, v)
+    assert_close("rope triton vs torch", out["triton"], out["torch"], atol=1e-4, rtol=1e-5)
+
+
+def test_corope_triton_path_matches_torch_path():
+    q, k, v = qkv(B=1, H=2, HKV=1, N=40, D=32)
+    out = {}
+    for impl in ("torch", "triton"):
+        attn = build_attention(attn_cfg("corope", impl=impl), d_model=64, n_head=2, n_kv_head=1)
+        out[impl] = attn.to(DEVICE).attend(q, k, v)
+    assert_close("corope triton vs torch", out["triton"], out["torch"], atol=1e-4, rtol=1e-5)
+
+
+def test_corope_torch_path_is_the_reference():
+    from corope.naive import corope_attention_ref
+
+    cfg = attn_cfg("corope", impl="torch", leader="mean", chunk_size=16)
+    attn = build_attention(cfg, d_model=64, n_head=4, n_kv_head=2).to(DEVICE)
+    q, k, v = qkv(N=45)
+    ref = corope_attention_ref(q.double(), k.double(), v.double(), leader="mean")
+    assert_close("corope", attn.attend(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_ntk_recomputes_beyond_the_training_length():
+    scaling = {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 32}
+    freqs = RotaryFrequencies(16, 10000.0, scaling)
+    assert torch.equal(freqs.for_length(32)[0], rope_frequencies(16)[0])
+    longer = freqs.for_length(128)[0]
+    assert torch.equal(longer, rope_frequencies(16, scaling=scaling, seq_len=128)[0])
+    assert (longer[1:] < freqs.inv_freq[1:]).all()
+
+
+def test_scaling_dict_drops_unset_keys():
+    cfg = attn_cfg("rope", scaling={"type": "linear", "factor": 2.0})
+    assert scaling_dict(cfg.scaling) == {"type": "linear", "factor": 2.0}
+    assert scaling_dict(attn_cfg("rope").scaling) is None
+
+
+@pytest.mark.parametrize(
+    "name, overrides, match",
+    [
+        ("rope", {"impl": "cuda"}, "attention.impl"),
+        ("corope", {"impl": "fast"}, "attention.impl"),
+        ("rope", {"rope_dim": 7}, "attention.rope_dim"),
+        ("rope", {"layout": "diagonal"}, "attention.layout"),
+        ("corope", {"leader": "last"}, "attention.leader"),
+    ],
+)
+def test_bad_attention_settings_name_the_key(name, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        build_attention(attn_cfg(name, **overrides), 64, 4, 2)
+
+
+def test_unknown_attention_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown attention.name 'alibi'.*corope"):
+        build_attention(OmegaConf.create({"name": "alibi"}), 64, 4, 2)
+    assert set(ATTENTIONS) == set(ATTENTION_SCHEMAS)
+
+
+@pytest.mark.parametrize("bad", [(64, 5, 1), (64, 4, 3)])
+def test_bad_head_counts(bad):
+    with pytest.raises(ValueError, match="model.n_"):
+        build_attention(attn_cfg("nope"), *bad)
+
+
+def test_timer_counts_forward_and_backward_and_changes_nothing():
+    attn = build_attention(attn_cfg("rope", impl="torch"), 64, 4, 2).to(DEVICE)
+    x = torch.randn(2, 33, 64, device=DEVICE, requires_grad=True)
+    cot = torch.randn(2, 33, 64, device=DEVICE)
+    (grad_plain,) = torch.autograd.grad((attn(x) * cot).sum(), x)
+    timer = AttentionTimer(torch.device(DEVICE))
+    timer.enabled = True
+    attn.timer = timer
+    out = attn(x)
+    assert len(timer._stamps) == 2
+    (grad_timed,) = torch.autograd.grad((out * cot).sum(), x)
+    assert len(timer._stamps) == 4
+    assert torch.equal(grad_timed, grad_plain)
+    assert timer.pop_seconds() > 0 and timer._stamps == []

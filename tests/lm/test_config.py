@@ -1,0 +1,111 @@
+"""configs/ as a user composes it: every attention variant and data source builds and runs a
+forward pass; bad overrides fail at start-up with the key's name."""
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException, HydraException
+from omegaconf.errors import ConfigKeyError
+
+from lm.data import build_dataset
+from lm.model import GPT
+from tests.lm.harness import CONFIGS, TINY, compose_cfg
+
+ATTENTION_FILES = sorted(p.stem for p in (CONFIGS / "attention").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+SMALL_DATA = {
+    "counting": ["data.max_statements=8", "data.seq_len=40", "data.eval_samples=8"],
+    "selective_copy": ["data.eval_samples=8"],
+    "flipflop": ["data.eval_samples=8", "data.num_instructions=16", "data.seq_len=40"],
+    "stdlib": ["data.max_bytes=1000000", "data.seq_len=32", "data.eval_samples=4"],
+}
+
+
+def forward_one_batch(cfg) -> torch.Tensor:
+    dataset = build_dataset(cfg.data)
+    model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
+    x, y = dataset.train_batch(0, 2)
+    logits = model(x)
+    assert logits.shape == (*x.shape, dataset.vocab_size)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def test_default_is_rope_on_flipflop():
+    cfg = compose_cfg()
+    assert (cfg.attention.name, cfg.data.name, cfg.logger.mode) == ("rope", "flipflop", "offline")
+
+
+@pytest.mark.parametrize("attention", ATTENTION_FILES)
+def test_every_attention_config_trains_a_step(attention):
+    cfg = compose_cfg(f"attention={attention}", *TINY, "data=counting", *SMALL_DATA["counting"])
+    loss = forward_one_batch(cfg)
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_scaling_presets_set_the_schedule():
+    cfg = compose_cfg("attention=rope_yarn", "data.seq_len=96")
+    assert cfg.attention.scaling.type == "yarn"
+    assert cfg.attention.scaling.original_max_position_embeddings == 96  # the training length
+    swept = compose_cfg(
+        "attention=rope", "attention.scaling.type=linear", "attention.scaling.factor=2"
+    )
+    assert (swept.attention.scaling.type, swept.attention.scaling.factor) == ("linear", 2.0)
+
+
+@pytest.mark.parametrize("data", sorted(SMALL_DATA))
+def test_builtin_data_sources(data):
+    cfg = compose_cfg(f"data={data}", *TINY, *SMALL_DATA[data])
+    assert torch.isfinite(forward_one_batch(cfg))
+
+
+def test_jsonl_source(qa_jsonl_dir):
+    cfg = compose_cfg("data=jsonl", f"data.dir={qa_jsonl_dir}", *TINY)
+    assert torch.isfinite(forward_one_batch(cfg))
+
+
+def test_text_source(tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 40)
+    cfg = compose_cfg("data=text", f"data.files=[{text}]", "data.seq_len=32", *TINY)
+    assert torch.isfinite(forward_one_batch(cfg))
+
+
+@pytest.mark.parametrize("data", ["wikitext103", "tinystories"])
+def test_hub_sources_offline_name_the_dataset(data, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no cached copy either
+    cfg = compose_cfg(f"data={data}")
+    with pytest.raises((RuntimeError, ValueError, ConnectionError)) as info:
+        build_dataset(cfg.data)
+    assert f"data={data}" in str(info.value) and "data=stdlib" in str(info.value)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_presets_compose(experiment):
+    cfg = compose_cfg(f"experiment={experiment}")
+    assert cfg.name == experiment
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.n_layers=2", "n_layers"),
+        ("train.stepz=10", "stepz"),
+        ("attention.thetaa=500", "thetaa"),
+        ("optim.learning_rate=1", "learning_rate"),
+        ("data.num_variables=3", "num_variables"),
+        ("model.n_head=four", "n_head"),
+    ],
+)
+def test_misspelled_or_mistyped_key_fails_naming_it(override, key):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as info:
+        compose_cfg(override)
+    assert key in str(info.value) + str(info.value.__cause__)
+
+
+def test_unknown_attention_lists_the_options():
+    with pytest.raises(HydraException) as info:
+        compose_cfg("attention=alibi")
+    message = str(info.value)
+    assert "attention/alibi" in message and "corope" in message

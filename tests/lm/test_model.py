@@ -1,0 +1,69 @@
+"""lm/model.py: causality for every attention, the input position encodings, tying."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lm.config import ATTENTION_SCHEMAS, ModelConfig
+from lm.model import GPT, sinusoidal_table
+from tests.helpers import DEVICE
+
+
+def make_model(attention: str, **model_overrides) -> GPT:
+    model_cfg = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig),
+        {"d_model": 32, "n_head": 4, "n_kv_head": 2, **model_overrides},
+    )
+    attn_cfg = OmegaConf.merge(
+        OmegaConf.structured(ATTENTION_SCHEMAS[attention]),
+        {"impl": "torch"} if attention in ("rope", "corope") else {},
+    )
+    return GPT(model_cfg, attn_cfg, vocab_size=11, max_len=40).to(DEVICE)
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION_SCHEMAS))
+def test_logits_are_causal(attention):
+    """Changing the tokens after position t leaves the logits up to t unchanged."""
+    model = make_model(attention)
+    x = torch.randint(0, 11, (2, 29), device=DEVICE)
+    y = x.clone()
+    y[:, 17:] = (y[:, 17:] + 1) % 11
+    lx, ly = model(x), model(y)
+    assert lx.shape == (2, 29, 11)
+    torch.testing.assert_close(lx[:, :17], ly[:, :17], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(lx[:, 17:], ly[:, 17:])
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION_SCHEMAS))
+def test_only_absolute_encodings_tell_apart_a_constant_sequence(attention):
+    """One token repeated: every value vector is the same, so whatever the attention weights,
+    relative encodings (and none) give every row the same logits; the absolute encodings
+    added at the input make the rows differ."""
+    model = make_model(attention)
+    logits = model(torch.full((1, 12), 3, device=DEVICE))[0]
+    same = torch.allclose(logits[1:], logits[:1].expand(11, -1), atol=1e-5)
+    assert same == (attention not in ("sinusoidal", "learned"))
+
+
+def test_input_position_encodings():
+    assert make_model("rope").pos_emb is None and make_model("rope").pos_table is None
+    assert make_model("learned").pos_emb.weight.shape == (40, 32)
+    table = make_model("sinusoidal").pos_table
+    torch.testing.assert_close(table, sinusoidal_table(40, 32).to(DEVICE))
+    assert torch.allclose(table[0, 0::2], torch.zeros(16, device=DEVICE))  # sin(0)
+    assert torch.allclose(table[0, 1::2], torch.ones(16, device=DEVICE))  # cos(0)
+
+
+def test_tied_embeddings_and_matmul_params():
+    tied, untied = make_model("nope"), make_model("nope", tie_embeddings=False)
+    assert tied.lm_head.weight is tied.tok_emb.weight
+    n_tied = sum(p.numel() for p in tied.parameters())
+    assert sum(p.numel() for p in untied.parameters()) == n_tied + 11 * 32
+    assert tied.matmul_params() == untied.matmul_params() == n_tied  # the head counts once
+    learned = make_model("learned")
+    assert learned.matmul_params() == n_tied
+
+
+def test_too_long_input_names_max_len():
+    with pytest.raises(ValueError, match="max_len 40"):
+        make_model("nope")(torch.zeros(1, 41, dtype=torch.long, device=DEVICE))

@@ -1,0 +1,236 @@
+"""The training harness as a user runs it: train.py end to end, resume, DDP, sweeps + collect,
+failures with clear messages."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm.checkpoint import load_checkpoint
+from lm.training import train
+from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
+
+ROOT = Path(__file__).resolve().parents[1]
+# A counting task a 1-layer model runs through in well under a second per step.
+SMALL = TINY + ["data=counting", "data.max_statements=8", "data.seq_len=40", "data.eval_samples=16"]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [
+        (r["step"], r["train/loss"])
+        for r in read_jsonl(run_dir / "metrics.jsonl")
+        if "train/loss" in r
+    ]
+
+
+@pytest.mark.slow
+def test_train_py_end_to_end_with_wandb_offline(tmp_path):
+    run = run_cli(
+        "train.py",
+        *SMALL,
+        "logger=wandb",
+        "train.steps=6",
+        "train.eval_every=3",
+        "train.log_every=2",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "final | step 6 | test loss" in run.stdout + run.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6 and 0.0 <= summary["test/err"] <= 1.0
+    assert summary["attention_impl"] == ("triton" if torch.cuda.is_available() else "torch")
+    assert summary["tokens_per_s"] > 0 and 0.0 < summary["attn_time_frac"] < 1.0
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if "test/loss" in r] == [3, 6]
+    assert [r["step"] for r in records if "train/loss" in r] == [2, 4, 6]
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 6
+    # The offline wandb run holds the summary (final metrics, the best test loss) and config.
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    logged, config = {}, {}
+    for record in wandb_offline_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "summary":
+            logged.update(
+                {
+                    u.key or "/".join(u.nested_key): json.loads(u.value_json)
+                    for u in record.summary.update
+                }
+            )
+        if kind == "run":
+            config = {u.key: json.loads(u.value_json) for u in record.run.config.update}
+    assert logged["final/test/err"] == summary["test/err"]
+    best = min(r["test/loss"] for r in records if "test/loss" in r)
+    assert logged["test/loss"]["min"] == pytest.approx(best)
+    assert config["data"]["name"] == "counting" and config["data"]["max_statements"] == 8
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
+    # Dropout makes the RNG state part of what a checkpoint must restore.
+    cfg = compose_cfg(
+        *SMALL,
+        "train.device=cpu",  # bitwise reproducibility is a CPU promise (GPU kernels may use atomics)
+        "model.dropout=0.1",
+        "train.steps=8",
+        "train.ckpt_every=3",
+        "train.log_every=1",
+        "train.eval_every=4",
+    )
+    full = train(cfg, output_dir=str(tmp_path / "full"))
+
+    from lm.data.base import LMDataset
+
+    original = LMDataset.train_batch
+
+    def killed_at_step_5(self, step, *args, **kwargs):
+        if step == 5:
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(LMDataset, "train_batch", killed_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, output_dir=str(tmp_path / "cut"))
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["step"] == 3
+    monkeypatch.setattr(LMDataset, "train_batch", original)
+    cfg.train.resume = True
+    resumed = train(cfg, output_dir=str(tmp_path / "cut"))
+
+    assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
+    assert len(train_losses(tmp_path / "full")) == 8
+    for key in ("test/loss", "ood_long/loss", "best_val_loss"):
+        assert resumed[key] == full[key], key
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    from lm.model import GPT
+
+    forward, calls = GPT.forward, []
+
+    def nan_at_fifth_training_step(self, idx):
+        logits = forward(self, idx)
+        if self.training:
+            calls.append(1)
+            if len(calls) == 5:
+                return logits * float("nan")
+        return logits
+
+    monkeypatch.setattr(GPT, "forward", nan_at_fifth_training_step)
+    cfg = compose_cfg(*SMALL, "train.steps=8", "train.ckpt_every=2", "train.eval_every=0")
+    with pytest.raises(
+        FloatingPointError, match=r"loss is nan at step 5; .*checkpoint.pt \(step 4\)"
+    ):
+        train(cfg, output_dir=str(tmp_path))
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 4
+
+
+def test_missing_data_file_fails_naming_it(tmp_path):
+    missing = tmp_path / "nowhere"
+    cfg = compose_cfg(*TINY, "data=jsonl", f"data.dir={missing}")
+    with pytest.raises((FileNotFoundError, ValueError), match="nowhere"):
+        train(cfg, output_dir=str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [("model.n_layers=2", "n_layers"), ("attention=alibi", "attention/alibi")],
+)
+def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path):
+    run = run_cli("train.py", override, f"hydra.run.dir={tmp_path}")
+    assert run.returncode != 0
+    assert expected in run.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_match_one_process(tmp_path):
+    """Rank r trains on rows r::2 of the global batch: 2 ranks x 2 rows = 1 process x 4 rows
+    (every counting example has one answer token, so the mean losses agree)."""
+    common = [
+        *SMALL,
+        "train.steps=4",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.device=cpu",
+    ]
+    ddp = run_cli(
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--standalone",
+        "train.py",
+        *common,
+        "train.batch_size=2",
+        f"hydra.run.dir={tmp_path / 'ddp'}",
+    )
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    single = run_cli("train.py", *common, "train.batch_size=4", f"hydra.run.dir={tmp_path / 'one'}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    ddp_losses, one_losses = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "one")
+    assert [s for s, _ in ddp_losses] == [1, 2, 3, 4]
+    assert [loss for _, loss in ddp_losses] == pytest.approx(
+        [loss for _, loss in one_losses], rel=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_multirun_and_collect(tmp_path):
+    sweep = run_cli(
+        "train.py",
+        "-m",
+        "attention=rope,nope",
+        "seed=0,1",
+        *SMALL,
+        "train.steps=3",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    assert len(list(tmp_path.glob("*/summary.json"))) == 4
+    collect = run_cli("experiments/collect.py", str(tmp_path))
+    assert collect.returncode == 0, collect.stderr[-3000:]
+    table = (tmp_path / "results.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| attention=")]
+    assert [r.split(" | ")[:2] for r in rows] == [
+        ["| attention=nope", "2"],
+        ["| attention=rope", "2"],
+    ]
+    assert all("±" in r for r in rows) and "Every run: data=counting data.eval_samples=16" in table
+    assert "test/err" in table and (tmp_path / "results.png").stat().st_size > 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["rope", "corope"])
+def test_gpu_triton_path_trains_like_the_torch_path(attention, tmp_path):
+    """On CUDA, ``impl=auto`` takes the kernels; the first steps' losses match the PyTorch
+    path's (bf16 autocast both), and the speed fields are filled in."""
+    common = [
+        *SMALL,
+        f"attention={attention}",
+        "train.steps=5",
+        "train.log_every=1",
+        "train.eval_every=0",
+    ]
+    kernel = train(compose_cfg(*common), output_dir=str(tmp_path / "auto"))
+    reference = train(
+        compose_cfg(*common, "attention.impl=torch"), output_dir=str(tmp_path / "torch")
+    )
+    assert kernel["attention_impl"] == "triton" and reference["attention_impl"] == "torch"
+    losses = [loss for _, loss in train_losses(tmp_path / "auto")]
+    assert losses == pytest.approx([loss for _, loss in train_losses(tmp_path / "torch")], rel=2e-2)
+    assert kernel["peak_mem_mib"] > 0 and 0.0 < kernel["attn_time_frac"] < 1.0
+    assert kernel["mfu"] is None or 0.0 < kernel["mfu"] < 1.0
