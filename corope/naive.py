@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fused_rope._validation import check_float_tensor, check_rope_dim
-from fused_rope.frequencies import rope_frequencies
+from fused_rope.frequencies import default_inv_freq
 
 LEADERS = ("first", "mean")
 
@@ -29,7 +29,7 @@ def corope_inv_freq(
 ) -> torch.Tensor:
     """``w[d] = theta ** (-2d / R)`` in fp32, or the given ``inv_freq`` (checked: ``[R/2]``)."""
     if inv_freq is None:
-        return rope_frequencies(rope_dim, theta, device=device)[0]
+        return default_inv_freq(rope_dim, float(theta), torch.device(device))
     check_float_tensor(inv_freq, "inv_freq", ndim=1)
     if inv_freq.shape[0] != rope_dim // 2:
         raise ValueError(

@@ -43,7 +43,7 @@ from fused_rope._validation import (
     check_rope_dim,
     check_same_device,
 )
-from fused_rope.frequencies import rope_angles, rope_frequencies
+from fused_rope.frequencies import default_inv_freq, rope_angles
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -1645,7 +1645,7 @@ def rope_attention(
     B, HQ, NQ, D = q.shape
     NK = k.shape[2]
     if inv_freq is None:
-        inv_freq, _ = rope_frequencies(rope_dim, float(theta))
+        inv_freq = default_inv_freq(rope_dim, float(theta), q.device)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     if positions is None and q_positions is None:
         q_pos = k_pos = None  # the kernels generate 0..NK-1 and NK-NQ..NK-1 themselves

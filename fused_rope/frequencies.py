@@ -13,6 +13,7 @@ multiple of 8 and so moves its fastest angle by up to 4 radians.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -331,6 +332,14 @@ def _check_positions(positions, name: str, ndim: tuple[int, ...] | None = None) 
             f"{name} must have {' or '.join(map(str, ndim))} dimensions, "
             f"got shape {tuple(positions.shape)}"
         )
+
+
+@functools.lru_cache(maxsize=64)
+def default_inv_freq(rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """The unscaled ``inv_freq`` ``[rope_dim // 2]`` fp32 on ``device``, made once per
+    (rope_dim, theta, device) and shared: kernels that default to it then do no host-to-device
+    copy per call, which also keeps them capturable in CUDA graphs. Treat it as read-only."""
+    return rope_frequencies(rope_dim, theta, device=device)[0]
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
