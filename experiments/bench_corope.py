@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from corope import corope_attention, corope_attention_ref  # noqa: E402
 from corope.naive import _chunk_rows, corope_inv_freq  # noqa: E402
 from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
-from experiments.timing import time_ms  # noqa: E402
+from experiments.timing import peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.naive import apply_rope_ref  # noqa: E402
 
 OP = "corope"
@@ -56,18 +56,6 @@ def timer(fn, grad_to_none=None, quick=False) -> tuple[float, float, float]:
     """(median, 20th, 80th percentile) ms per call; ``do_bench`` on CUDA: these kernels take
     milliseconds, so the host's launch overhead does not matter."""
     return time_ms(fn, graph=False, grad_to_none=grad_to_none, rep_ms=20 if quick else 100)
-
-
-def peak_extra_mib(fn, device, exclude_bytes: int = 0) -> float | None:
-    """MiB allocated at the peak of ``fn()`` beyond what was allocated before it."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before - exclude_bytes) / 2**20
 
 
 def sincos_floor_ms(B, HKV, N, R) -> float:
@@ -124,20 +112,16 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
         o = corope_attention(q, k, v)
         note = rows_accuracy(o, q.detach(), k.detach(), v.detach())
         add("corope_triton", "fwd", timer(lambda: corope_attention(q, k, v), quick=quick), note=note)
-    try:
-        out = corope_attention(q, k, v)
-        add("corope_triton", "bwd", timer(
-            lambda: out.backward(do, retain_graph=True), grad_to_none=leaves, quick=quick
-        ))  # fmt: skip
-        fwd_bwd = lambda: corope_attention(q, k, v).backward(do)
-        add("corope_triton", "fwd+bwd", timer(fwd_bwd, grad_to_none=leaves, quick=quick))
-        for x in leaves:
-            x.grad = None
-        outputs_bytes = 2 * (q.numel() + k.numel() + v.numel()) * q.element_size()  # o,dq,dk,dv
-        rows[-1]["peak_mem_mib"] = peak_extra_mib(fwd_bwd, device, outputs_bytes)
-    except (ImportError, NotImplementedError) as e:  # the backward kernel not there yet
-        for mode in ("bwd", "fwd+bwd"):
-            rows.append(dict(base, provider="corope_triton", mode=mode, note=f"n/a: {e}"[:80]))
+    out = corope_attention(q, k, v)
+    add("corope_triton", "bwd", timer(
+        lambda: out.backward(do, retain_graph=True), grad_to_none=leaves, quick=quick
+    ))  # fmt: skip
+    fwd_bwd = lambda: corope_attention(q, k, v).backward(do)
+    add("corope_triton", "fwd+bwd", timer(fwd_bwd, grad_to_none=leaves, quick=quick))
+    for x in leaves:
+        x.grad = None
+    outputs_bytes = 2 * (q.numel() + k.numel() + v.numel()) * q.element_size()  # o,dq,dk,dv
+    rows[-1]["peak_mem_mib"] = peak_extra_mib(fwd_bwd, device, outputs_bytes)
 
     # The reference, where its O(N^2 R) work is small enough to time.
     pairs = B * HKV * N * N * D // 2

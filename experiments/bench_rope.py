@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.plot_benchmarks import plot_op  # noqa: E402
 from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
-from experiments.timing import input_sets, time_ms  # noqa: E402
+from experiments.timing import input_sets, peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.frequencies import rope_angles, rope_frequencies  # noqa: E402
 from fused_rope.rope import TileConfig, apply_rope_qk, rope_fwd, tile_config  # noqa: E402
 
@@ -102,17 +102,6 @@ def inputs(shape, dtype, device):
     angles = rope_angles(torch.arange(N, device=device), inv_freq.to(device))  # [N, D/2] fp32
     emb = torch.cat((angles, angles), dim=-1)  # HF's [N, D] table
     return q, k, angles, emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def peak_extra_mib(fn, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def max_error(fn, q, k, angles) -> float:

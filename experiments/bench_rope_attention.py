@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.nn.functional as F  # noqa: E402
 
 from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
-from experiments.timing import input_sets, time_ms  # noqa: E402
+from experiments.timing import input_sets, peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.frequencies import rope_angles, rope_frequencies  # noqa: E402
 
@@ -116,17 +116,6 @@ def providers(cos, sin, device) -> dict:
     compiled = torch.compile(eager_rope_sdpa, dynamic=False)
     out["compile(rope+sdpa)"] = lambda q, k, v: compiled(q, k, v, cos4, sin4)
     return out
-
-
-def peak_extra_mib(fn, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[dict]:

@@ -65,3 +65,16 @@ def time_ms(
         fn, rep=rep_ms, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8]
     )
     return tuple(q)
+
+
+def peak_extra_mib(fn: Callable[[], object], device: torch.device, exclude_bytes: int = 0):
+    """MiB allocated at the peak of one ``fn()`` beyond what was allocated before it, less
+    ``exclude_bytes`` (outputs the caller does not count); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before - exclude_bytes) / 2**20
