@@ -29,7 +29,7 @@ def corope_inv_freq(
 ) -> torch.Tensor:
     """``w[d] = theta ** (-2d / R)`` in fp32, or the given ``inv_freq`` (checked: ``[R/2]``)."""
     if inv_freq is None:
-        return default_inv_freq(rope_dim, float(theta), torch.device(device))
+        return default_inv_freq(rope_dim, theta, device)
     check_float_tensor(inv_freq, "inv_freq", ndim=1)
     if inv_freq.shape[0] != rope_dim // 2:
         raise ValueError(

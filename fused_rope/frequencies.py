@@ -334,11 +334,18 @@ def _check_positions(positions, name: str, ndim: tuple[int, ...] | None = None) 
         )
 
 
-@functools.lru_cache(maxsize=64)
-def default_inv_freq(rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
     """The unscaled ``inv_freq`` ``[rope_dim // 2]`` fp32 on ``device``, made once per
     (rope_dim, theta, device) and shared: kernels that default to it then do no host-to-device
-    copy per call, which also keeps them capturable in CUDA graphs. Treat it as read-only."""
+    copy per call, which also keeps them capturable in CUDA graphs. Treat it as read-only.
+    Under ``torch.compile`` it is computed in the graph instead (Dynamo does not trace caches)."""
+    if torch.compiler.is_compiling():
+        return rope_frequencies(rope_dim, theta, device=device)[0]
+    return _cached_inv_freq(rope_dim, float(theta), torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_inv_freq(rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     return rope_frequencies(rope_dim, theta, device=device)[0]
 
 
