@@ -57,13 +57,27 @@ def _attention_backward_op(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return corope_bwd(
-        do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        inv_freq,
+        softmax_scale,
+        rope_dim,
+        leader,
+        detach_mileage,
+        deterministic,
     )
 
 
 @_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(
+    do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic
+):
+    # corope_bwd returns contiguous gradients, whatever the inputs' strides.
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):

@@ -12,6 +12,8 @@ The reference processes queries in chunks of rows: a chunk of ``M`` rows holds
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -59,9 +61,13 @@ def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale):
     if leader not in LEADERS:
         raise ValueError(f"leader must be one of {LEADERS}, got {leader!r}")
     R = check_rope_dim(rope_dim, D)
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)
+    ):
+        raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
     s = D**-0.5 if softmax_scale is None else float(softmax_scale)
-    if not s > 0:
-        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
     return R, s
 
 

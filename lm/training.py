@@ -57,15 +57,11 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 def build_optimizer(model: torch.nn.Module, cfg: Any, total_steps: int):
     """AdamW with decay on matrices only, and its warmup + cosine ``LambdaLR``."""
     params = [p for p in model.parameters() if p.requires_grad]
+    embeddings = {id(p) for p in _embeddings(model)}
+    no_decay = lambda p: p.dim() < 2 or id(p) in embeddings  # norms, biases, embedding tables
     groups = [
-        {
-            "params": [p for p in params if p.dim() >= 2 and p is not _embedding(model)],
-            "weight_decay": cfg.weight_decay,
-        },
-        {
-            "params": [p for p in params if p.dim() < 2 or p is _embedding(model)],
-            "weight_decay": 0.0,
-        },
+        {"params": [p for p in params if not no_decay(p)], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if no_decay(p)], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -74,8 +70,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Any, total_steps: int):
     return opt, sched
 
 
-def _embedding(model: torch.nn.Module) -> torch.Tensor:
-    return model.tok_emb.weight
+def _embeddings(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of every embedding table (tokens, learned positions)."""
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
 
 
 def _overrides() -> list[str]:
@@ -166,6 +163,8 @@ class _Run:
             "attn_s": 0.0,
             "timed_steps": 0,
             "timed_tokens": 0,
+            # Training losses since the last log line: a resumed run logs the same averages.
+            "pending_losses": [],
         }
         self.last_ckpt_step: int | None = None
         resumed = self._maybe_resume()
@@ -247,6 +246,7 @@ class _Run:
         if not math.isfinite(grad_norm):
             self._fail(f"gradient norm is {grad_norm}")
         self.opt.step()
+        self.lr = self.sched.get_last_lr()[0]  # the rate this step used, before the schedule moves
         self.sched.step()
         self.step += 1
         return loss_value, x.numel() * info.world_size
@@ -281,7 +281,8 @@ class _Run:
             dynamic_ncols=True,
             mininterval=1.0,
         )
-        first_step, losses = self.step, []
+        first_step = self.step
+        losses = self.state.setdefault("pending_losses", [])
         eval_metrics: dict[str, float] = {}
         with logging_redirect_tqdm():
             while self.step < t.steps:
@@ -297,12 +298,13 @@ class _Run:
                 losses.append(loss)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                if info.main and (self.step % t.log_every == 0 or self.step == t.steps):
-                    lr = self.sched.get_last_lr()[0]
+                if info.main and (
+                    (t.log_every and self.step % t.log_every == 0) or self.step == t.steps
+                ):
                     self._record(
-                        {"train/loss": sum(losses) / len(losses), "lr": lr, **self._speed()}
+                        {"train/loss": sum(losses) / len(losses), "lr": self.lr, **self._speed()}
                     )
-                    losses = []
+                    losses.clear()
                 if self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0):
                     if info.main:
                         eval_metrics = self._eval()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lm.checkpoint import load_checkpoint
-from lm.training import train
+from lm.training import lr_lambda, train
 from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,10 @@ def test_train_py_end_to_end_with_wandb_offline(tmp_path):
     assert config["data"]["name"] == "counting" and config["data"]["max_statements"] == 8
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
+# log_every=2 with ckpt_every=3: the checkpoint falls between two log lines, so the losses
+# logged after the resume must include those of the steps before the kill.
+@pytest.mark.parametrize("log_every", [1, 2])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch, log_every):
     # Dropout makes the RNG state part of what a checkpoint must restore.
     cfg = compose_cfg(
         *SMALL,
@@ -87,7 +90,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
         "model.dropout=0.1",
         "train.steps=8",
         "train.ckpt_every=3",
-        "train.log_every=1",
+        f"train.log_every={log_every}",
         "train.eval_every=4",
     )
     full = train(cfg, output_dir=str(tmp_path / "full"))
@@ -110,7 +113,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
     resumed = train(cfg, output_dir=str(tmp_path / "cut"))
 
     assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
-    assert len(train_losses(tmp_path / "full")) == 8
+    assert len(train_losses(tmp_path / "full")) == 8 // log_every
     for key in ("test/loss", "ood_long/loss", "best_val_loss"):
         assert resumed[key] == full[key], key
 
@@ -234,3 +237,14 @@ def test_gpu_triton_path_trains_like_the_torch_path(attention, tmp_path):
     assert losses == pytest.approx([loss for _, loss in train_losses(tmp_path / "torch")], rel=2e-2)
     assert kernel["peak_mem_mib"] > 0 and 0.0 < kernel["attn_time_frac"] < 1.0
     assert kernel["mfu"] is None or 0.0 < kernel["mfu"] < 1.0
+
+
+def test_logged_lr_is_the_rate_of_the_step_and_log_every_zero_logs_at_the_end(tmp_path):
+    cfg = compose_cfg(
+        *SMALL, "train.steps=3", "train.log_every=0", "optim.warmup_steps=4", "optim.lr=1.0"
+    )
+    train(cfg, output_dir=str(tmp_path))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in logged] == [3]  # log_every=0: only the last step
+    assert logged[0]["lr"] == pytest.approx(lr_lambda(2, 4, 3, cfg.optim.min_lr_ratio))

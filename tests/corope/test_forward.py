@@ -221,8 +221,18 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         (lambda: _small(), {"inv_freq": torch.ones(5)}, ValueError, "inv_freq"),
     ],
     ids=[
-        "HQ-not-multiple", "odd-rope-dim", "rope-dim-over-D", "D48", "float64", "N-mismatch",
-        "dtype-mismatch", "3d-q", "int-q", "bad-leader", "negative-scale", "inv-freq-length",
+        "HQ-not-multiple",
+        "odd-rope-dim",
+        "rope-dim-over-D",
+        "D48",
+        "float64",
+        "N-mismatch",
+        "dtype-mismatch",
+        "3d-q",
+        "int-q",
+        "bad-leader",
+        "negative-scale",
+        "inv-freq-length",
     ],
 )
 def test_bad_inputs_raise(make, kwargs, exc, words):
@@ -243,3 +253,26 @@ def test_cpu_refused_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):
         corope_attention(*_small())
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0.0, True])
+def test_softmax_scale_must_be_a_positive_finite_number(scale):
+    q = torch.randn(1, 2, 8, 32, device=DEVICE)
+    k = torch.randn(1, 1, 8, 32, device=DEVICE)
+    with pytest.raises((ValueError, TypeError), match="softmax_scale"):
+        corope_attention(q, k, k, softmax_scale=scale)
+
+
+def test_backward_op_fake_matches_real_strides_for_transposed_inputs():
+    # The harness feeds q, k, v as [B, N, H, D] buffers viewed as [B, H, N, D]; the fake
+    # (meta) backward must promise the strides the real one returns, or compiled training breaks.
+    from corope.attention import _attention_backward_op
+
+    B, N, D = 1, 16, 32
+    q = torch.randn(B, N, 2, D, device=DEVICE).transpose(1, 2)
+    k = torch.randn(B, N, 1, D, device=DEVICE).transpose(1, 2)
+    v = torch.randn(B, N, 1, D, device=DEVICE).transpose(1, 2)
+    w = corope_inv_freq(D, 10000.0, None, q.device)
+    o, lse = corope_fwd(q, k, v, w, D**-0.5, D, "first")
+    args = (torch.randn_like(o), q, k, v, o, lse, w, D**-0.5, D, "first", False, False)
+    torch.library.opcheck(_attention_backward_op, args, test_utils=("test_faketensor",))

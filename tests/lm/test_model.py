@@ -67,3 +67,16 @@ def test_tied_embeddings_and_matmul_params():
 def test_too_long_input_names_max_len():
     with pytest.raises(ValueError, match="max_len 40"):
         make_model("nope")(torch.zeros(1, 41, dtype=torch.long, device=DEVICE))
+
+
+def test_optimizer_decays_matrices_but_no_embedding_table():
+    from lm.config import OptimConfig
+    from lm.training import build_optimizer
+
+    model = make_model("learned")
+    opt, _ = build_optimizer(model, OmegaConf.structured(OptimConfig), total_steps=10)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    tables = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    assert len(tables) == 2  # tokens and learned positions
+    assert not decayed & {id(t) for t in tables}
+    assert decayed  # the attention and MLP matrices still decay
