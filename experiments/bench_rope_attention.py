@@ -257,14 +257,13 @@ def main() -> None:
         shapes = {n: shapes[n] for n in args.shapes}
     dtypes = ["fp16"] if args.quick else args.dtypes
     env = environment()
-    rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for name, shape in shapes.items():
         for dtype_name in dtypes:
-            rows += run_shape(name, shape, dtype_name, env, device, args.quick, args.providers)
+            rows = run_shape(name, shape, dtype_name, env, device, args.quick, args.providers)
+            upsert_rows(rows, path=args.out / "benchmarks.csv")  # a cut-short run keeps its rows
             print(f"done {name} {dtype_name}", flush=True)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    upsert_rows(rows, path=args.out / "benchmarks.csv")
     # the tables cover every row of this op on this GPU, so runs split by --shapes add up
     rows = this_gpu_rows(args.out / "benchmarks.csv", env["gpu"])
     summary = verdicts(rows)
