@@ -186,6 +186,60 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
     return rows
 
 
+def _compile_job(job: tuple) -> str:
+    """Compiles one fused-kernel autotune config (or the torch.compile provider) for one shape
+    class in a worker process, filling the on-disk Triton and Inductor caches."""
+    kind, (B, HQ, HKV, N, D), dtype_name, arg = job
+    device = torch.device("cuda")
+    dtype = DTYPES[dtype_name]
+    if kind == "inductor":
+        q, k, v = (torch.randn(B, h, N, D, device=device, dtype=dtype, requires_grad=True)
+                   for h in (HQ, HKV, HKV))  # fmt: skip
+        cos = sin = torch.randn(1, 1, N, D, device=device, dtype=dtype)
+        torch.compile(eager_rope_sdpa, dynamic=False)(q, k, v, cos, sin).sum().backward()
+        return f"inductor {dtype_name} N={N}"
+    import fused_rope.attention as attention
+
+    positions, index = arg
+    for name in ("_rope_attn_fwd_kernel", "_rope_attn_bwd_dkdv_kernel", "_rope_attn_bwd_dq_kernel"):
+        kernel = getattr(attention, name)
+        kernel.configs = [kernel.configs[index]]
+    # the real head counts and head dim (ints equal to 1 or divisible by 16 specialize a kernel);
+    # sequence lengths are not specialized on, so 128 positions compile the same binaries
+    q, k, v = (torch.randn(B, h, 128, D, device=device, dtype=dtype, requires_grad=True)
+               for h in (HQ, HKV, HKV))  # fmt: skip
+    pos = torch.arange(128, device=device) if positions == "tensor" else None
+    rope_attention(q, k, v, positions=pos, impl="fused").sum().backward()
+    torch.cuda.synchronize()
+    return f"config {index} {dtype_name} D={D} {positions}"
+
+
+def precompile(shapes: dict, dtypes: list[str], workers: int) -> None:
+    """Compiles every autotune config of the fused kernels, and the torch.compile provider, in
+    ``workers`` processes before the timing: autotuning in the timing process then only
+    benchmarks (compilation otherwise takes most of a run's time, one config after another)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    import fused_rope.attention as attention
+
+    n_configs = min(
+        map(len, (attention._FWD_CONFIGS, attention._DKDV_CONFIGS, attention._DQ_CONFIGS))
+    )
+    classes = {(B, HQ, HKV, 128, D) for B, HQ, HKV, _, D in shapes.values()}
+    jobs = [("inductor", s, d, None) for s in shapes.values() for d in dtypes]
+    jobs += [
+        ("config", s, d, (p, i))
+        for s in sorted(classes)
+        for d in dtypes
+        for p in ("default", "tensor")
+        for i in range(n_configs)
+    ]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        for done in pool.map(_compile_job, jobs):
+            print("compiled", done, flush=True)
+
+
 def verdicts(rows: list[dict]) -> list[dict]:
     """One row per (shape, dtype, mode): rope_attention against the floor and the alternatives."""
     out = []
@@ -249,6 +303,13 @@ def main() -> None:
     parser.add_argument(
         "--providers", nargs="*", default=None, help="subset of the providers (default: all)"
     )
+    parser.add_argument(
+        "--precompile",
+        type=int,
+        default=0,
+        metavar="WORKERS",
+        help="compile the kernels' autotune configs in this many processes first (GPU)",
+    )
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -256,6 +317,8 @@ def main() -> None:
     if args.shapes:
         shapes = {n: shapes[n] for n in args.shapes}
     dtypes = ["fp16"] if args.quick else args.dtypes
+    if args.precompile and device.type == "cuda":
+        precompile(shapes, dtypes, args.precompile)
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
     for name, shape in shapes.items():

@@ -1620,8 +1620,9 @@ def rope_attention(
             (``-inf`` for a query that sees no key); it is differentiable.
         impl: ``"fused"``: the fused kernel. ``"separate"``: the Triton RoPE kernel over q and k
             (``fused_rope.rope.apply_rope_qk``) then PyTorch's SDPA; needs ``NQ == NK``, no
-            ``q_positions`` and no ``return_lse``. ``"auto"``: today always the fused kernel
-            (a dispatch to "separate" waits for GPU numbers, see the README).
+            ``q_positions`` and no ``return_lse``. ``"auto"``: "separate" where it applies (it
+            was the faster at every benchmarked shape, dtype and pass on an H100, see the
+            README), else the fused kernel.
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.
@@ -1644,6 +1645,9 @@ def rope_attention(
         raise ValueError("return_lse=True needs impl='fused' or 'auto' (SDPA returns no lse)")
     B, HQ, NQ, D = q.shape
     NK = k.shape[2]
+    if impl == "auto":
+        separate_applies = NQ == NK and q_positions is None and not return_lse
+        impl = "separate" if separate_applies else "fused"
     if inv_freq is None:
         inv_freq = default_inv_freq(rope_dim, float(theta), q.device)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()

@@ -17,6 +17,7 @@ information enters (or not):
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -158,19 +159,20 @@ class RopeAttention(Attention):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         N = q.shape[2]
         inv_freq, factor = self.freqs.for_length(N)
-        angles = rope_angles(torch.arange(N, device=q.device), inv_freq)  # (N, R/2) fp32
         layout, R = self.cfg.layout, self.rope_dim
         if resolve_impl(self.cfg.impl, q.device, "rope") == "triton":
-            from fused_rope.rope import apply_rope_qk
+            from fused_rope.attention import rope_attention
 
-            q, k = apply_rope_qk(
-                q, k, angles, layout=layout, rope_dim=R, q_scale=factor, k_scale=factor
+            # scaling q and k by the factor is scaling the scores by its square
+            scale = factor**2 / math.sqrt(self.head_dim)
+            return rope_attention(
+                q, k, v, inv_freq=inv_freq, softmax_scale=scale, layout=layout, rope_dim=R
             )
-        else:
-            from fused_rope.naive import apply_rope_ref
+        from fused_rope.naive import apply_rope_ref
 
-            q = apply_rope_ref(q, angles, layout, R, output_scale=factor)
-            k = apply_rope_ref(k, angles, layout, R, output_scale=factor)
+        angles = rope_angles(torch.arange(N, device=q.device), inv_freq)  # (N, R/2) fp32
+        q = apply_rope_ref(q, angles, layout, R, output_scale=factor)
+        k = apply_rope_ref(k, angles, layout, R, output_scale=factor)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
