@@ -201,9 +201,13 @@ def _compile_job(job: tuple) -> str:
     import fused_rope.attention as attention
 
     positions, index = arg
-    for name in ("_rope_attn_fwd_kernel", "_rope_attn_bwd_dkdv_kernel", "_rope_attn_bwd_dq_kernel"):
+    for name, configs in (
+        ("_rope_attn_fwd_kernel", attention._FWD_CONFIGS),
+        ("_rope_attn_bwd_dkdv_kernel", attention._DKDV_CONFIGS),
+        ("_rope_attn_bwd_dq_kernel", attention._DQ_CONFIGS),
+    ):  # a worker runs several jobs: set the config and forget the last job's choice
         kernel = getattr(attention, name)
-        kernel.configs = [kernel.configs[index]]
+        kernel.configs, kernel.cache = [configs[index]], {}
     # the real head counts and head dim (ints equal to 1 or divisible by 16 specialize a kernel);
     # sequence lengths are not specialized on, so 128 positions compile the same binaries
     q, k, v = (torch.randn(B, h, 128, D, device=device, dtype=dtype, requires_grad=True)
