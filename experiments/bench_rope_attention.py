@@ -314,6 +314,12 @@ def main() -> None:
         metavar="WORKERS",
         help="compile the kernels' autotune configs in this many processes first (GPU)",
     )
+    parser.add_argument(
+        "--report",
+        metavar="GPU",
+        default=None,
+        help="time nothing: rewrite the markdown and PNG from the CSV rows of this GPU name",
+    )
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -321,18 +327,20 @@ def main() -> None:
     if args.shapes:
         shapes = {n: shapes[n] for n in args.shapes}
     dtypes = ["fp16"] if args.quick else args.dtypes
-    if args.precompile and device.type == "cuda":
+    if args.precompile and device.type == "cuda" and not args.report:
         precompile(shapes, dtypes, args.precompile)
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, shape in shapes.items():
+    for name, shape in {} if args.report else shapes.items():
         for dtype_name in dtypes:
             rows = run_shape(name, shape, dtype_name, env, device, args.quick, args.providers)
             upsert_rows(rows, path=args.out / "benchmarks.csv")  # a cut-short run keeps its rows
             print(f"done {name} {dtype_name}", flush=True)
 
     # the tables cover every row of this op on this GPU, so runs split by --shapes add up
-    rows = this_gpu_rows(args.out / "benchmarks.csv", env["gpu"])
+    rows = this_gpu_rows(args.out / "benchmarks.csv", args.report or env["gpu"])
+    if args.report:  # the header names the machine and versions of the rows, not this one's
+        env = {key: rows[0][key] for key in ("gpu", "torch", "triton", "commit", "date")}
     summary = verdicts(rows)
     columns = ["shape", "dtype", "mode", "provider", "ms", "tflops", "peak_mem_mib", "note"]
     v_columns = [
