@@ -105,13 +105,17 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
 
     def add(provider, mode, timing, **extra):
         ms, p20, p80 = timing
-        rows.append(dict(base, provider=provider, mode=mode, ms=ms, ms_p20=p20, ms_p80=p80, **extra))
+        rows.append(
+            dict(base, provider=provider, mode=mode, ms=ms, ms_p20=p20, ms_p80=p80, **extra)
+        )
 
     # The fused kernels.
     with torch.no_grad():
         o = corope_attention(q, k, v)
         note = rows_accuracy(o, q.detach(), k.detach(), v.detach())
-        add("corope_triton", "fwd", timer(lambda: corope_attention(q, k, v), quick=quick), note=note)
+        add(
+            "corope_triton", "fwd", timer(lambda: corope_attention(q, k, v), quick=quick), note=note
+        )
     out = corope_attention(q, k, v)
     add("corope_triton", "bwd", timer(
         lambda: out.backward(do, retain_graph=True), grad_to_none=leaves, quick=quick
@@ -137,7 +141,9 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
             torch.cuda.empty_cache()
             rows.append(dict(base, provider="corope_ref", mode="fwd+bwd", note="out of memory"))
     else:
-        rows.append(dict(base, provider="corope_ref", mode="fwd", note=f"skipped: {pairs:.2e} pairs"))
+        rows.append(
+            dict(base, provider="corope_ref", mode="fwd", note=f"skipped: {pairs:.2e} pairs")
+        )
 
     # RoPE attention through SDPA, and the sin/cos floor.
     angles = torch.arange(N, device=device, dtype=torch.float32)[:, None] * corope_inv_freq(
@@ -156,7 +162,9 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
 
 
 def _ms(rows, shape, provider, mode):
-    r = next((r for r in rows if (r["shape"], r["provider"], r["mode"]) == (shape, provider, mode)), None)
+    r = next(
+        (r for r in rows if (r["shape"], r["provider"], r["mode"]) == (shape, provider, mode)), None
+    )
     return None if r is None or r.get("ms") in (None, "") else float(r["ms"])
 
 
@@ -173,15 +181,27 @@ def verdict(rows: list[dict]) -> list[str]:
             return
         passed = value <= limit
         ok &= passed
-        lines.append(f"  {name}: {value:.4g} {unit} (target <= {limit:.4g} {unit}) {'ok' if passed else 'MISSED'}")
+        lines.append(
+            f"  {name}: {value:.4g} {unit} (target <= {limit:.4g} {unit}) {'ok' if passed else 'MISSED'}"
+        )
 
-    check("N=1024 fwd+bwd", _ms(rows, big(1024), "corope_triton", "fwd+bwd"), ANCHOR_REF_FWD_BWD_MS / 200)
+    check(
+        "N=1024 fwd+bwd",
+        _ms(rows, big(1024), "corope_triton", "fwd+bwd"),
+        ANCHOR_REF_FWD_BWD_MS / 200,
+    )
     floor = sincos_floor_ms(1, 8, 16384, 128)
-    check("N=16384 fwd vs 1.4x sin/cos floor", _ms(rows, big(16384), "corope_triton", "fwd"), 1.4 * floor)
+    check(
+        "N=16384 fwd vs 1.4x sin/cos floor",
+        _ms(rows, big(16384), "corope_triton", "fwd"),
+        1.4 * floor,
+    )
     check("N=16384 fwd+bwd", _ms(rows, big(16384), "corope_triton", "fwd+bwd"), 150.0)
     r32 = next((r for r in rows if r["shape"] == big(32768) and r["provider"] == "corope_triton"
                 and r["mode"] == "fwd+bwd"), None)  # fmt: skip
-    mem = None if r32 is None or r32.get("peak_mem_mib") in (None, "") else float(r32["peak_mem_mib"])
+    mem = (
+        None if r32 is None or r32.get("peak_mem_mib") in (None, "") else float(r32["peak_mem_mib"])
+    )
     check("N=32768 fwd+bwd memory beyond q,k,v,o,grads", mem, 2048.0, "MiB")
     failed = [r for r in rows if str(r.get("note", "")).startswith("ACC FAIL")]
     if failed:
@@ -209,7 +229,9 @@ def main() -> None:
     parser.add_argument("--max-n", type=int, default=max(NS), help="largest N to run")
     parser.add_argument("--min-n", type=int, default=min(NS), help="smallest N to run")
     parser.add_argument(
-        "--shape", choices=["all", "small", "large"], default="all",
+        "--shape",
+        choices=["all", "small", "large"],
+        default="all",
         help="small: (1, 8/2, D=64); large: (1, 32/8, D=128)",
     )
     args = parser.parse_args()
@@ -235,11 +257,15 @@ def main() -> None:
     try:
         from experiments.plot_benchmarks import plot_op
 
-        plot_op(OP, csv_path=csv_path, out=args.out / "bench_corope.png", gpu=env["gpu"], metric="ms")
+        plot_op(
+            OP, csv_path=csv_path, out=args.out / "bench_corope.png", gpu=env["gpu"], metric="ms"
+        )
     except Exception as e:  # plotting is a convenience; the CSV and markdown are the record
         print(f"plot skipped: {e!r}")
     print()
-    print(markdown_table(rows, ["shape", "dtype", "mode", "provider", "ms", "peak_mem_mib", "note"]))
+    print(
+        markdown_table(rows, ["shape", "dtype", "mode", "provider", "ms", "peak_mem_mib", "note"])
+    )
     print("\n".join(lines))
 
 

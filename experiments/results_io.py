@@ -44,13 +44,16 @@ def environment() -> dict[str, str]:
 
     commit = os.environ.get("GIT_COMMIT")  # set by runs on machines that get no .git
     try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
