@@ -201,12 +201,7 @@ def _compile_job(job: tuple) -> str:
     import fused_rope.attention as attention
 
     positions, index = arg
-    for name, configs in (
-        ("_rope_attn_fwd_kernel", attention._FWD_CONFIGS),
-        ("_rope_attn_bwd_dkdv_kernel", attention._DKDV_CONFIGS),
-        ("_rope_attn_bwd_dq_kernel", attention._DQ_CONFIGS),
-    ):  # a worker runs several jobs: set the config and forget the last job's choice
-        kernel = getattr(attention, name)
+    for kernel, configs in attention.AUTOTUNED:  # a worker runs several jobs: reset each time
         kernel.configs, kernel.cache = [configs[index]], {}
     # the real head counts and head dim (ints equal to 1 or divisible by 16 specialize a kernel);
     # sequence lengths are not specialized on, so 128 positions compile the same binaries
@@ -227,9 +222,7 @@ def precompile(shapes: dict, dtypes: list[str], workers: int) -> None:
 
     import fused_rope.attention as attention
 
-    n_configs = min(
-        map(len, (attention._FWD_CONFIGS, attention._DKDV_CONFIGS, attention._DQ_CONFIGS))
-    )
+    n_configs = min(len(configs) for _, configs in attention.AUTOTUNED)
     classes = {(B, HQ, HKV, 128, D) for B, HQ, HKV, _, D in shapes.values()}
     jobs = [("inductor", s, d, None) for s in shapes.values() for d in dtypes]
     jobs += [

@@ -1234,6 +1234,15 @@ def _rope_attn_bwd_dq_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
+# Each autotuned kernel with its full config list (the kernel's own list may be narrowed by a
+# test or a benchmark that pins one config).
+AUTOTUNED = (
+    (_rope_attn_fwd_kernel, _FWD_CONFIGS),
+    (_rope_attn_bwd_dkdv_kernel, _DKDV_CONFIGS),
+    (_rope_attn_bwd_dq_kernel, _DQ_CONFIGS),
+)
+
+
 def _meta(head_dim: int, rope_dim: int, interleaved: bool, causal: bool, dtype: torch.dtype):
     """Constexprs shared by every kernel. tl.dot needs inner dims >= 16, hence the floors."""
     pass_dim = head_dim - rope_dim

@@ -22,14 +22,12 @@ from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from tests.helpers import DEVICE, ON_GPU, assert_close, assert_close_to_baseline
 
-_TUNED_KERNELS = ("_rope_attn_fwd_kernel", "_rope_attn_bwd_dkdv_kernel", "_rope_attn_bwd_dq_kernel")
-
 
 def _use_config(monkeypatch, index: int) -> None:
-    """Makes every autotuned kernel run only its config ``index`` (fresh autotune cache)."""
-    for name in _TUNED_KERNELS:
-        kernel = getattr(attention_module, name)
-        monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
+    """Makes every autotuned kernel run only config ``index`` of its full list (fresh autotune
+    cache); the full lists, because the autouse fixture below has already narrowed each kernel's."""
+    for kernel, configs in attention_module.AUTOTUNED:
+        monkeypatch.setattr(kernel, "configs", [configs[index]])
         monkeypatch.setattr(kernel, "cache", {})
 
 
@@ -451,7 +449,9 @@ def test_gpu_long_sequence(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
-@pytest.mark.parametrize("index", range(len(attention_module._FWD_CONFIGS)))
+@pytest.mark.parametrize(
+    "index", range(min(len(configs) for _, configs in attention_module.AUTOTUNED))
+)
 def test_gpu_every_config(monkeypatch, index, dtype):
     """Config ``index`` of each kernel's autotune list (tile shapes change the masking paths)."""
     _use_config(monkeypatch, index)
