@@ -1,43 +1,124 @@
-"""Turns a multirun's ``summary.json`` files into a markdown table and a PNG plot.
+"""Turns a directory of training runs into tables (markdown, CSV) and PNG figures.
 
     python experiments/collect.py multirun/2026-01-01/12-00-00 [--metrics test/err,best_val_loss]
+    python experiments/collect.py runs/synth        # the root of experiments/run_parallel.py
+
+Every run directory under the root counts (a Hydra multirun's ``0/``, ``1/``, ...,
+``run_parallel.py``'s ``000-.../``): finished runs by their ``summary.json``; runs stopped
+early (``run_parallel.py --job-timeout``, a killed job) by the last evaluation in their
+``metrics.jsonl`` and their ``.hydra/`` overrides, marked partial (``*`` on their steps).
 
 A cell is one setting of the overrides that vary between runs (``seed`` aside; the shared
-ones head the table); each metric is shown as
-``mean ± std`` over the cell's seeds (sample standard deviation; ``±`` omitted for one
-seed). Writes ``results.md`` and ``results.png`` into the multirun directory (or
-``--out``) and prints the table.
+ones head the table). The task of a cell is its varying ``experiment`` / ``data`` /
+``data.*`` overrides (or ``summary["data"]``), its variant the rest (``attention=...``).
+Each metric is ``mean ± std`` over the cell's seeds (sample standard deviation; ``±``
+omitted for one seed); with several tasks, one table per task.
+
+Writes into the root (or ``--out``): ``results.md`` (the tables and the command that made
+them), ``results.csv`` (one row per cell: mean and std per metric), ``runs.csv`` (one row
+per run), ``results.png`` (a bar per cell for each metric), ``curves.png`` (training loss
+against step, one line per run, a colour per variant, a panel per task) and, where the runs
+have them, ``errors.png`` / ``ppl.png`` (per task, a group of bars per eval split, a bar
+per variant: mean, std as the error bar, each seed a dot). Prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
+import shlex
 import statistics
 import sys
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import yaml  # noqa: E402
 
 # Run as a script (`python experiments/collect.py`): the repository root is not on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.results_io import markdown_table  # noqa: E402
 
 SEED_KEYS = ("seed",)
+TASK_KEYS = ("experiment", "data")  # and every data.* key
 # Metrics shown when --metrics is not given, if the summaries have them.
 DEFAULT_SUFFIXES = ("/err", "/ppl")
 DEFAULT_KEYS = ("best_val_loss", "tokens_per_s")
+ALL_RUNS = "(all runs)"
 
 
-def load_summaries(root: Path) -> list[dict]:
-    paths = sorted(root.rglob("summary.json"))
-    if not paths:
-        raise FileNotFoundError(f"no summary.json under {root} (is it a multirun directory?)")
-    return [json.loads(p.read_text()) for p in paths]
+@dataclass
+class Run:
+    """One run directory: its summary (for a partial run, the last evaluation's metrics with
+    ``steps``, ``overrides``, ``attention``, ``data`` and ``seed`` from ``.hydra/``)."""
+
+    path: Path
+    summary: dict
+    partial: bool = False
+
+    def losses(self) -> list[tuple[int, float]]:
+        """``(step, train/loss)`` of every training log line of ``metrics.jsonl``."""
+        return [(r["step"], r["train/loss"]) for r in _records(self.path) if "train/loss" in r]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _partial_summary(run_dir: Path) -> dict | None:
+    """A stopped run's last evaluation (and last logged speed) as a summary, or None without
+    one (or without the ``.hydra/`` files that say what the run was)."""
+    records = _records(run_dir)
+    evals = [r for r in records if any(k.endswith("/loss") and k != "train/loss" for k in r)]
+    speed = next((r for r in reversed(records) if "tokens_per_s" in r), {})
+    hydra = run_dir / ".hydra"
+    if not evals or not (hydra / "overrides.yaml").exists():
+        return None
+    config = yaml.safe_load((hydra / "config.yaml").read_text())
+    last = evals[-1]
+    first_loss = next(k for k in last if k.endswith("/loss"))
+    return {
+        **{k: v for k, v in speed.items() if k not in ("step", "train/loss", "lr")},
+        **{k: v for k, v in last.items() if k != "step"},
+        "val_loss": last[first_loss],
+        "best_val_loss": min(r[first_loss] for r in evals if first_loss in r),
+        "steps": last["step"],
+        "attention": config["attention"]["name"],
+        "data": config["data"]["name"],
+        "seed": config["seed"],
+        "overrides": yaml.safe_load((hydra / "overrides.yaml").read_text()) or [],
+    }
+
+
+def load_runs(root: Path) -> list[Run]:
+    """Every run under ``root``: finished ones (``summary.json``) and stopped ones that
+    evaluated at least once (``metrics.jsonl``); others (failed at start-up, or stopped
+    before the first evaluation) are named on stderr and left out."""
+    # .hydra, stdout.log (run_parallel.py's): a run that failed early
+    markers = ("summary.json", "metrics.jsonl", ".hydra", "stdout.log")
+    dirs = sorted({p.parent for name in markers for p in root.rglob(name)})
+    runs = []
+    for d in dirs:
+        if (d / "summary.json").exists():
+            runs.append(Run(d, json.loads((d / "summary.json").read_text())))
+        elif (summary := _partial_summary(d)) is not None:
+            runs.append(Run(d, summary, partial=True))
+        else:
+            print(f"collect: {d} has no summary and no evaluation yet; left out", file=sys.stderr)
+    if not runs:
+        raise FileNotFoundError(
+            f"no summary.json or metrics.jsonl under {root} (is it a run root?)"
+        )
+    return runs
 
 
 def overrides_of(summary: dict) -> dict[str, str]:
@@ -46,33 +127,82 @@ def overrides_of(summary: dict) -> dict[str, str]:
     return {k.lstrip("+~"): v for k, v in pairs if k.lstrip("+~") not in SEED_KEYS}
 
 
-def cells(summaries: list[dict]) -> tuple[list[str], dict[str, str]]:
-    """Each run's cell (the overrides that vary between runs, e.g. ``attention=rope``) and the
-    overrides every run shares."""
+def _is_task_key(key: str) -> bool:
+    return key in TASK_KEYS or key.startswith("data.")
+
+
+def _varying(summaries: list[dict]) -> tuple[list[str], dict[str, str]]:
     runs = [overrides_of(s) for s in summaries]
     keys = sorted({k for r in runs for k in r})
     varying = [k for k in keys if len({r.get(k) for r in runs}) > 1]
     common = {k: runs[0][k] for k in keys if k not in varying}
-    labels = [" ".join(f"{k}={r.get(k, '-')}" for k in varying) or "(all runs)" for r in runs]
-    return labels, common
+    return varying, common
+
+
+def _label(overrides: dict[str, str], keys: list[str]) -> str:
+    """``k=v`` for the keys the run sets (a key another run sets and this one does not, such as
+    ``attention.detach_mileage``, is left out)."""
+    return " ".join(f"{k}={overrides[k]}" for k in keys if k in overrides) or ALL_RUNS
+
+
+def cells(summaries: list[dict]) -> tuple[list[str], dict[str, str]]:
+    """Each run's cell (the overrides that vary between runs, e.g. ``attention=rope``) and the
+    overrides every run shares."""
+    varying, common = _varying(summaries)
+    return [_label(overrides_of(s), varying) for s in summaries], common
+
+
+def tasks_and_variants(summaries: list[dict]) -> list[tuple[str, str]]:
+    """Each run's ``(task, variant)``: its cell split into the task overrides and the rest."""
+    varying, _ = _varying(summaries)
+    # experiment, then data, then data.*: the most telling first
+    task_keys = sorted(
+        (k for k in varying if _is_task_key(k)), key=lambda k: (k != "experiment", k)
+    )
+    other = [k for k in varying if not _is_task_key(k)]
+    out = []
+    for s in summaries:
+        o = overrides_of(s)
+        task = _label(o, task_keys) if task_keys else str(s.get("data", ALL_RUNS))
+        out.append((task, _label(o, other)))
+    return out
 
 
 def default_metrics(summaries: list[dict]) -> list[str]:
-    keys = [k for k in summaries[0] if k.endswith(DEFAULT_SUFFIXES)]
-    return keys + [k for k in DEFAULT_KEYS if k in summaries[0]]
+    """Every error rate / perplexity any run has (first-seen order), then DEFAULT_KEYS."""
+    keys: dict[str, None] = {}
+    for s in summaries:
+        keys.update({k: None for k in s if k.endswith(DEFAULT_SUFFIXES)})
+    return list(keys) + [k for k in DEFAULT_KEYS if any(k in s for s in summaries)]
 
 
-def aggregate(summaries: list[dict], metrics: list[str]) -> list[dict]:
-    """One row per cell: ``cell``, ``seeds`` and per metric ``(mean, std)`` (std NaN for one
-    seed; metrics a run lacks or has as null are skipped for that run)."""
-    by_cell: dict[str, list[dict]] = {}
-    for label, s in zip(cells(summaries)[0], summaries, strict=True):
-        by_cell.setdefault(label, []).append(s)
+def _steps(runs: list[Run]) -> str:
+    steps = sorted({r.summary.get("steps") for r in runs if r.summary.get("steps") is not None})
+    text = "-" if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+    return text + ("*" if any(r.partial for r in runs) else "")
+
+
+def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
+    """One row per cell: ``cell``, ``task``, ``variant``, ``seeds``, ``steps`` (``*``: some
+    runs stopped early) and per metric ``(mean, std)`` (std NaN for one seed; metrics a run
+    lacks or has as null are skipped for that run), sorted by task, then variant."""
+    summaries = [r.summary for r in runs]
+    labels = cells(summaries)[0]
+    by_cell: dict[tuple[str, str, str], list[Run]] = {}
+    for label, tv, run in zip(labels, tasks_and_variants(summaries), runs, strict=True):
+        by_cell.setdefault((*tv, label), []).append(run)
     rows = []
-    for cell, runs in sorted(by_cell.items()):
-        row: dict = {"cell": cell, "seeds": len(runs)}
+    for (task, variant, cell), members in sorted(by_cell.items()):
+        row: dict = {
+            "cell": cell,
+            "task": task,
+            "variant": variant,
+            "seeds": len(members),
+            "steps": _steps(members),
+        }
         for m in metrics:
-            values = [r[m] for r in runs if isinstance(r.get(m), (int, float))]
+            values = [r.summary[m] for r in members if isinstance(r.summary.get(m), (int, float))]
+            row[f"{m}:values"] = values
             mean = statistics.fmean(values) if values else math.nan
             std = statistics.stdev(values) if len(values) > 1 else math.nan
             row[m] = (mean, std)
@@ -87,11 +217,78 @@ def _fmt(mean: float, std: float) -> str:
     return f"{mean:{digits}}" if math.isnan(std) else f"{mean:{digits}} ± {std:{digits}}"
 
 
-def markdown(rows: list[dict], metrics: list[str]) -> str:
-    cells = [
-        {"cell": r["cell"], "seeds": r["seeds"], **{m: _fmt(*r[m]) for m in metrics}} for r in rows
+def markdown(rows: list[dict], metrics: list[str], label: str = "cell") -> str:
+    """A table of ``rows``: the ``label`` column (``cell`` or ``variant``), seeds, the metrics
+    any row has, and steps where they differ or some run stopped early."""
+    shown = [m for m in metrics if any(not math.isnan(r[m][0]) for r in rows)]
+    steps = len({r["steps"] for r in rows}) > 1 or any(r["steps"].endswith("*") for r in rows)
+    table = [
+        {
+            label: r[label],
+            "seeds": r["seeds"],
+            "steps": r["steps"],
+            **{m: _fmt(*r[m]) for m in shown},
+        }
+        for r in rows
     ]
-    return markdown_table(cells, ["cell", "seeds", *metrics])
+    return markdown_table(table, [label, "seeds", *shown, *(["steps"] if steps else [])])
+
+
+def report(rows: list[dict], metrics: list[str], common: dict[str, str], command: str) -> str:
+    """``results.md``: the shared overrides, one table (or one per task), the command."""
+    parts = [f"Every run: {' '.join(f'{k}={v}' for k, v in common.items())}\n"] if common else []
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    if len(tasks) == 1:
+        parts.append(markdown(rows, metrics))
+    else:
+        for task in tasks:
+            parts.append(
+                f"### {task}\n\n"
+                + markdown([r for r in rows if r["task"] == task], metrics, "variant")
+            )
+    if any(r["steps"].endswith("*") for r in rows):
+        parts.append("`*`: some runs stopped early; their last evaluation is counted.\n")
+    parts.append(f"Made by `{command}`.\n")
+    return "\n".join(parts)
+
+
+def write_csvs(runs: list[Run], rows: list[dict], metrics: list[str], out: Path) -> None:
+    """``results.csv`` (a row per cell, ``<metric>_mean`` / ``<metric>_std``) and
+    ``runs.csv`` (a row per run)."""
+    head = ["task", "variant", "cell", "seeds", "steps"]
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(head + [f"{m}_{s}" for m in metrics for s in ("mean", "std")])
+        for r in rows:
+            writer.writerow([r[k] for k in head] + [_num(v) for m in metrics for v in r[m]])
+    summaries = [r.summary for r in runs]
+    labels = cells(summaries)[0]
+    with (out / "runs.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["dir", "task", "variant", "cell", "seed", "steps", "partial", *metrics])
+        for run, label, (task, variant) in zip(
+            runs, labels, tasks_and_variants(summaries), strict=True
+        ):
+            s = run.summary
+            values = [_num(s.get(m)) for m in metrics]
+            writer.writerow(
+                [
+                    run.path.name,
+                    task,
+                    variant,
+                    label,
+                    s.get("seed"),
+                    s.get("steps"),
+                    run.partial,
+                    *values,
+                ]
+            )
+
+
+def _num(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def plot(rows: list[dict], metrics: list[str], path: Path) -> None:
@@ -109,9 +306,97 @@ def plot(rows: list[dict], metrics: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def _colours(variants: list[str]) -> dict[str, str]:
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {v: cycle[i % len(cycle)] for i, v in enumerate(variants)}
+
+
+def _save_with_legend(fig, path: Path) -> None:
+    """One legend for every panel, below them (the variants' colours are shared)."""
+    labelled = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labelled.setdefault(label, handle)
+    fig.tight_layout()
+    fig.legend(
+        labelled.values(),
+        labelled.keys(),
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncol=min(3, len(labelled)),
+        fontsize=8,
+        frameon=False,
+    )
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_curves(runs: list[Run], path: Path) -> None:
+    """Training loss against step: a panel per task, a line per run, a colour per variant."""
+    tv = tasks_and_variants([r.summary for r in runs])
+    tasks = sorted({t for t, _ in tv})
+    colours = _colours(sorted({v for _, v in tv}))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        labelled = set()
+        for run, (t, variant) in zip(runs, tv, strict=True):
+            losses = run.losses()
+            if t != task or not losses:
+                continue
+            steps, values = zip(*losses, strict=True)
+            label = None if variant in labelled else variant
+            labelled.add(variant)
+            ax.plot(steps, values, ".-", color=colours[variant], lw=1, ms=2, alpha=0.8, label=label)
+        if all(v > 0 for line in ax.get_lines() for v in line.get_ydata()) and ax.get_lines():
+            ax.set_yscale("log")
+        ax.set_title(textwrap.fill(task, 60), fontsize=8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss")
+    _save_with_legend(fig, path)
+
+
+def plot_by_split(rows: list[dict], metrics: list[str], suffix: str, path: Path) -> bool:
+    """Per task, a group of bars per metric of ``metrics`` ending in ``suffix`` (one per eval
+    split, in the order of ``metrics``) and a
+    bar per variant: the mean, the std as error bar, each seed a dot. Error rates in %.
+    Returns False (no file) when no row has such a metric."""
+    metrics = [m for m in metrics if m.endswith(suffix)]
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    tasks = [
+        t
+        for t in tasks
+        if any(not math.isnan(r[m][0]) for r in rows if r["task"] == t for m in metrics)
+    ]
+    if not tasks:
+        return False
+    scale = 100.0 if suffix == "/err" else 1.0
+    colours = _colours(sorted({r["variant"] for r in rows}))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        members = [r for r in rows if r["task"] == task]
+        splits = [m for m in metrics if any(not math.isnan(r[m][0]) for r in members)]
+        width = 0.8 / len(members)
+        for i, r in enumerate(members):
+            xs = [s + (i - (len(members) - 1) / 2) * width for s in range(len(splits))]
+            means = [scale * r[m][0] for m in splits]
+            stds = [0.0 if math.isnan(r[m][1]) else scale * r[m][1] for m in splits]
+            c = colours[r["variant"]]
+            ax.bar(xs, means, width, yerr=stds, capsize=2, color=c, alpha=0.7, label=r["variant"])
+            for x, m in zip(xs, splits, strict=True):
+                values = r[f"{m}:values"]
+                ax.scatter([x] * len(values), [scale * v for v in values], s=8, color="k", zorder=3)
+        ax.set_xticks(range(len(splits)), [m.removesuffix(suffix) for m in splits], fontsize=8)
+        ax.set_ylabel("error rate (%)" if suffix == "/err" else suffix.strip("/"))
+        if suffix == "/err":
+            ax.set_ylim(0, 105)
+        ax.set_title(textwrap.fill(task, 60), fontsize=8)
+    _save_with_legend(fig, path)
+    return True
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("multirun_dir", type=Path)
+    parser.add_argument("multirun_dir", type=Path, help="a multirun or run_parallel.py root")
     parser.add_argument(
         "--metrics",
         help="comma-separated summary keys (default: error rates "
@@ -119,20 +404,29 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--out", type=Path, help="output directory (default: multirun_dir)")
     args = parser.parse_args(argv)
-    summaries = load_summaries(args.multirun_dir)
+    runs = load_runs(args.multirun_dir)
+    summaries = [r.summary for r in runs]
     metrics = args.metrics.split(",") if args.metrics else default_metrics(summaries)
     missing = [m for m in metrics if not any(m in s for s in summaries)]
     if missing:
         raise SystemExit(f"--metrics: {missing} in no summary; keys: {sorted(summaries[0])}")
-    rows = aggregate(summaries, metrics)
+    rows = aggregate(runs, metrics)
     out = args.out or args.multirun_dir
     out.mkdir(parents=True, exist_ok=True)
-    common = " ".join(f"{k}={v}" for k, v in cells(summaries)[1].items())
-    table = (f"Every run: {common}\n\n" if common else "") + markdown(rows, metrics)
+    command = shlex.join(
+        ["python", "experiments/collect.py", *(sys.argv[1:] if argv is None else argv)]
+    )
+    table = report(rows, metrics, cells(summaries)[1], command)
     (out / "results.md").write_text(table)
+    write_csvs(runs, rows, metrics, out)
     plot(rows, metrics, out / "results.png")
+    plot_curves(runs, out / "curves.png")
+    written = ["results.md", "results.csv", "runs.csv", "results.png", "curves.png"]
+    for suffix, name in (("/err", "errors.png"), ("/ppl", "ppl.png")):
+        if plot_by_split(rows, metrics, suffix, out / name):
+            written.append(name)
     print(table, end="")
-    print(f"wrote {out / 'results.md'} and {out / 'results.png'}")
+    print(f"wrote {', '.join(written)} into {out}")
     return table
 
 

@@ -1,0 +1,97 @@
+"""experiments/plot_mileage.py: a Co-RoPE checkpoint's leader gates and mileage, as drawn, are
+the ones the model's attention used."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from experiments.plot_mileage import capture_attention, load_run, main
+from fused_rope.naive import apply_rope_ref
+from lm.checkpoint import save_checkpoint
+from lm.data import build_dataset
+from lm.model import GPT
+from tests.helpers import assert_close, errors
+from tests.lm.harness import TINY, compose_cfg
+
+# Two layers, two KV groups of two query heads: a leader that is not every head.
+MODEL = [*TINY, "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.d_model=128"]
+COUNTING = ["data=counting", "data.max_statements=6", "data.seq_len=32", "data.eval_samples=4"]
+
+
+def save_run(run_dir, *overrides: str) -> None:
+    """A run directory as train.py leaves it: the model at initialisation (0 steps) in
+    ``checkpoint.pt`` and the composed config in ``.hydra/config.yaml``."""
+    cfg = compose_cfg(*MODEL, *COUNTING, *overrides)
+    dataset = build_dataset(cfg.data)
+    model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
+    save_checkpoint(run_dir / "checkpoint.pt", {"model": model.state_dict(), "step": 0})
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+
+
+def attention_row(q, k, v, delta_row, attn, i: int, g: int) -> torch.Tensor:
+    """Row ``i`` of KV group ``g``'s heads, ``[B, G, D]``, recomputed from a mileage row
+    ``delta_row [i + 1]``: keys rotated by ``-delta[i, j] w``, then softmax attention."""
+    G = q.shape[1] // k.shape[1]
+    inv_freq, _ = attn.freqs.for_length(q.shape[2])
+    angles = -delta_row[:, None] * inv_freq.to(delta_row.dtype)  # [i + 1, R/2]
+    kr = apply_rope_ref(k[:, g : g + 1, : i + 1], angles, "half", attn.rope_dim)[:, 0]
+    scores = torch.einsum("bgd,bnd->bgn", q[:, g * G : (g + 1) * G, i], kr) * q.shape[-1] ** -0.5
+    return scores.softmax(-1) @ v[:, g, : i + 1]
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
+@pytest.mark.parametrize("query", [-1, 7])
+def test_drawn_mileage_reproduces_the_models_attention(tmp_path, leader, query):
+    save_run(tmp_path, "attention=corope", f"attention.leader={leader}")
+    drawn = main(
+        [str(tmp_path), "--example", "test:1", "--query", str(query), "--dtype", "float64"]
+    )
+    assert [p.name for p in drawn["paths"]] == ["mileage.png", "mileage_matrix.png"]
+    assert all(p.stat().st_size > 10_000 for p in drawn["paths"])
+
+    _, model, dataset = load_run(tmp_path, torch.float64)
+    ids = torch.tensor(drawn["ids"])
+    assert drawn["ids"] == dataset.eval_examples("test")[1].tokens[:-1].tolist()
+    assert drawn["labels"][-2:] == ["print", dataset.decode(drawn["ids"][-1:])]
+    with capture_attention(model) as captured, torch.no_grad():
+        model(ids[None])
+    i = drawn["query"]
+    assert i == (len(ids) - 1 if query == -1 else query)
+    z, delta = drawn["gates"], drawn["mileage"]
+    assert z.shape == delta.shape == (2, 2, len(ids), len(ids))
+    for layer, (q, k, v, o) in enumerate(captured):
+        attn = model.blocks[layer].attn
+        for g in range(2):
+            row = delta[layer, g, i, : i + 1]
+            ref = o[:, 2 * g : 2 * g + 2, i]  # what the model's Co-RoPE attention computed
+            assert_close(
+                f"L{layer} g{g}", attention_row(q, k, v, row, attn, i, g), ref, 1e-10, 1e-10
+            )
+            # the check can fail: a mileage that counts key j's own gate is off by z[i, j]
+            inclusive = row + z[layer, g, i, : i + 1]
+            assert errors(attention_row(q, k, v, inclusive, attn, i, g), ref)[1] > 1e-6
+
+
+def test_rejects_a_run_that_is_not_corope(tmp_path):
+    save_run(tmp_path, "attention=rope")
+    with pytest.raises(ValueError, match="'rope' run; gates need corope"):
+        main([str(tmp_path)])
+
+
+def test_input_file_and_bad_arguments(tmp_path, capsys):
+    save_run(tmp_path, "attention=corope")
+    program = tmp_path / "prog.txt"
+    program.write_text("x ++ ; pass ; y = 0 ; x ++ ; print x")
+    drawn = main([str(tmp_path), "--input-file", str(program), "--out", str(tmp_path / "p.png")])
+    assert drawn["labels"] == program.read_text().split() and drawn["query"] == 13
+    assert (tmp_path / "p.png").exists() and (tmp_path / "p_matrix.png").exists()
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--example", "nosuch:0"])
+    assert (
+        "--example must be SPLIT:INDEX with SPLIT in ['test', 'ood_long']"
+        in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--query", "99"])
+    assert "--query must index" in capsys.readouterr().err
