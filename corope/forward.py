@@ -37,9 +37,13 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_GM": 64, "BLOCK_N": 32}, num_warps=4)]
     return [
         triton.Config({"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=nw, num_stages=1)
-        # Few configs: each is compiled per (G_PAD, D, R, dtype) key. ptxas (sm_90a, bf16,
-        # D = 128, G = 4): 221 registers and no spill at (64, 64, 8); 255 and a few bytes at 4 warps.
-        for gm, bn, nw in ((64, 64, 4), (64, 64, 8), (128, 64, 8))
+        # Few configs: each is compiled per (G_PAD, D, R, dtype) key. With 8 warps, a 64-key
+        # tile puts the MMA layout's warps as [4, 2] and splits the heads over two warps (each
+        # computes the pairs' sin/cos: twice the special-function work); 128 keys give [8, 1]
+        # and no duplication (ptxas, sm_90, bf16, G = 4, D = 64 or 128: 252-254 registers, no
+        # spill). Autotune chose (64, 128, 8) on an H200 at G = 4, D = 64 and 128 without the
+        # frequency-loop pipelining (corope/PERF_NOTES.md, v1).
+        for gm, bn, nw in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8))
     ]
 
 
@@ -64,6 +68,26 @@ def _cos_sin(x, FAST_TRIG: tl.constexpr):
     return tl.cos(x), tl.sin(x)
 
 
+@triton.jit
+def _frequency_operands(
+    W, kt_base, d, carry, two_pi, inv_two_pi, offs_j, key_ok, stride_tkd, stride_tkn,
+    HALF: tl.constexpr,
+):
+    """Frequency ``d``'s inputs to the per-pair rotation: ``w`` (scalar fp32), the carry's
+    phase ``carry * w`` reduced modulo 2 pi (``[BLOCK_M]`` fp32) and the key tile's rotary
+    pair ``k1, k2`` (``[BLOCK_N, 1]`` fp32; 0 for keys past N). ``d`` must be in ``[0, HALF)``.
+    """
+    w = tl.load(W + d)
+    # Reduced in fp64 (two_pi, inv_two_pi are fp64 tensors; a float literal would enter as
+    # fp32): the fp32 phase built from it stays below 2 pi + BLOCK_N * w, where the fast
+    # sin/cos is accurate, however large the carry.
+    ang = carry * w
+    ang = (ang - two_pi * tl.floor(ang * inv_two_pi)).to(tl.float32)
+    k1 = tl.load(kt_base + d * stride_tkd + offs_j * stride_tkn, mask=key_ok, other=0.0)
+    k2 = tl.load(kt_base + (d + HALF) * stride_tkd + offs_j * stride_tkn, mask=key_ok, other=0.0)
+    return w, ang, k1.to(tl.float32)[:, None], k2.to(tl.float32)[:, None]
+
+
 @triton.autotune(
     configs=_configs(),
     key=["G_PAD", "HEAD_DIM", "ROPE_DIM"],  # and the tensors' dtypes, which autotune adds
@@ -75,7 +99,7 @@ def _corope_fwd_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_tqb, stride_tqh, stride_tqd, stride_tqn,
+    stride_tqb, stride_tqh, stride_tqd,  # QT: [B, HQ, R/2, N_PAD, 2] contiguous
     stride_tkb, stride_tkh, stride_tkd, stride_tkn,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
@@ -118,8 +142,12 @@ def _corope_fwd_kernel(
     # The same columns as [G_PAD, BLOCK_M], for the per-frequency loads of the query.
     offs_h = tl.arange(0, G_PAD)
     offs_i = m0 + tl.arange(0, BLOCK_M)
-    qcol_ok = (offs_h < G)[:, None] & (offs_i < N)[None, :]
-    qt_base = QT + b * stride_tqb + (g * G + offs_h)[:, None] * stride_tqh + offs_i[None, :] * stride_tqn
+    qcol_ok = ((offs_h < G)[:, None] & (offs_i < N)[None, :])[:, :, None]
+    # QT holds (q1, q2) of a frequency side by side: one 8-byte load per column and frequency.
+    qt_base = (
+        QT + b * stride_tqb + (g * G + offs_h)[:, None, None] * stride_tqh
+        + offs_i[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    )
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
@@ -161,26 +189,32 @@ def _corope_fwd_kernel(
         local = tl.cumsum(z, axis=0, reverse=True) - z
 
         s3 = tl.zeros([BLOCK_N, G_PAD, BLOCK_M], tl.float32)
+        # Software-pipelined by one frequency: each iteration's w load and serial fp64
+        # reduction are for the NEXT frequency, so they overlap this one's sin/cos and FMAs
+        # instead of stalling the start of every iteration (the loop is latency-bound).
+        w_nx, ang_nx, k1_nx, k2_nx = _frequency_operands(
+            W, kt_base, 0, carry, two_pi, inv_two_pi, offs_j, key_ok, stride_tkd, stride_tkn, HALF
+        )
         for d in range(HALF):
-            w = tl.load(W + d)
-            # carry * w reduced modulo 2 pi in fp64: the fp32 phase below stays below
-            # 2 pi + BLOCK_N * w, where the fast sin/cos is accurate.
-            ang = carry * w
-            ang = (ang - two_pi * tl.floor(ang * inv_two_pi)).to(tl.float32)
-            # The softmax scale and log2(e) folded into the query.
-            q1 = tl.load(qt_base + d * stride_tqd, mask=qcol_ok, other=0.0).to(tl.float32)
-            q2 = tl.load(qt_base + (d + HALF) * stride_tqd, mask=qcol_ok, other=0.0).to(tl.float32)
-            q1 = q1 * qk_scale
-            q2 = q2 * qk_scale
-            k1 = tl.load(kt_base + d * stride_tkd + offs_j * stride_tkn, mask=key_ok, other=0.0)
-            k2 = tl.load(kt_base + (d + HALF) * stride_tkd + offs_j * stride_tkn, mask=key_ok, other=0.0)
-            k1 = k1.to(tl.float32)[:, None]
-            k2 = k2.to(tl.float32)[:, None]
+            w, ang, k1, k2 = w_nx, ang_nx, k1_nx, k2_nx
+            # The last iteration wraps to frequency 0 (a wasted but in-bounds prefetch) rather
+            # than branching: indices stay in [0, HALF) and the keys keep their mask.
+            w_nx, ang_nx, k1_nx, k2_nx = _frequency_operands(
+                W, kt_base, (d + 1) % HALF, carry, two_pi, inv_two_pi, offs_j, key_ok,
+                stride_tkd, stride_tkn, HALF,
+            )
+            # fp32 columns with the softmax scale and log2(e) already folded in (launcher).
+            # No `other`: a masked-out column (padded head, position >= N) only feeds its own
+            # scores, softmax statistics and o column, none of which is stored.
+            q1, q2 = tl.split(tl.load(qt_base + d * stride_tqd, mask=qcol_ok))
             cos_p, sin_p = _cos_sin(ang[None, :] + local * w, FAST_TRIG)
             # The key rotated by -delta * w: computed once, used by all G heads.
             kr1 = k1 * cos_p + k2 * sin_p
             kr2 = k2 * cos_p - k1 * sin_p
-            s3 += kr1[:, None, :] * q1[None, :, :] + kr2[:, None, :] * q2[None, :, :]
+            # Two separate accumulations: each compiles to one FMA per element, where
+            # `s3 += a * b + c * d` would cost a multiply, an FMA and an add.
+            s3 += kr1[:, None, :] * q1[None, :, :]
+            s3 += kr2[:, None, :] * q2[None, :, :]
         s = tl.reshape(s3, [BLOCK_N, BLOCK_GM])
         if ROPE_DIM < HEAD_DIM:
             s += tl.dot(k, q_pass, input_precision=DOT_PRECISION) * qk_scale
@@ -235,14 +269,24 @@ def corope_fwd(
         ``o`` ``[B, HQ, N, D]`` in q's dtype and ``lse`` ``[B, HQ, N]`` fp32, the natural-log
         log-sum-exp of the scaled scores over ``j <= i``.
 
-    Besides o and lse, the launch allocates transposed copies of q and k (``[B, H, D, N]``,
-    so that one frequency's column over consecutive positions is a contiguous load).
+    Besides o and lse, the launch allocates transposed copies of q (the rotary part, scaled,
+    fp32, ``[B, HQ, R/2, N_pad, 2]``: ``(q1, q2)`` of a frequency side by side, ``N_pad`` = N
+    rounded up to 8) and k (``[B, HKV, D, N]``), so that one frequency's column over
+    consecutive positions is a contiguous load.
     """
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     G = HQ // HKV
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    qt = q.transpose(-1, -2).contiguous()
+    # fp32 and pre-scaled: the kernel loads each query column once per key tile and frequency,
+    # so the scale and the conversion would otherwise be paid ~N / BLOCK_N times per element.
+    qs = q[..., :rope_dim].float() * (softmax_scale * LOG2E)
+    # Positions padded to a multiple of 8 so that every stride is a multiple of 16 elements,
+    # which lets the kernel's (q1, q2) loads be 8-byte vectors. The padding is never read.
+    qt = torch.empty(
+        B, HQ, rope_dim // 2, triton.cdiv(N, 8) * 8, 2, device=q.device, dtype=torch.float32
+    )
+    qt[:, :, :, :N] = qs.unflatten(-1, (2, rope_dim // 2)).permute(0, 1, 4, 2, 3)
     kt = k.transpose(-1, -2).contiguous()
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -253,7 +297,7 @@ def corope_fwd(
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_GM"] // g_pad), B * HKV)
     _corope_fwd_kernel[grid](
         q, k, v, qt, kt, w, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *qt.stride(), *kt.stride(), *o.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *qt.stride()[:3], *kt.stride(), *o.stride(),
         *lse.stride(),
         HKV, N, softmax_scale, softmax_scale * LOG2E,
         G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, LEADER_MEAN=leader == "mean",
