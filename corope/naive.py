@@ -71,6 +71,26 @@ def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale):
     return R, s
 
 
+def leader_query(qg: torch.Tensor, leader: str) -> torch.Tensor:
+    """The query that computes a group's gates: ``qg [B, HKV, G, N, D]`` (the query heads
+    grouped by KV head) to ``qL [B, HKV, N, D]``, the group's first head or the heads' mean."""
+    return qg[:, :, 0] if leader == "first" else qg.mean(dim=2)
+
+
+def gates(qL: torch.Tensor, k: torch.Tensor, s: float, causal: torch.Tensor) -> torch.Tensor:
+    """``z [B, HKV, M, N] = sigmoid(s <qL_i, k_j>)`` where ``causal [M, N]`` is true, else 0;
+    ``qL [B, HKV, M, D]`` (rows of the leader query), ``k [B, HKV, N, D]``."""
+    return torch.sigmoid(s * qL @ k.transpose(-1, -2)) * causal
+
+
+def mileage(z: torch.Tensor) -> torch.Tensor:
+    """``delta [..., M, N]`` from causal gates ``z [..., M, N]``: ``delta[i, j] = sum_{t > j}
+    z[i, t]``, the distance by which Co-RoPE rotates key ``j`` for query ``i``."""
+    # An exclusive suffix sum (z = 0 past the diagonal), so the distances near the diagonal
+    # stay small numbers and keep their precision.
+    return z.flip(-1).cumsum(-1).flip(-1) - z
+
+
 def _chunk_rows(
     q: torch.Tensor,  # [B, HKV, G, M, D] query rows i0 .. i0 + M of every head
     qL: torch.Tensor,  # [B, HKV, M, D] the leader's rows
@@ -89,10 +109,8 @@ def _chunk_rows(
     if unit_gates:
         z = causal.to(q.dtype).expand(*qL.shape[:2], M, N)
     else:
-        z = torch.sigmoid(s * qL @ k.transpose(-1, -2)) * causal  # [B, HKV, M, N]
-    # delta[i, j] = sum_{t > j} z[i, t] (z = 0 past the diagonal): an exclusive suffix sum,
-    # so the distances near the diagonal stay small numbers and keep their precision.
-    delta = z.flip(-1).cumsum(-1).flip(-1) - z
+        z = gates(qL, k, s, causal)  # [B, HKV, M, N]
+    delta = mileage(z)
     if detach_mileage:
         delta = delta.detach()
     phi = delta[..., None] * w  # [B, HKV, M, N, R/2]
@@ -164,7 +182,7 @@ def corope_attention_ref(
     w = corope_inv_freq(R, theta, inv_freq, q.device).to(cd)
     qg = q.to(cd).view(B, HKV, G, N, D)
     kf, vf = k.to(cd), v.to(cd)
-    qL = qg[:, :, 0] if leader == "first" else qg.mean(dim=2)  # [B, HKV, N, D]
+    qL = leader_query(qg, leader)  # [B, HKV, N, D]
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_ELEMENTS // max(1, B * HKV * N * max(R // 2, 1)))
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 # Run as a script (`python experiments/plot_mileage.py`): the repository root is not on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from corope.naive import check_corope_inputs  # noqa: E402
+from corope.naive import check_corope_inputs, gates, leader_query, mileage  # noqa: E402
 from lm.checkpoint import load_checkpoint  # noqa: E402
 from lm.data import build_dataset  # noqa: E402
 from lm.data.base import LMDataset  # noqa: E402
@@ -96,17 +96,9 @@ def leader_gates(q: torch.Tensor, k: torch.Tensor, leader: str) -> torch.Tensor:
     ``j <= i``, 0 above the diagonal, with the reference's scale ``s`` (``corope.naive``)."""
     _, s = check_corope_inputs(q, k, k, None, leader, None)
     B, H, N, D = q.shape
-    qg = q.view(B, k.shape[1], H // k.shape[1], N, D)
-    qL = qg[:, :, 0] if leader == "first" else qg.mean(dim=2)
+    qL = leader_query(q.view(B, k.shape[1], H // k.shape[1], N, D), leader)
     causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
-    return torch.sigmoid(s * qL @ k.transpose(-1, -2)) * causal
-
-
-def mileage(z: torch.Tensor) -> torch.Tensor:
-    """``delta [..., N, N]`` from gates ``z [..., N, N]``: ``delta[i, j] = sum_{j < t <= i}
-    z[i, t]`` (0 for ``j >= i``), the distance Co-RoPE rotates key ``j`` by for query ``i``."""
-    # the exclusive suffix sum, as corope.naive computes it
-    return z.flip(-1).cumsum(-1).flip(-1) - z
+    return gates(qL, k, s, causal)
 
 
 @torch.no_grad()
