@@ -280,13 +280,14 @@ def corope_fwd(
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     # fp32 and pre-scaled: the kernel loads each query column once per key tile and frequency,
     # so the scale and the conversion would otherwise be paid ~N / BLOCK_N times per element.
-    qs = q[..., :rope_dim].float() * (softmax_scale * LOG2E)
     # Positions padded to a multiple of 8 so that every stride is a multiple of 16 elements,
     # which lets the kernel's (q1, q2) loads be 8-byte vectors. The padding is never read.
     qt = torch.empty(
         B, HQ, rope_dim // 2, triton.cdiv(N, 8) * 8, 2, device=q.device, dtype=torch.float32
     )
-    qt[:, :, :, :N] = qs.unflatten(-1, (2, rope_dim // 2)).permute(0, 1, 4, 2, 3)
+    # converted by the copy and scaled in place: no second fp32 copy of q at the peak
+    qt[:, :, :, :N] = q[..., :rope_dim].unflatten(-1, (2, rope_dim // 2)).permute(0, 1, 4, 2, 3)
+    qt.mul_(softmax_scale * LOG2E)
     kt = k.transpose(-1, -2).contiguous()
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
