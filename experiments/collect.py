@@ -6,7 +6,8 @@
 Every run directory under the root counts (a Hydra multirun's ``0/``, ``1/``, ...,
 ``run_parallel.py``'s ``000-.../``): finished runs by their ``summary.json``; runs stopped
 early (``run_parallel.py --job-timeout``, a killed job) by the last evaluation in their
-``metrics.jsonl`` and their ``.hydra/`` overrides, marked partial (``*`` on their steps).
+``metrics.jsonl`` and their ``.hydra/`` overrides, marked partial (``*`` on their steps), as are
+runs that ``train.max_minutes`` stopped (``stopped_early`` in their summary).
 
 A cell is one setting of the overrides that vary between runs (``seed`` aside; the shared
 ones head the table). The task of a cell is its varying ``experiment`` / ``data`` /
@@ -109,7 +110,8 @@ def load_runs(root: Path) -> list[Run]:
     runs = []
     for d in dirs:
         if (d / "summary.json").exists():
-            runs.append(Run(d, json.loads((d / "summary.json").read_text())))
+            summary = json.loads((d / "summary.json").read_text())
+            runs.append(Run(d, summary, partial=bool(summary.get("stopped_early"))))
         elif (summary := _partial_summary(d)) is not None:
             runs.append(Run(d, summary, partial=True))
         else:

@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         "--job-timeout",
         type=float,
         help="seconds after which a job is stopped (its "
-        "metrics.jsonl keeps the evaluations done so far; collect.py marks it partial)",
+        "metrics.jsonl keeps the evaluations done so far; collect.py marks it partial). "
+        "train.max_minutes in --common stops jobs gracefully, with a final evaluation",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = parser.parse_args(argv)

@@ -123,6 +123,10 @@ class LoopConfig:
     eval_batch_size: int = 64
     log_every: int = 10
     ckpt_every: int = 100  # and always at the end; 0 = only at the end
+    # Wall-clock budget of this process's training loop: past it the run evaluates, saves and
+    # writes summary.json (with stopped_early) as at its last step; resume=true goes on to
+    # `steps`. null = no limit. For GPU blocks where every job must finish in time.
+    max_minutes: float | None = None
     resume: bool = False  # continue from ckpt_path if it exists
     ckpt_path: str | None = None  # null = <output dir>/checkpoint.pt
     device: str = "auto"  # auto | cpu | cuda | cuda:N

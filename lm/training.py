@@ -284,6 +284,8 @@ class _Run:
         first_step = self.step
         losses = self.state.setdefault("pending_losses", [])
         eval_metrics: dict[str, float] = {}
+        deadline = None if t.max_minutes is None else time.monotonic() + 60 * t.max_minutes
+        self.stopped_early = False
         with logging_redirect_tqdm():
             while self.step < t.steps:
                 start = time.perf_counter()
@@ -298,22 +300,27 @@ class _Run:
                 losses.append(loss)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                if info.main and (
-                    (t.log_every and self.step % t.log_every == 0) or self.step == t.steps
-                ):
+                if deadline is not None and self.step < t.steps:
+                    # rank 0's clock decides, so every rank leaves the loop at the same step
+                    self.stopped_early = distributed.broadcast(time.monotonic() >= deadline, info)
+                last = self.step == t.steps or self.stopped_early
+                if info.main and ((t.log_every and self.step % t.log_every == 0) or last):
                     self._record(
                         {"train/loss": sum(losses) / len(losses), "lr": self.lr, **self._speed()}
                     )
                     losses.clear()
-                if self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0):
+                if last or (t.eval_every and self.step % t.eval_every == 0):
                     if info.main:
                         eval_metrics = self._eval()
                         self._record(eval_metrics)
                     self.state["best_val_loss"] = distributed.broadcast(
                         self.state["best_val_loss"], info
                     )
-                if self.step == t.steps or (t.ckpt_every and self.step % t.ckpt_every == 0):
+                if last or (t.ckpt_every and self.step % t.ckpt_every == 0):
                     self._save()
+                if self.stopped_early:
+                    log.info("train.max_minutes=%s reached at step %d", t.max_minutes, self.step)
+                    break
         bar.close()
         if not info.main:
             return {}
@@ -354,6 +361,7 @@ class _Run:
             "best_val_loss": self.state["best_val_loss"],
             **self._speed(),
             "steps": self.step,
+            "stopped_early": self.stopped_early,
             "params": sum(p.numel() for p in self.model.parameters()),
             "attention": self.cfg.attention.name,
             "attention_impl": resolve_impl(impl, self.info.device, self.cfg.attention.name)

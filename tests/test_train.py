@@ -118,6 +118,37 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch, 
         assert resumed[key] == full[key], key
 
 
+def test_max_minutes_stops_evaluates_and_resumes_to_the_same_run(tmp_path, monkeypatch):
+    """train.max_minutes ends the loop at the step where the budget runs out, with the final
+    evaluation, checkpoint and summary; resume=true then finishes the run exactly."""
+    import types
+
+    import lm.training
+
+    cfg = compose_cfg(
+        *SMALL, "train.device=cpu", "train.steps=8", "train.eval_every=0", "train.ckpt_every=0"
+    )
+    full = train(cfg, output_dir=str(tmp_path / "full"))
+
+    ticks = iter(range(0, 10**6, 30))  # a clock that advances 30 s per reading
+    fake_time = types.SimpleNamespace(
+        perf_counter=lm.training.time.perf_counter, monotonic=lambda: next(ticks)
+    )
+    monkeypatch.setattr(lm.training, "time", fake_time)
+    cfg.train.max_minutes = 1.2  # 72 s: read at 30, 60, 90 s, so the loop stops after step 3
+    cut = train(cfg, output_dir=str(tmp_path / "cut"))
+    assert cut["steps"] == 3 and cut["stopped_early"] is True
+    assert "test/loss" in cut and "ood_long/acc" in cut
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["step"] == 3
+    assert json.loads((tmp_path / "cut" / "summary.json").read_text())["stopped_early"] is True
+
+    cfg.train.max_minutes, cfg.train.resume = None, True
+    resumed = train(cfg, output_dir=str(tmp_path / "cut"))
+    assert resumed["steps"] == 8 and resumed["stopped_early"] is False
+    for key in ("test/loss", "ood_long/loss"):  # the same weights as the uninterrupted run
+        assert resumed[key] == full[key], key
+
+
 def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     from lm.model import GPT
 
