@@ -124,7 +124,7 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
     add("corope_triton", "fwd+bwd", timer(fwd_bwd, grad_to_none=leaves, quick=quick))
     for x in leaves:
         x.grad = None
-    outputs_bytes = 2 * (q.numel() + k.numel() + v.numel()) * q.element_size()  # o,dq,dk,dv
+    outputs_bytes = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()  # o,dq,dk,dv
     rows[-1]["peak_mem_mib"] = peak_extra_mib(fwd_bwd, device, outputs_bytes)
 
     # The reference, where its O(N^2 R) work is small enough to time.

@@ -201,15 +201,14 @@ def _compile_job(job: tuple) -> str:
     import fused_rope.attention as attention
 
     positions, index = arg
-    for kernel, configs in attention.AUTOTUNED:  # a worker runs several jobs: reset each time
-        kernel.configs, kernel.cache = [configs[index]], {}
     # the real head counts and head dim (ints equal to 1 or divisible by 16 specialize a kernel);
     # sequence lengths are not specialized on, so 128 positions compile the same binaries
     q, k, v = (torch.randn(B, h, 128, D, device=device, dtype=dtype, requires_grad=True)
                for h in (HQ, HKV, HKV))  # fmt: skip
     pos = torch.arange(128, device=device) if positions == "tensor" else None
-    rope_attention(q, k, v, positions=pos, impl="fused").sum().backward()
-    torch.cuda.synchronize()
+    with attention.pinned_config(index):
+        rope_attention(q, k, v, positions=pos, impl="fused").sum().backward()
+        torch.cuda.synchronize()
     return f"config {index} {dtype_name} D={D} {positions}"
 
 
@@ -222,7 +221,6 @@ def precompile(shapes: dict, dtypes: list[str], workers: int) -> None:
 
     import fused_rope.attention as attention
 
-    n_configs = min(len(configs) for _, configs in attention.AUTOTUNED)
     classes = {(B, HQ, HKV, 128, D) for B, HQ, HKV, _, D in shapes.values()}
     jobs = [("inductor", s, d, None) for s in shapes.values() for d in dtypes]
     jobs += [
@@ -230,7 +228,7 @@ def precompile(shapes: dict, dtypes: list[str], workers: int) -> None:
         for s in sorted(classes)
         for d in dtypes
         for p in ("default", "tensor")
-        for i in range(n_configs)
+        for i in range(attention.N_CONFIGS)
     ]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         for done in pool.map(_compile_job, jobs):

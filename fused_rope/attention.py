@@ -28,6 +28,7 @@ explicit range reduction.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -1234,13 +1235,27 @@ def _rope_attn_bwd_dq_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-# Each autotuned kernel with its full config list (the kernel's own list may be narrowed by a
-# test or a benchmark that pins one config).
-AUTOTUNED = (
+# Each autotuned kernel with its full config list (pinned_config narrows the kernel's own).
+_AUTOTUNED = (
     (_rope_attn_fwd_kernel, _FWD_CONFIGS),
     (_rope_attn_bwd_dkdv_kernel, _DKDV_CONFIGS),
     (_rope_attn_bwd_dq_kernel, _DQ_CONFIGS),
 )
+N_CONFIGS = min(len(configs) for _, configs in _AUTOTUNED)
+
+
+@contextlib.contextmanager
+def pinned_config(index: int):
+    """Within the block every fused kernel runs config ``index`` of its autotune list, with
+    no tuning (tests of each config, benchmarks that precompile configs in parallel)."""
+    saved = [(kernel.configs, kernel.cache) for kernel, _ in _AUTOTUNED]
+    try:
+        for kernel, configs in _AUTOTUNED:
+            kernel.configs, kernel.cache = [configs[index]], {}
+        yield
+    finally:
+        for (kernel, _), (configs, cache) in zip(_AUTOTUNED, saved, strict=True):
+            kernel.configs, kernel.cache = configs, cache
 
 
 def _meta(head_dim: int, rope_dim: int, interleaved: bool, causal: bool, dtype: torch.dtype):
@@ -1523,15 +1538,31 @@ def _rope_then_sdpa(q, k, v, inv_freq, positions, causal, scale, layout, rope_di
     from fused_rope.rope import apply_rope_qk  # task B's kernel module, imported on use
 
     pos = positions if positions is not None else torch.arange(q.shape[2], device=q.device)
-    q_rot, k_rot = apply_rope_qk(q, k, rope_angles(pos, inv_freq), layout=layout, rope_dim=rope_dim)
+    # as in the fused kernel: no gradient for positions or frequencies, any strides
+    angles = rope_angles(pos.detach(), inv_freq.detach())
+    q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
+    q_rot, k_rot = apply_rope_qk(q, k, angles, layout=layout, rope_dim=rope_dim)
     return torch.nn.functional.scaled_dot_product_attention(
         q_rot, k_rot, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
 def _check_inputs(
-    q, k, v, theta, inv_freq, positions, q_positions, causal, softmax_scale, layout, rope_dim, impl
+    q,
+    k,
+    v,
+    theta,
+    inv_freq,
+    positions,
+    q_positions,
+    causal,
+    softmax_scale,
+    layout,
+    rope_dim,
+    return_lse,
+    impl,
 ):
+    """Validates every argument; returns ``(rope_dim, impl)`` with "auto" resolved."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(x, name, ndim=4, dtypes=KERNEL_DTYPES)
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -1548,10 +1579,6 @@ def _check_inputs(
         raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads (GQA)")
     if min(NQ, NK) == 0:
         raise ValueError(f"q and k need at least one position, got NQ={NQ}, NK={NK}")
-    if D > MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {D}")
-    if B * HQ > 65535:  # the grid's second axis holds batch x heads
-        raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
     check_layout(layout)
     rope_dim = check_rope_dim(rope_dim, D)
     if not isinstance(causal, bool):
@@ -1580,14 +1607,23 @@ def _check_inputs(
         )
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "separate" and (NQ != NK or q_positions is not None):
+    separate_applies = NQ == NK and q_positions is None and not return_lse
+    if impl == "auto":  # the faster path wherever it applies (README: measured on an H100)
+        impl = "separate" if separate_applies else "fused"
+    if impl == "separate" and not separate_applies:
         raise ValueError(
-            f"impl='separate' rotates q and k with the same positions: it needs NQ == NK and no "
-            f"q_positions, got NQ={NQ}, NK={NK}, q_positions "
-            f"{'given' if q_positions is not None else 'None'}"
+            f"impl='separate' rotates q and k with the same positions and SDPA returns no lse: it "
+            f"needs NQ == NK, no q_positions and return_lse=False, got NQ={NQ}, NK={NK}, "
+            f"q_positions {'given' if q_positions is not None else 'None'}, "
+            f"return_lse={return_lse}"
         )
+    if impl == "fused":
+        if D > MAX_HEAD_DIM:
+            raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {D}")
+        if B * HQ > 65535:  # the grid's second axis holds batch x heads
+            raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
     check_kernel_device(device, "q")
-    return rope_dim
+    return rope_dim, impl
 
 
 def rope_attention(
@@ -1606,13 +1642,15 @@ def rope_attention(
     return_lse: bool = False,
     impl: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention with RoPE applied to q and k inside a FlashAttention-2 Triton kernel.
+    """Attention with RoPE on q and k: this package's Triton RoPE kernel then PyTorch's SDPA,
+    or RoPE applied inside a FlashAttention-2 Triton kernel (``impl``).
 
     ``softmax(scale * R(q) R(k)^T + mask) v`` where ``R`` rotates the first ``rope_dim``
     channels by ``position * inv_freq`` (as ``fused_rope.naive.apply_rope_ref``).
 
     Args:
-        q: ``[B, HQ, NQ, D]`` fp16, bf16 or fp32, ``D <= 256``.
+        q: ``[B, HQ, NQ, D]`` fp16, bf16 or fp32 (the fused kernel: ``D <= 256``,
+            ``B * HQ <= 65535``).
         k, v: ``[B, HKV, NK, D]``, same dtype; ``HQ`` a multiple of ``HKV`` (GQA, MQA).
         theta: RoPE base, used when ``inv_freq`` is None.
         inv_freq: ``[rope_dim // 2]`` inverse frequencies (scaled schedules); overrides theta.
@@ -1636,7 +1674,7 @@ def rope_attention(
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.
     """
-    rope_dim = _check_inputs(
+    rope_dim, impl = _check_inputs(
         q,
         k,
         v,
@@ -1648,15 +1686,11 @@ def rope_attention(
         softmax_scale,
         layout,
         rope_dim,
+        return_lse,
         impl,
     )
-    if impl == "separate" and return_lse:
-        raise ValueError("return_lse=True needs impl='fused' or 'auto' (SDPA returns no lse)")
     B, HQ, NQ, D = q.shape
     NK = k.shape[2]
-    if impl == "auto":
-        separate_applies = NQ == NK and q_positions is None and not return_lse
-        impl = "separate" if separate_applies else "fused"
     if inv_freq is None:
         inv_freq = default_inv_freq(rope_dim, float(theta), q.device)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()

@@ -23,20 +23,15 @@ from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from tests.helpers import DEVICE, ON_GPU, assert_close, assert_close_to_baseline
 
 
-def _use_config(monkeypatch, index: int) -> None:
-    """Makes every autotuned kernel run only config ``index`` of its full list (fresh autotune
-    cache); the full lists, because the autouse fixture below has already narrowed each kernel's."""
-    for kernel, configs in attention_module.AUTOTUNED:
-        monkeypatch.setattr(kernel, "configs", [configs[index]])
-        monkeypatch.setattr(kernel, "cache", {})
-
-
 @pytest.fixture(autouse=True)
-def _untuned(monkeypatch):
+def _untuned():
     """On a GPU every new shape would autotune, compiling every config for every combination
     of options: the sweeps run the untuned config; test_gpu_every_config covers the others."""
-    if ON_GPU:
-        _use_config(monkeypatch, -1)
+    if not ON_GPU:
+        yield
+        return
+    with attention_module.pinned_config(-1):
+        yield
 
 
 def _torch_same_dtype(
@@ -216,10 +211,11 @@ def test_inv_freq_theta_and_scale():
 def test_inv_freq_overrides_theta():
     q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))
     inv_freq = rope_frequencies(32, 10.0)[0].to(DEVICE)
-    a = rope_attention(q, k, v, inv_freq=inv_freq, theta=1e6)
-    b = rope_attention(q, k, v, theta=10.0)
-    assert torch.equal(a, b)
-    assert not torch.allclose(a, rope_attention(q, k, v, theta=1e6))
+    for impl in ("fused", "separate"):
+        a = rope_attention(q, k, v, inv_freq=inv_freq, theta=1e6, impl=impl)
+        b = rope_attention(q, k, v, theta=10.0, impl=impl)
+        assert torch.equal(a, b), impl
+        assert not torch.allclose(a, rope_attention(q, k, v, theta=1e6, impl=impl)), impl
 
 
 def test_default_positions_match_explicit():
@@ -256,12 +252,83 @@ def test_separate_path(layout, rope_dim, hkv):
     assert_close("o", o, ref, atol=1e-5, rtol=1e-5)
 
 
+AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the name
+    pytest.param(4, 2, 37, 37, {}, "separate", id="square-separate"),
+    pytest.param(
+        4,
+        1,
+        37,
+        37,
+        {"causal": False, "layout": "interleaved", "rope_dim": 16},
+        "separate",
+        id="nomask-interleaved-partial-separate",
+    ),  # fmt: skip
+    pytest.param(
+        2,
+        2,
+        37,
+        37,
+        {"positions": "batch", "softmax_scale": 0.3},
+        "separate",
+        id="positions-scale-separate",
+    ),  # fmt: skip
+    pytest.param(4, 2, 20, 37, {}, "fused", id="prefill-fused"),
+    pytest.param(2, 1, 37, 37, {"q_positions": True}, "fused", id="q-positions-fused"),
+    pytest.param(2, 1, 37, 37, {"return_lse": True}, "fused", id="lse-fused"),
+]
+
+
+@pytest.mark.parametrize("HQ, HKV, NQ, NK, opts, path", AUTO_CASES)
+def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opts, path):
+    """impl="auto" gives exactly the output and gradients of the path it should take, and the
+    fused kernel's numbers: one function, whatever the dispatch."""
+    q = torch.randn(2, HQ, NQ, 32, device=DEVICE)
+    k, v = (torch.randn(2, HKV, NK, 32, device=DEVICE) for _ in range(2))
+    do = torch.randn_like(q)
+    kw = dict(opts)
+    if kw.pop("positions", None) == "batch":
+        kw["positions"] = torch.randint(0, 300, (2, NK), device=DEVICE).float() / 3
+    if kw.pop("q_positions", False):
+        kw["q_positions"] = torch.randint(0, 300, (2, NQ), device=DEVICE)
+
+    def run(impl):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = rope_attention(*inputs, impl=impl, **kw)
+        o = out[0] if isinstance(out, tuple) else out
+        return (o, *torch.autograd.grad((o * do).sum(), inputs))
+
+    auto, expected, fused = run("auto"), run(path), run("fused")
+    for name, a, b, c in zip(("o", "dq", "dk", "dv"), auto, expected, fused, strict=True):
+        assert torch.equal(a, b), f"{name}: auto did not take the {path} path"
+        assert_close(name, a, c, atol=2e-5, rtol=1e-5)
+
+
+def test_separate_path_strided_inputs_and_frequencies_with_grad():
+    """The separate path takes what the fused kernel takes: a strided last dimension, and
+    frequencies or positions that require grad (neither gets a gradient, as in the fused one)."""
+    q = torch.randn(1, 2, 30, 64, device=DEVICE, requires_grad=True)[..., ::2]  # stride 2
+    k, v = (torch.randn(1, 1, 30, 32, device=DEVICE) for _ in range(2))
+    inv_freq = rope_frequencies(32)[0].to(DEVICE).requires_grad_()
+    pos = torch.arange(30.0, device=DEVICE).requires_grad_()
+    kw = dict(inv_freq=inv_freq, positions=pos)
+    o = rope_attention(q, k, v, impl="separate", **kw)
+    assert_close("o", o, rope_attention(q, k, v, impl="fused", **kw), atol=2e-5, rtol=1e-5)
+    o.sum().backward()
+    assert inv_freq.grad is None and pos.grad is None
+
+
+def test_size_limits_bind_only_the_fused_kernel():
+    q, k, v = _qkv(d=264, hq=1, hkv=1, nq=2, nk=2)
+    assert rope_attention(q, k, v).shape == q.shape  # "auto" takes the separate path
+
+
 def test_backward_is_deterministic():
     q, k, v = (torch.randn(1, 4, 50, 32, device=DEVICE, requires_grad=True) for _ in range(3))
     k2, v2 = k[:, :1].detach().requires_grad_(), v[:, :1].detach().requires_grad_()
     do = torch.randn(1, 4, 50, 32, device=DEVICE)
-    g1 = torch.autograd.grad((rope_attention(q, k2, v2) * do).sum(), (q, k2, v2))
-    g2 = torch.autograd.grad((rope_attention(q, k2, v2) * do).sum(), (q, k2, v2))
+    f = lambda: (rope_attention(q, k2, v2, impl="fused") * do).sum()  # no atomics anywhere
+    g1 = torch.autograd.grad(f(), (q, k2, v2))
+    g2 = torch.autograd.grad(f(), (q, k2, v2))
     assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
 
 
@@ -362,7 +429,7 @@ BAD_INPUTS = [
         "separate lse",
         lambda q, k, v: (q, k, v, {"impl": "separate", "return_lse": True}),
         ValueError,
-        "return_lse=True needs",
+        "SDPA returns no lse",
     ),
 ]
 
@@ -377,10 +444,10 @@ def test_validation(make, exc, match):
 def test_validation_size_limits():
     q, k, v = _qkv(d=264, hq=1, hkv=1, nq=2, nk=2)
     with pytest.raises(ValueError, match="head dim must be at most 256"):
-        rope_attention(q, k, v)
+        rope_attention(q, k, v, impl="fused")
     q, k, v = (x.expand(65536, -1, -1, -1) for x in _qkv(d=16, hq=1, hkv=1, nq=2, nk=2))
     with pytest.raises(ValueError, match="batch x query heads must be at most 65535"):
-        rope_attention(q, k, v)
+        rope_attention(q, k, v, impl="fused")
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU tensors are refused only when the interpreter is off")
@@ -449,26 +516,24 @@ def test_gpu_long_sequence(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
-@pytest.mark.parametrize(
-    "index", range(min(len(configs) for _, configs in attention_module.AUTOTUNED))
-)
-def test_gpu_every_config(monkeypatch, index, dtype):
+@pytest.mark.parametrize("index", range(attention_module.N_CONFIGS))
+def test_gpu_every_config(index, dtype):
     """Config ``index`` of each kernel's autotune list (tile shapes change the masking paths)."""
-    _use_config(monkeypatch, index)
-    _check_case(2, 4, 2, 300, 700, 128, dtype=dtype)
-    _check_case(
-        2,
-        4,
-        1,
-        700,
-        300,
-        128,
-        dtype=dtype,
-        causal=False,
-        rope_dim=64,
-        positions="batch",
-        q_positions=True,
-    )
+    with attention_module.pinned_config(index):
+        _check_case(2, 4, 2, 300, 700, 128, dtype=dtype)
+        _check_case(
+            2,
+            4,
+            1,
+            700,
+            300,
+            128,
+            dtype=dtype,
+            causal=False,
+            rope_dim=64,
+            positions="batch",
+            q_positions=True,
+        )
 
 
 def test_torch_compile_fullgraph_traces_the_custom_ops():
@@ -479,8 +544,9 @@ def test_torch_compile_fullgraph_traces_the_custom_ops():
 
     def f(q, k, v):
         o, lse = rope_attention(q, k[:, :2], v[:, :2], return_lse=True, layout="interleaved")
-        o2 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16)
-        return (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum()
+        o2 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16, impl="fused")
+        o3 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16)  # the RoPE op
+        return (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum() + o3.square().sum()
 
     eager = torch.autograd.grad(f(q, k, v), (q, k, v))
     traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
