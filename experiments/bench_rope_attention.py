@@ -330,8 +330,10 @@ def main() -> None:
 
     # the tables cover every row of this op on this GPU, so runs split by --shapes add up
     rows = this_gpu_rows(args.out / "benchmarks.csv", args.report or env["gpu"])
-    if args.report:  # the header names the machine and versions of the rows, not this one's
-        env = {key: rows[0][key] for key in ("gpu", "torch", "triton", "commit", "date")}
+    if not rows:
+        raise SystemExit(f"no {OP} rows for GPU {args.report or env['gpu']!r} in {args.out}")
+    # the header names the machine and versions of the rows (runs split by --shapes add up)
+    env = {key: ", ".join(sorted({r[key] for r in rows})) for key in env}
     summary = verdicts(rows)
     columns = ["shape", "dtype", "mode", "provider", "ms", "tflops", "peak_mem_mib", "note"]
     v_columns = [
@@ -352,7 +354,7 @@ def main() -> None:
     )
     text = (
         f"# {OP} benchmark\n\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
-        f"commit {env['commit']}, {env['date']}. Causal; ms = median GPU time (CUDA graph).\n\n"
+        f"commits {env['commit']}, {env['date']}. Causal; ms = median GPU time (CUDA graph).\n\n"
         f"{markdown_table(rows, columns)}\n## Targets\n\n{markdown_table(summary, v_columns)}"
         f"\n{verdict}\n"
     )

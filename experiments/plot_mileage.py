@@ -62,6 +62,7 @@ def load_run(
     cfg = OmegaConf.load(config)
     if cfg.attention.name != "corope":
         raise ValueError(f"run: {ckpt} is a {cfg.attention.name!r} run; gates need corope")
+    cfg.attention.impl = "torch"  # the model runs on the CPU: the reference, not the kernels
     dataset = build_dataset(cfg.data)
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
     model.load_state_dict(load_checkpoint(ckpt)["model"])

@@ -38,10 +38,11 @@ TRAIN = ROOT / "train.py"
 _OPENERS, _CLOSERS = "[{(", "]})"
 
 
-def split_values(value: str) -> list[str]:
-    """``"a,b,[1,2]"`` -> ``["a", "b", "[1,2]"]``: commas outside brackets and quotes."""
+def _split(text: str, separators: str) -> list[str]:
+    """``text`` cut at the ``separators`` that stand outside brackets and quotes (quotes kept:
+    Hydra reads them, e.g. ``a='p,q'`` is the one string ``p,q``)."""
     parts, depth, quote, start = [], 0, None, 0
-    for i, ch in enumerate(value):
+    for i, ch in enumerate(text):
         if quote:
             quote = None if ch == quote else quote
         elif ch in "'\"":
@@ -50,10 +51,22 @@ def split_values(value: str) -> list[str]:
             depth += 1
         elif ch in _CLOSERS:
             depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(value[start:i])
+        elif ch in separators and depth == 0:
+            parts.append(text[start:i])
             start = i + 1
-    parts.append(value[start:])
+    parts.append(text[start:])
+    return parts
+
+
+def overrides(text: str) -> list[str]:
+    """Space-separated overrides, quotes and brackets kept whole (unlike ``shlex.split``,
+    which drops the quotes Hydra needs)."""
+    return [o for o in _split(text, " \t\n") if o]
+
+
+def split_values(value: str) -> list[str]:
+    """``"a,b,[1,2]"`` -> ``["a", "b", "[1,2]"]``: commas outside brackets and quotes."""
+    parts = _split(value, ",")
     if any(p == "" for p in parts):
         raise ValueError(f"empty value in sweep {value!r}")
     return parts
@@ -62,7 +75,7 @@ def split_values(value: str) -> list[str]:
 def expand(spec: str) -> list[list[str]]:
     """The jobs of one sweep spec: ``"a=1,2 b=x"`` -> ``[["a=1", "b=x"], ["a=2", "b=x"]]``."""
     choices = []
-    for override in shlex.split(spec):
+    for override in overrides(spec):
         if "=" not in override:
             raise ValueError(f"sweep spec {spec!r}: {override!r} is not key=value")
         key, value = override.split("=", 1)
@@ -102,11 +115,11 @@ def plan(specs: list[str], common: list[str], root: Path, gpus: list[str]) -> li
     """The jobs of ``specs`` (each with ``common`` appended), numbered in order."""
     jobs = []
     for spec in specs:
-        for overrides in expand(spec):
+        for job in expand(spec):
             i = len(jobs)
-            run_dir = root / f"{i:03d}-{slug(overrides)}"
+            run_dir = root / f"{i:03d}-{slug(job)}"
             gpu = gpus[i % len(gpus)] if gpus else None
-            jobs.append(Job(i, [*overrides, *common], run_dir, gpu))
+            jobs.append(Job(i, [*job, *common], run_dir, gpu))
     return jobs
 
 
@@ -139,7 +152,7 @@ def _start(job: Job, threads: int) -> None:
 def _stop(jobs: list[Job], status: str) -> None:
     """SIGTERM to each job's process group, SIGKILL to those still alive 10 s later."""
     for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        alive = [j for j in jobs if j.proc.poll() is None]
+        alive = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
         for job in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.proc.pid, sig)
@@ -169,8 +182,8 @@ def run(jobs: list[Job], root: Path, max_parallel: int, job_timeout: float | Non
         while pending or running:
             while pending and len(running) < max_parallel:
                 job = pending.pop(0)
+                running.append(job)  # first, so that a stop in the middle of the start sees it
                 _start(job, threads)
-                running.append(job)
                 print(f"[{job.index}] started: {' '.join(job.overrides)}", flush=True)
             _write_table(root, jobs)
             time.sleep(0.5)
@@ -193,6 +206,9 @@ def run(jobs: list[Job], root: Path, max_parallel: int, job_timeout: float | Non
         _stop(running, "stopped")
         for job in pending:
             job.status = "not started"
+    except BaseException:  # e.g. an OSError starting a job: leave no job running behind us
+        _stop(running, "stopped")
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
         _write_table(root, jobs)
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-parallel must be >= 1, got {args.max_parallel}")
     gpus = [g for g in args.gpus.split(",") if g]
     try:
-        jobs = plan(args.specs, shlex.split(args.common), args.root.resolve(), gpus)
+        jobs = plan(args.specs, overrides(args.common), args.root.resolve(), gpus)
     except ValueError as e:
         parser.error(str(e))
     if args.dry_run:

@@ -127,6 +127,9 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
             checkpoint (from an earlier step) is kept.
     """
     attention_class(cfg.attention)  # an unknown name fails before any data is loaded
+    minutes = cfg.train.max_minutes
+    if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
+        raise ValueError(f"train.max_minutes must be a positive number or null, got {minutes}")
     info = distributed.setup(cfg.train.device)
     try:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))

@@ -180,7 +180,11 @@ def test_missing_data_file_fails_naming_it(tmp_path):
 
 @pytest.mark.parametrize(
     "override, expected",
-    [("model.n_layers=2", "n_layers"), ("attention=alibi", "attention/alibi")],
+    [
+        ("model.n_layers=2", "n_layers"),
+        ("attention=alibi", "attention/alibi"),
+        ("train.max_minutes=0", "train.max_minutes must be a positive number"),
+    ],
 )
 def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path):
     run = run_cli("train.py", override, f"hydra.run.dir={tmp_path}")

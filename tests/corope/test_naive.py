@@ -82,7 +82,9 @@ def test_detach_mileage_changes_gradients_not_outputs():
     assert_close("dv", g_det[2], g_full[2], atol=1e-12, rtol=1e-12)
     for name, a, b in (("dq", g_det[0], g_full[0]), ("dk", g_det[1], g_full[1])):
         rel = ((a - b).norm() / b.norm()).item()
-        assert rel > 1e-3, f"{name} barely changed ({rel:.2e}): the mileage path carries no gradient"
+        assert rel > 1e-3, (
+            f"{name} barely changed ({rel:.2e}): the mileage path carries no gradient"
+        )
 
 
 def test_mean_leader_with_one_head_per_group_is_first():

@@ -31,6 +31,11 @@ def test_sweep_specs_expand_like_hydra_multirun():
         ["attention=corope", "seed=0", "data=counting"],
         ["attention=corope", "seed=1", "data=counting"],
     ]
+    # quotes survive to Hydra, which reads a quoted value as one string
+    assert expand("a='p,q' +tags=['x y'] b=1,2") == [
+        ["a='p,q'", "+tags=['x y']", "b=1"],
+        ["a='p,q'", "+tags=['x y']", "b=2"],
+    ]
     with pytest.raises(ValueError, match="'seed' is not key=value"):
         expand("attention=rope seed")
     with pytest.raises(ValueError, match="empty value"):
