@@ -223,6 +223,57 @@ def _load_rotated(
 
 
 @triton.jit
+def _query_program(HQ, GROUP, CAUSAL: tl.constexpr):
+    """``(pid_m, b, h, hk)`` of a query-major program (forward, dQ): its query tile, batch,
+    query head and KV head (int64, for the pointer offsets)."""
+    if CAUSAL:  # the last query tiles have the most keys: launching them first evens the tail
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    h = pid_bh % HQ
+    return pid_m, (pid_bh // HQ).to(tl.int64), h.to(tl.int64), (h // GROUP).to(tl.int64)
+
+
+@triton.jit
+def _query_tile(
+    Q,
+    QPOS,
+    INV_FREQ,
+    start_m,
+    NQ,
+    q_pos_off,
+    stride_qn,
+    stride_qd,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    POS_ARANGE: tl.constexpr,
+):
+    """The rotated, scaled query tile of rows ``start_m ..`` (``q1, q2 [BLOCK_M, HALF]``,
+    ``qp [BLOCK_M, PASS]``), its rows and mask, the frequencies, and the ``[BLOCK_N, HALF]``
+    angle-step table the key loop advances by."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < NQ
+    offs_h = tl.arange(0, HALF)
+    inv_freq = tl.load(INV_FREQ + offs_h, mask=offs_h < ROPE_DIM // 2, other=0.0)
+    cos, sin = _cos_sin(
+        QPOS, start_m, offs_m, m_mask, inv_freq, q_pos_off, 0.0, 0.0, POS_ARANGE, False
+    )
+    q1, q2, qp = _load_rotated(
+        Q, offs_m, m_mask, stride_qn, stride_qd, cos, sin, qk_scale,
+        BLOCK_M, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED,
+    )  # fmt: skip
+    cos_d, sin_d = _delta_cos_sin(inv_freq, BLOCK_N)
+    return offs_m, m_mask, inv_freq, q1, q2, qp, cos_d, sin_d
+
+
+@triton.jit
 def _store_rotated(
     X,
     rows,
@@ -408,15 +459,7 @@ def _rope_attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    if CAUSAL:  # the last query tiles have the most keys: launching them first evens the tail
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    h = pid_bh % HQ
-    hk = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
+    pid_m, b, h, hk = _query_program(HQ, GROUP, CAUSAL)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
@@ -426,30 +469,10 @@ def _rope_attn_fwd_kernel(
     offset = NK - NQ
 
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < NQ
-    offs_h = tl.arange(0, HALF)
-    inv_freq = tl.load(INV_FREQ + offs_h, mask=offs_h < ROPE_DIM // 2, other=0.0)
-    cos, sin = _cos_sin(
-        QPOS, start_m, offs_m, m_mask, inv_freq, q_pos_off, 0.0, 0.0, POS_ARANGE, False
-    )
-    q1, q2, qp = _load_rotated(
-        Q,
-        offs_m,
-        m_mask,
-        stride_qn,
-        stride_qd,
-        cos,
-        sin,
-        qk_scale,
-        BLOCK_M,
-        HEAD_DIM,
-        ROPE_DIM,
-        HALF,
-        PASS,
-        INTERLEAVED,
-    )
-    cos_d, sin_d = _delta_cos_sin(inv_freq, BLOCK_N)
+    offs_m, m_mask, inv_freq, q1, q2, qp, cos_d, sin_d = _query_tile(
+        Q, QPOS, INV_FREQ, start_m, NQ, q_pos_off, stride_qn, stride_qd, qk_scale,
+        BLOCK_M, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED, POS_ARANGE,
+    )  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -534,7 +557,7 @@ def _rope_attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=m_mask)
+    tl.store(LSE + (b * HQ + h) * NQ + offs_m, lse, mask=m_mask)
     offs_d = tl.arange(0, BLOCK_D)
     tl.store(
         O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
@@ -591,7 +614,7 @@ def _bwd_preprocess_kernel(
         mask=mask,
         other=0.0,
     ).to(tl.float32)
-    row = pid_bh.to(tl.int64) * NQ + offs_m
+    row = (b * HQ + h) * NQ + offs_m
     m_mask = offs_m < NQ
     dlse = tl.load(DLSE + row, mask=m_mask, other=0.0)
     tl.store(DELTA + row, tl.sum(o * do, 1) - dlse, mask=m_mask)
@@ -1070,15 +1093,7 @@ def _rope_attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    h = pid_bh % HQ
-    hk = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
+    pid_m, b, h, hk = _query_program(HQ, GROUP, CAUSAL)
     Q += b * stride_qb + h * stride_qh
     DO += b * stride_dob + h * stride_doh
     K += b * stride_kb + hk * stride_kh
@@ -1088,37 +1103,17 @@ def _rope_attn_bwd_dq_kernel(
     offset = NK - NQ
 
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < NQ
-    offs_h = tl.arange(0, HALF)
-    inv_freq = tl.load(INV_FREQ + offs_h, mask=offs_h < ROPE_DIM // 2, other=0.0)
-    cos, sin = _cos_sin(
-        QPOS, start_m, offs_m, m_mask, inv_freq, q_pos_off, 0.0, 0.0, POS_ARANGE, False
-    )
-    q1, q2, qp = _load_rotated(
-        Q,
-        offs_m,
-        m_mask,
-        stride_qn,
-        stride_qd,
-        cos,
-        sin,
-        qk_scale,
-        BLOCK_M,
-        HEAD_DIM,
-        ROPE_DIM,
-        HALF,
-        PASS,
-        INTERLEAVED,
-    )
-    cos_d, sin_d = _delta_cos_sin(inv_freq, BLOCK_N)
+    offs_m, m_mask, inv_freq, q1, q2, qp, cos_d, sin_d = _query_tile(
+        Q, QPOS, INV_FREQ, start_m, NQ, q_pos_off, stride_qn, stride_qd, qk_scale,
+        BLOCK_M, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED, POS_ARANGE,
+    )  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     do = tl.load(
         DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
         mask=m_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
-    row = pid_bh.to(tl.int64) * NQ + offs_m
+    row = (b * HQ + h) * NQ + offs_m
     lse2 = tl.load(LSE2 + row, mask=m_mask, other=0.0)
     delta = tl.load(DELTA + row, mask=m_mask, other=0.0)
 
