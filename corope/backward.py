@@ -10,24 +10,32 @@ phases ``phi = delta * w`` and the rotated keys ``Kr = Rot(-phi) k``,
 * mileage path: ``dz[i, t] = sum_{j < t} g[i, j]``, an exclusive prefix sum along the keys;
 * gate path: ``du = dz z (1 - z)``, ``dqL[i] = s sum_t du k[t]``, ``dk[t] += s sum_i du qL[i]``.
 
-One program owns ``BLOCK`` query rows of one KV group and all ``G`` heads of the
-group, and sweeps the key tiles from the diagonal down to tile 0, exactly as the
-forward does, so that ``delta`` is the same running suffix sum of gates. The sin/cos
-of a phase is computed once per (query, key, frequency) and per pass, shared by the
-``G`` heads. Each key tile takes two passes over the frequency chunks: the first
-builds the scores (``P`` needs every frequency), the second the gradients once
-``dS`` is known. The backward therefore evaluates ``2 * R/2`` sines and ``2 * R/2``
-cosines per causal pair and group, twice the forward's count.
+One program owns ``BLOCK_M`` query rows of one KV group and all ``G`` heads of the
+group, and sweeps key tiles of ``BLOCK_N`` from the diagonal down to tile 0, exactly as
+the forward does, so that ``delta`` is the same running suffix sum of gates. Each key
+tile takes two passes over the frequencies, one frequency an iteration: the first
+builds the scores (``P`` needs every frequency), the second the gradients once ``dS``
+is known. The backward therefore evaluates ``2 * R/2`` sines and ``2 * R/2`` cosines
+per causal pair and group, twice the forward's count.
+
+Layout (what makes it fast; ``corope/PERF_NOTES.md``, "Backward v2"): the per-pair
+tiles are ``[BLOCK_M queries, GP heads, BLOCK_N keys]`` in the accumulator layout of
+one tensor-core product (``_gates``), in which a thread holds 2 query rows, 8 keys and
+every head of them. So a pair's sin/cos is computed once for the group, the head sums
+``a = sum_h dS q_h`` (shared by dk and the phase gradient) and the phase gradient ``g``
+are in-thread, and dq's sum over the keys is in-thread up to 2 shuffle levels; only
+dk's sum over the queries crosses lanes and warps. dq and dk are added per frequency
+with fp32 atomics, both halves of a rotary pair in one add.
 
 The descending sweep has ``sum_{j >= t} g[i, j]`` at hand (a running suffix ``Sg``),
 not the prefix the mileage path needs; with ``Gtot[i] = sum_j g[i, j]`` (known at the
-end of the sweep), ``dz = Gtot - Sg``. So the sweep accumulates ``X = sum_t z' k[t]``
-and ``Y = sum_t Sg z' k[t]`` (``z' = z (1 - z)``) for ``dqL = s (Gtot X - Y)``, adds the
-``-Sg`` part of the keys' gate gradient as it goes, and a second, cheap loop over the
-key tiles (gates only: one ``tl.dot`` and a sigmoid per tile) adds the ``Gtot`` part.
+end of the sweep), ``dz = Gtot - Sg``. So the sweep adds the ``-Sg`` part of the gate
+gradient (``-s sum_t Sg z' k[t]`` to ``dqL``, ``z' = z (1 - z)``, and ``-s sum_i Sg z'
+qL[i]`` to the keys) as it goes, and a second, cheap loop over the key tiles (gates
+only: one ``tl.dot`` and a sigmoid per tile) adds the ``Gtot`` part.
 
 Precision, as in the forward: the gates' carry is fp64, and the phase is formed as
-``(carry w mod 2 pi) + local w`` with the reduction in fp64 and ``local < BLOCK``, so the
+``(carry w mod 2 pi) + local w`` with the reduction in fp64 and ``local < BLOCK_N``, so the
 per-pair sin/cos (the hardware's fast approximations for fp16/bf16 inputs, accurate
 ones for fp32) never sees a large argument and the phase error does not grow with N.
 Products of an fp32 intermediate
@@ -35,15 +43,16 @@ Products of an fp32 intermediate
 high and a low half (two tensor-core products), which keeps them at fp32 accuracy.
 
 dq rows belong to one program, which adds to them in a fixed order (deterministic in
-both modes); dk and dv receive contributions from every query tile at or after them
+both modes); dk and dv receive contributions from every query tile that sees them
 and are accumulated in fp32 with atomic adds. ``deterministic=True`` orders those
 adds: per key tile an int32 counter says how many query tiles have added to it, and
-query tile ``m`` waits until every earlier one has (query tiles run in ascending
-order; since each sweeps downwards from its diagonal, tile ``m`` trails tile ``m - 1``
-by about one key tile and the waits are short). Each fp32 buffer element then receives
-its adds in one fixed order, so two runs give bitwise equal dk and dv. This relies on
-the GPU starting programs in grid order (a program only waits on lower-numbered ones),
-as the interpreter does and as ordered split-K reductions also assume.
+query tile ``m`` waits until every earlier one that sees the key tile has (query tiles
+run in ascending order; since each sweeps downwards from its diagonal, tile ``m``
+trails tile ``m - 1`` by about one query tile's worth of keys and the waits are
+short). Each fp32 buffer element then receives its adds in one fixed order, so two
+runs give bitwise equal dk and dv. This relies on the GPU starting programs in grid
+order (a program only waits on lower-numbered ones), as the interpreter does and as
+ordered split-K reductions also assume.
 """
 
 from __future__ import annotations
@@ -66,78 +75,105 @@ from fused_rope._validation import (
 
 @triton.jit
 def _dot_split(a, b, PREC: tl.constexpr):
-    """``a @ b`` for an fp32 ``a`` and a ``b`` in the inputs' dtype, to about fp32 accuracy.
+    """``a @ b`` where one operand is an fp32 intermediate and the other may be in the
+    inputs' half-precision dtype, to about fp32 accuracy.
 
-    For half-precision ``b``, ``a`` is split into a high and a low half-precision part
-    (two tensor-core products) rather than converting ``b`` to fp32: an fp32 operand of
-    ``G * BLOCK x D`` would take three times its registers under tf32x3.
+    The fp32 operand is split into a high and a low half-precision part (two tensor-core
+    products) rather than converting the other to fp32: an fp32 operand of ``G * BLOCK_M x
+    D`` would take three times its registers under tf32x3.
     """
-    if b.dtype == tl.float32:
+    if a.dtype == b.dtype:
         return tl.dot(a, b, input_precision=PREC)
+    if b.dtype == tl.float32:
+        hi = b.to(a.dtype)
+        return tl.dot(a, hi) + tl.dot(a, (b - hi.to(tl.float32)).to(a.dtype))
     hi = a.to(b.dtype)
-    lo = (a - hi.to(tl.float32)).to(b.dtype)
-    return tl.dot(hi, b) + tl.dot(lo, b)
+    return tl.dot(hi, b) + tl.dot((a - hi.to(tl.float32)).to(b.dtype), b)
 
 
 @triton.jit
 def _gates(K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
-           BLOCK: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """Key tile ``n``: its offsets ``[BLOCK]``, mask, keys ``[BLOCK, D_PAD]`` and the
-    leader's gates ``z = sigmoid(s qL k^T)`` ``[BLOCK, BLOCK]`` (0 past the diagonal)."""
-    offs_n = n * BLOCK + tl.arange(0, BLOCK)
-    n_ok = offs_n < N
-    kt = tl.load(
-        K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-        mask=n_ok[:, None] & d_ok[None, :],
+           BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
+           PREC: tl.constexpr):  # fmt: skip
+    """Key tile ``n``: its offsets and mask ``[BLOCK_N]`` and the leader's gates
+    ``z = sigmoid(s qL k^T)`` ``[BLOCK_M, BLOCK_N]`` (0 past the diagonal).
+
+    The logits are one product against ``GP`` copies of the tile's keys, ``[BLOCK_M, GP *
+    BLOCK_N]``, which is what fixes the layout of every per-pair tile of the kernel: in the
+    product's accumulator layout the high column bits (the copy, later the head) are
+    registers, so a thread holds all ``GP`` heads of its (query, key) pairs and computes
+    each pair's sin/cos once for the group. The copies are equal; their max is exact.
+    """
+    r = tl.arange(0, GP * BLOCK_N)
+    offs_r = n * BLOCK_N + r % BLOCK_N
+    k_rep = tl.load(
+        K + offs_r[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=(offs_r < N)[:, None] & d_ok[None, :],
         other=0.0,
     )
+    u = tl.dot(ql, tl.trans(k_rep.to(ql.dtype)), input_precision=PREC)
+    u = tl.max(tl.reshape(u, [BLOCK_M, GP, BLOCK_N]), axis=1) * scale
+    offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
     causal = (offs_n[None, :] <= offs_m[:, None]) & m_ok[:, None]
-    u = tl.dot(ql, tl.trans(kt.to(ql.dtype)), input_precision=PREC) * scale
-    return offs_n, n_ok, kt, tl.where(causal, tl.sigmoid(u), 0.0)
+    return offs_n, offs_n < N, tl.where(causal, tl.sigmoid(u), 0.0)
 
 
 @triton.jit
-def _rotated_chunk(
-    Q, K, W, d0, offs_n, n_ok, h3, i3, hi3_ok, carry, local,
-    stride_qh, stride_qn, stride_qd, stride_kn, stride_kd,
-    HALF: tl.constexpr, DC: tl.constexpr, BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr,
-):  # fmt: skip
-    """Frequencies ``d0 .. d0 + DC`` of one (query tile, key tile).
+def _split_pair(x):
+    """The two fp32 halves of an int64 holding a rotary pair ``(x1, x2)`` side by side."""
+    x1 = x.to(tl.int32).to(tl.float32, bitcast=True)
+    return x1, (x >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_heads(ptr, stride_h, m_ok, G: tl.constexpr, GP: tl.constexpr):
+    """The G heads' rotary pairs ``q1, q2`` ``[BLOCK_M, GP]`` fp32 from ``ptr + h * stride_h``
+    (``ptr`` ``[BLOCK_M]`` int64 pairs), 0 for padded heads.
+
+    One ``[BLOCK_M]`` load per head: the compiler places a load of fewer elements than
+    threads directly in its consumer's layout, whereas a ``[BLOCK_M, GP]`` load would be
+    converted through shared memory (a barrier) every frequency. The selects cost nothing:
+    the head index of a register is a compile-time constant.
+    """
+    offs_h = tl.arange(0, GP)[None, :]
+    x1, x2 = _split_pair(tl.load(ptr, mask=m_ok, other=0))
+    q1 = tl.where(offs_h == 0, x1[:, None], 0.0)
+    q2 = tl.where(offs_h == 0, x2[:, None], 0.0)
+    for hh in tl.static_range(1, G):
+        x1, x2 = _split_pair(tl.load(ptr + hh * stride_h, mask=m_ok, other=0))
+        q1 = tl.where(offs_h == hh, x1[:, None], q1)
+        q2 = tl.where(offs_h == hh, x2[:, None], q2)
+    return q1, q2
+
+
+@triton.jit
+def _frequency(QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry, local, two_pi, inv_two_pi,
+               stride_pqh, stride_pqd, stride_pkd,
+               G: tl.constexpr, GP: tl.constexpr, FAST_TRIG: tl.constexpr):  # fmt: skip
+    """Frequency ``d`` of one (query tile, key tile): ``w`` (scalar), the G heads' query
+    pair ``q1, q2 [BLOCK_M, GP]``, the rotation ``cs, sn [BLOCK_M, BLOCK_N]`` (one sin/cos
+    per pair, shared by the heads) and the rotated keys ``kr1, kr2 [BLOCK_M, BLOCK_N]``
+    (``Rot(-phi) k``). ``QP``, ``KP``: the fp32 rotary pairs of q and k, one int64 each.
 
     The phase is formed as the forward forms it, ``phi = (carry w mod 2 pi) + local w``:
-    the carry reaches N, so its angle is reduced modulo 2 pi in fp64, and ``local <
-    BLOCK``; the fp32 argument of the per-pair sin/cos thus stays below ``2 pi + BLOCK w``,
-    where the fast hardware sin/cos is accurate, and the phase error does not grow with N.
-
-    Returns ``w [DC]``, the offsets ``[DC]``, masks and the G heads' query columns ``q1,
-    q2 [GP, BLOCK, DC]``, the rotation ``cs, sn [BLOCK, BLOCK, DC]`` (one sin/cos per
-    pair and frequency, shared by the heads) and the rotated keys ``kr1, kr2 [BLOCK,
-    BLOCK, DC]`` (``Rot(-phi) k``).
+    the carry reaches N, so its angle is reduced modulo 2 pi in fp64 (``two_pi`` and
+    ``inv_two_pi`` are fp64 tensors), and ``local < BLOCK_N``; the fp32 argument of the
+    per-pair sin/cos stays small, where the fast hardware sin/cos is accurate.
     """
-    offs_c = d0 + tl.arange(0, DC)
-    c_ok = offs_c < HALF
-    w = tl.load(W + offs_c, mask=c_ok, other=0.0)
-    ang = carry[:, None] * w[None, :]  # fp64
-    two_pi = tl.full([BLOCK, DC], 6.283185307179586, tl.float64)
-    inv_two_pi = tl.full([BLOCK, DC], 0.15915494309189535, tl.float64)
+    w = tl.load(W + d)
+    ang = carry * w
     ang = (ang - two_pi * tl.floor(ang * inv_two_pi)).to(tl.float32)
-    cs, sn = _cos_sin(ang[:, None, :] + local[:, :, None] * w[None, None, :], FAST_TRIG)
-    kc_ptr = K + offs_n[:, None] * stride_kn + offs_c[None, :] * stride_kd
-    kc_mask = n_ok[:, None] & c_ok[None, :]
-    k1 = tl.load(kc_ptr, mask=kc_mask, other=0.0).to(tl.float32)[None, :, :]
-    k2 = tl.load(kc_ptr + HALF * stride_kd, mask=kc_mask, other=0.0).to(tl.float32)[None, :, :]
-    kr1 = k1 * cs + k2 * sn
-    kr2 = k2 * cs - k1 * sn
-    qc_off = h3 * stride_qh + i3 * stride_qn + offs_c[None, None, :] * stride_qd
-    qc_mask = hi3_ok & c_ok[None, None, :]
-    q1 = tl.load(Q + qc_off, mask=qc_mask, other=0.0).to(tl.float32)
-    q2 = tl.load(Q + qc_off + HALF * stride_qd, mask=qc_mask, other=0.0).to(tl.float32)
-    return w, offs_c, c_ok, qc_mask, q1, q2, cs, sn, kr1, kr2
+    cs, sn = _cos_sin(ang[:, None] + local * w, FAST_TRIG)
+    k1, k2 = _split_pair(tl.load(KP + d * stride_pkd + offs_n, mask=n_ok, other=0))
+    k1 = k1[None, :]
+    k2 = k2[None, :]
+    q1, q2 = _load_heads(QP + d * stride_pqd + offs_m, stride_pqh, m_ok, G, GP)
+    return w, q1, q2, cs, sn, k1 * cs + k2 * sn, k2 * cs - k1 * sn
 
 
 @triton.jit
 def _corope_bwd_kernel(
-    Q, K, V, O, DO, LSE, QL, W,
+    Q, K, V, O, DO, LSE, QL, W, QP, KP,
     DQ, DQL, DK_S, DK_G, DK_T, DV, LOCK, LOCK_T,
     softmax_scale, N, HKV,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -147,16 +183,18 @@ def _corope_bwd_kernel(
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_lb, stride_lh, stride_ln,
     stride_qlb, stride_qlh, stride_qln, stride_qld,
+    stride_pqb, stride_pqh, stride_pqd,  # QP: [B, HQ, R/2, N] int64, unit stride along N
+    stride_pkb, stride_pkh, stride_pkd,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_lock,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    HALF: tl.constexpr, DC: tl.constexpr, DN_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HALF: tl.constexpr, DN_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MILEAGE: tl.constexpr, DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
     FAST_TRIG: tl.constexpr,
 ):  # fmt: skip
-    num_m = tl.cdiv(N, BLOCK)
+    num_m = tl.cdiv(N, BLOCK_M)
     # Longest sweeps first for load balance; the ordered (deterministic) mode needs
     # ascending query tiles so that a program only ever waits on earlier programs.
     m = tl.program_id(0) if DETERMINISTIC else num_m - 1 - tl.program_id(0)
@@ -175,6 +213,8 @@ def _corope_bwd_kernel(
     K += b * stride_kb + grp * stride_kh
     V += b * stride_vb + grp * stride_vh
     QL += b * stride_qlb + grp * stride_qlh
+    QP += b * stride_pqb + h0 * stride_pqh
+    KP += b * stride_pkb + grp * stride_pkh
     kv_off = b * stride_dkb + grp * stride_dkh
     DQL += kv_off
     DK_S += kv_off
@@ -184,160 +224,185 @@ def _corope_bwd_kernel(
     LOCK += bg * stride_lock
     LOCK_T += bg * stride_lock
 
-    offs_m = m * BLOCK + tl.arange(0, BLOCK)
+    # The per-pair tiles are [BLOCK_M queries, GP heads, BLOCK_N keys] (layout: `_gates`);
+    # the queries' (row, head) grid is [BLOCK_M, GP].
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < N
-    # All G heads' rows of the tile as one [GP * BLOCK] axis (head-major), so that
-    # dO V^T, P^T dO and the pass-through products are single tl.dot calls.
-    r = tl.arange(0, GP * BLOCK)
-    h_r = r // BLOCK
-    i_r = m * BLOCK + r % BLOCK
+    offs_h = tl.arange(0, GP)
+    qh_ok = m_ok[:, None] & (offs_h < G)[None, :]
+    # The same rows as one head-major [GP * BLOCK_M] axis, for the tensor-core products.
+    r = tl.arange(0, GP * BLOCK_M)
+    h_r = r // BLOCK_M
+    i_r = m * BLOCK_M + r % BLOCK_M
     row_ok = (h_r < G) & (i_r < N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    # The same rows as a [GP, BLOCK, 1] grid, for the per-frequency 3-D/4-D products.
-    h3 = tl.arange(0, GP)[:, None, None]
-    i3 = offs_m[None, :, None]
-    hi3_ok = (h3 < G) & (i3 < N)
-
     rd_mask = row_ok[:, None] & d_ok[None, :]
-    # dO (and below the pass-through q) stay in registers in the inputs' dtype: their
-    # [G * BLOCK, D] pointer grids would cost four times as many registers.
-    do2 = tl.load(
-        DO + h_r[:, None] * stride_doh + i_r[:, None] * stride_don + offs_d[None, :] * stride_dod,
-        mask=rd_mask,
-        other=0.0,
-    )
-    o2 = tl.load(
-        O + h_r[:, None] * stride_oh + i_r[:, None] * stride_on + offs_d[None, :] * stride_od,
-        mask=rd_mask,
-        other=0.0,
-    )
-    drow = tl.sum(do2.to(tl.float32) * o2.to(tl.float32), axis=1)
-    lse2 = (
-        tl.load(LSE + h_r * stride_lh + i_r * stride_ln, mask=row_ok, other=0.0)
-        * 1.4426950408889634
-    )
-    ql = tl.load(
-        QL + offs_m[:, None] * stride_qln + offs_d[None, :] * stride_qld,
-        mask=m_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    md_mask = m_ok[:, None] & d_ok[None, :]
     if DN_PAD > 0:
         offs_p = ROPE + tl.arange(0, DN_PAD)
         p_ok = offs_p < D
-        qn2 = tl.load(
-            Q + h_r[:, None] * stride_qh + i_r[:, None] * stride_qn + offs_p[None, :] * stride_qd,
-            mask=row_ok[:, None] & p_ok[None, :],
+
+    drow = tl.sum(
+        tl.load(
+            DO + offs_m[:, None, None] * stride_don + offs_h[None, :, None] * stride_doh
+            + offs_d[None, None, :] * stride_dod,
+            mask=qh_ok[:, :, None] & d_ok[None, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        * tl.load(
+            O + offs_m[:, None, None] * stride_on + offs_h[None, :, None] * stride_oh
+            + offs_d[None, None, :] * stride_od,
+            mask=qh_ok[:, :, None] & d_ok[None, None, :],
+            other=0.0,
+        ).to(tl.float32),
+        axis=2,
+    )  # fmt: skip
+    lse2 = (
+        tl.load(LSE + offs_m[:, None] * stride_ln + offs_h[None, :] * stride_lh, mask=qh_ok,
+                other=0.0)
+        * 1.4426950408889634
+    )  # fmt: skip
+
+    two_pi = tl.full([BLOCK_M], 6.283185307179586, tl.float64)
+    inv_two_pi = tl.full([BLOCK_M], 0.15915494309189535, tl.float64)
+    # Gates of the keys in later tiles; fp64 like the forward's, as it grows to N.
+    carry_z = tl.zeros([BLOCK_M], dtype=tl.float64)
+    carry_g = tl.zeros([BLOCK_M], dtype=tl.float32)  # phase gradient of the later keys
+    n_tiles = (tl.minimum(N, (m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
+    for step in range(0, n_tiles):
+        n = n_tiles - 1 - step
+        # Row operands are reloaded per key tile (cache hits) rather than held: with
+        # BLOCK_M = 64 rows they would take registers the frequency loops need.
+        ql = tl.load(
+            QL + offs_m[:, None] * stride_qln + offs_d[None, :] * stride_qld,
+            mask=md_mask,
             other=0.0,
         )
-
-    # Gates of the keys in later tiles; fp64 like the forward's, as it grows to N.
-    carry_z = tl.zeros([BLOCK], dtype=tl.float64)
-    carry_g = tl.zeros([BLOCK], dtype=tl.float32)  # phase gradient of the later keys
-    acc_x = tl.zeros([BLOCK, D_PAD], dtype=tl.float32)  # sum_t z' k[t]
-    acc_y = tl.zeros([BLOCK, D_PAD], dtype=tl.float32)  # sum_t Sg z' k[t]
-    for step in range(0, m + 1):
-        n = m - step
-        offs_n, n_ok, kt, z = _gates(
-            K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd, BLOCK, PREC
-        )
+        offs_n, n_ok, z = _gates(
+            K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
+            BLOCK_M, GP, BLOCK_N, PREC,
+        )  # fmt: skip
         # The forward's mileage: delta = carry + in-tile exclusive suffix sum of the gates.
         local = tl.cumsum(z, axis=1, reverse=True) - z
 
-        # Pass 1: scores of the G heads, sin/cos per (i, j, d) shared by the heads.
-        s3 = tl.zeros([GP, BLOCK, BLOCK], dtype=tl.float32)
-        for d0 in range(0, HALF, DC):
-            _w, _c, _cm, _qm, q1, q2, _cs, _sn, kr1, kr2 = _rotated_chunk(
-                Q, K, W, d0, offs_n, n_ok, h3, i3, hi3_ok, carry_z, local,
-                stride_qh, stride_qn, stride_qd, stride_kn, stride_kd, HALF, DC, BLOCK, FAST_TRIG,
+        # Pass 1: scores of the G heads.
+        s3 = tl.zeros([BLOCK_M, GP, BLOCK_N], dtype=tl.float32)
+        for d in range(HALF):
+            _w, q1, q2, _cs, _sn, kr1, kr2 = _frequency(
+                QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry_z, local, two_pi, inv_two_pi,
+                stride_pqh, stride_pqd, stride_pkd, G, GP, FAST_TRIG,
             )  # fmt: skip
-            s3 += tl.sum(q1[:, :, None, :] * kr1[None] + q2[:, :, None, :] * kr2[None], axis=3)
-        s2 = tl.reshape(s3, [GP * BLOCK, BLOCK])
+            # Two accumulations: one FMA per element each.
+            s3 += q1[:, :, None] * kr1[:, None, :]
+            s3 += q2[:, :, None] * kr2[:, None, :]
         if DN_PAD > 0:
+            qn2 = tl.load(
+                Q + h_r[:, None] * stride_qh + i_r[:, None] * stride_qn
+                + offs_p[None, :] * stride_qd,
+                mask=row_ok[:, None] & p_ok[None, :],
+                other=0.0,
+            )  # fmt: skip
             kn = tl.load(
                 K + offs_n[:, None] * stride_kn + offs_p[None, :] * stride_kd,
                 mask=n_ok[:, None] & p_ok[None, :],
                 other=0.0,
             )
-            s2 += tl.dot(qn2, tl.trans(kn), input_precision=PREC)
-        valid = row_ok[:, None] & (offs_n[None, :] <= i_r[:, None])
-        p = tl.where(valid, tl.exp2(s2 * (scale * 1.4426950408889634) - lse2[:, None]), 0.0)
+            sn2 = tl.dot(qn2, tl.trans(kn), input_precision=PREC)
+            s3 += tl.permute(tl.reshape(sn2, [GP, BLOCK_M, BLOCK_N]), (1, 0, 2))
+        valid = qh_ok[:, :, None] & (offs_n[None, None, :] <= offs_m[:, None, None])
+        p3 = tl.where(valid, tl.exp2(s3 * (scale * 1.4426950408889634) - lse2[:, :, None]), 0.0)
+        do2 = tl.load(
+            DO + h_r[:, None] * stride_doh + i_r[:, None] * stride_don
+            + offs_d[None, :] * stride_dod,
+            mask=rd_mask,
+            other=0.0,
+        )  # fmt: skip
         v2 = tl.load(
             V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
         dp = tl.dot(do2, tl.trans(v2), input_precision=PREC)
-        ds = p * (dp - drow[:, None])  # [GP * BLOCK, BLOCK], zero off the causal band
-        ds3 = tl.reshape(ds, [GP, BLOCK, BLOCK])
+        dp3 = tl.permute(tl.reshape(dp, [GP, BLOCK_M, BLOCK_N]), (1, 0, 2))
+        # dS with the softmax scale folded in: every gradient below is linear in s dS.
+        ds3 = p3 * (dp3 - drow[:, :, None]) * scale
 
         if DETERMINISTIC:
-            # Query tiles add to key tile n in ascending order, from query tile n on.
-            while tl.atomic_add(LOCK + n, 0, sem="acquire") != m - n:
+            # Query tiles add to key tile n in ascending order, from the first that sees it.
+            while tl.atomic_add(LOCK + n, 0, sem="acquire") != m - n * BLOCK_N // BLOCK_M:
                 pass
 
-        # Pass 2: gradients, recomputing the phases of pass 1.
-        g_acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-        for d0 in range(0, HALF, DC):
-            w, offs_c, c_ok, qc_mask, q1, q2, cs, sn, kr1, kr2 = _rotated_chunk(
-                Q, K, W, d0, offs_n, n_ok, h3, i3, hi3_ok, carry_z, local,
-                stride_qh, stride_qn, stride_qd, stride_kn, stride_kd, HALF, DC, BLOCK, FAST_TRIG,
+        # Pass 2: gradients, recomputing the phases of pass 1. Reductions over the keys
+        # (dq) and over the heads (a1, a2) stay mostly in a thread; over the queries (dk)
+        # they cross lanes and warps.
+        g_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # The (x1, x2) halves of a rotary pair, as a last axis of 2.
+        pair = tl.arange(0, 2) * HALF
+        dq_ptr = DQ + (offs_m[:, None] * stride_dqn + offs_h[None, :] * stride_dqh)[:, :, None]
+        dq_ptr += pair[None, None, :] * stride_dqd
+        dk_ptr = DK_S + offs_n[:, None] * stride_dkn + pair[None, :] * stride_dkd
+        for d in range(HALF):
+            w, q1, q2, cs, sn, kr1, kr2 = _frequency(
+                QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry_z, local, two_pi, inv_two_pi,
+                stride_pqh, stride_pqd, stride_pkd, G, GP, FAST_TRIG,
             )  # fmt: skip
-            ds4 = ds3[:, :, :, None]
-            dq_ptr = DQ + h3 * stride_dqh + i3 * stride_dqn + offs_c[None, None, :] * stride_dqd
-            dq1 = tl.sum(ds4 * kr1[None], axis=2) * scale
-            dq2 = tl.sum(ds4 * kr2[None], axis=2) * scale
-            tl.atomic_add(dq_ptr, dq1, mask=qc_mask, sem="relaxed")
-            tl.atomic_add(dq_ptr + HALF * stride_dqd, dq2, mask=qc_mask, sem="relaxed")
-            # Head sums of dS q, [BLOCK, BLOCK, DC]: dk = s sum_i Rot(+phi) of them.
-            a1 = tl.sum(ds4 * q1[:, :, None, :], axis=0)
-            a2 = tl.sum(ds4 * q2[:, :, None, :], axis=0)
-            dk_ptr = DK_S + offs_n[:, None] * stride_dkn + offs_c[None, :] * stride_dkd
-            kc_mask = n_ok[:, None] & c_ok[None, :]
-            tl.atomic_add(
-                dk_ptr, tl.sum(cs * a1 - sn * a2, axis=0) * scale, mask=kc_mask, sem="relaxed"
+            # Both halves of a pair in one add: every atomic add costs a layout conversion
+            # through shared memory (a barrier), so there are two a frequency, not four.
+            dq = tl.join(
+                tl.sum(ds3 * kr1[:, None, :], axis=2), tl.sum(ds3 * kr2[:, None, :], axis=2)
             )
-            tl.atomic_add(
-                dk_ptr + HALF * stride_dkd,
-                tl.sum(sn * a1 + cs * a2, axis=0) * scale,
-                mask=kc_mask,
-                sem="relaxed",
-            )
+            tl.atomic_add(dq_ptr + d * stride_dqd, dq, mask=qh_ok[:, :, None], sem="relaxed")
+            # Head sums of s dS q: dk = sum_i Rot(+phi) of them.
+            a1 = tl.sum(ds3 * q1[:, :, None], axis=1)
+            a2 = tl.sum(ds3 * q2[:, :, None], axis=1)
+            dk = tl.sum(tl.join(cs * a1 - sn * a2, sn * a1 + cs * a2), axis=0)
+            tl.atomic_add(dk_ptr + d * stride_dkd, dk, mask=n_ok[:, None], sem="relaxed")
             if MILEAGE:
-                g_acc += tl.sum(w[None, None, :] * (a1 * kr2 - a2 * kr1), axis=2)
+                g_acc += w * (a1 * kr2 - a2 * kr1)
+        ds2 = tl.reshape(tl.permute(ds3, (1, 0, 2)), [GP * BLOCK_M, BLOCK_N])
         if DN_PAD > 0:
-            dqn = _dot_split(ds, kn, PREC) * scale
             tl.atomic_add(
-                DQ
-                + h_r[:, None] * stride_dqh
-                + i_r[:, None] * stride_dqn
+                DQ + h_r[:, None] * stride_dqh + i_r[:, None] * stride_dqn
                 + offs_p[None, :] * stride_dqd,
-                dqn,
+                _dot_split(ds2, kn, PREC),
                 mask=row_ok[:, None] & p_ok[None, :],
                 sem="relaxed",
-            )
-            dkn = _dot_split(tl.trans(ds), qn2, PREC) * scale
+            )  # fmt: skip
             tl.atomic_add(
                 DK_S + offs_n[:, None] * stride_dkn + offs_p[None, :] * stride_dkd,
-                dkn,
+                _dot_split(tl.trans(ds2), qn2, PREC),
                 mask=n_ok[:, None] & p_ok[None, :],
                 sem="relaxed",
             )
+        # Key-side products, [BLOCK_N, D]: the fp32 tile is the first operand and the rows
+        # are the second in their loaded layout. Not the transposed form trans(rows) @ tile
+        # (M = D, a warpgroup product): Triton 3.6 on sm_90 miscompiles its transposed
+        # shared-memory operand (compute-sanitizer: out-of-range shared reads; wrong dv).
         nd_ptr = offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
         nd_mask = n_ok[:, None] & d_ok[None, :]
-        dv = _dot_split(tl.trans(p), do2, PREC)
-        tl.atomic_add(DV + nd_ptr, dv, mask=nd_mask, sem="relaxed")
+        p2 = tl.reshape(tl.permute(p3, (1, 0, 2)), [GP * BLOCK_M, BLOCK_N])
+        tl.atomic_add(DV + nd_ptr, _dot_split(tl.trans(p2), do2, PREC), mask=nd_mask,
+                      sem="relaxed")  # fmt: skip
 
         if MILEAGE:
-            gs = g_acc * scale
-            sg = carry_g[:, None] + tl.cumsum(gs, axis=1, reverse=True)  # sum_{j >= t} g[i, j]
-            carry_g += tl.sum(gs, axis=1)
-            zp = z * (1.0 - z)
-            szp = sg * zp
-            acc_x += _dot_split(zp, kt, PREC)
-            acc_y += _dot_split(szp, kt, PREC)
-            dk_g = _dot_split(tl.trans(szp), ql, PREC) * -scale
-            tl.atomic_add(DK_G + nd_ptr, dk_g, mask=nd_mask, sem="relaxed")
+            sg = carry_g[:, None] + tl.cumsum(g_acc, axis=1, reverse=True)  # sum_{j >= t} g
+            carry_g += tl.sum(g_acc, axis=1)
+            # The -Sg part of du = (Gtot - Sg) z (1 - z); the Gtot part after the sweep.
+            szp = sg * z * (1.0 - z) * -scale
+            kt = tl.load(
+                K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            tl.atomic_add(
+                DQL + offs_m[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+                _dot_split(szp, kt, PREC),
+                mask=md_mask,
+                sem="relaxed",
+            )
+            tl.atomic_add(DK_G + nd_ptr, _dot_split(tl.trans(szp), ql, PREC), mask=nd_mask,
+                          sem="relaxed")  # fmt: skip
         if DETERMINISTIC:
             # Every thread's adds to tile n are issued before the counter moves on.
             tl.debug_barrier()
@@ -345,23 +410,30 @@ def _corope_bwd_kernel(
         carry_z += tl.sum(z, axis=1).to(tl.float64)
 
     if MILEAGE:
+        # The Gtot part of the gate gradient: gates only, no phases.
         gtot = carry_g
-        dql = (gtot[:, None] * acc_x - acc_y) * scale
-        tl.store(
-            DQL + offs_m[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-            dql,
-            mask=m_ok[:, None] & d_ok[None, :],
+        ql = tl.load(
+            QL + offs_m[:, None] * stride_qln + offs_d[None, :] * stride_qld,
+            mask=md_mask,
+            other=0.0,
         )
-        # The Gtot part of the keys' gate gradient: gates only, no phases.
-        for step in range(0, m + 1):
-            n = m - step
-            offs_n, n_ok, _k, z = _gates(
-                K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd, BLOCK, PREC
+        dql = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        for step in range(0, n_tiles):
+            n = n_tiles - 1 - step
+            offs_n, n_ok, z = _gates(
+                K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
+                BLOCK_M, GP, BLOCK_N, PREC,
+            )  # fmt: skip
+            zpg = z * (1.0 - z) * (gtot * scale)[:, None]
+            kt = tl.load(
+                K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
             )
-            zpg = z * (1.0 - z) * gtot[:, None]
-            dk_t = _dot_split(tl.trans(zpg), ql, PREC) * scale
+            dql += _dot_split(zpg, kt, PREC)
+            dk_t = _dot_split(tl.trans(zpg), ql, PREC)
             if DETERMINISTIC:
-                while tl.atomic_add(LOCK_T + n, 0, sem="acquire") != m - n:
+                while tl.atomic_add(LOCK_T + n, 0, sem="acquire") != m - n * BLOCK_N // BLOCK_M:
                     pass
             tl.atomic_add(
                 DK_T + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -372,33 +444,40 @@ def _corope_bwd_kernel(
             if DETERMINISTIC:
                 tl.debug_barrier()
                 tl.atomic_add(LOCK_T + n, 1, sem="release")
+        tl.atomic_add(
+            DQL + offs_m[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+            dql,
+            mask=md_mask,
+            sem="relaxed",
+        )
 
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _block_config(
-    group: int, half: int, head_dim: int, dtype: torch.dtype, n: int
-) -> tuple[int, int, int]:
-    """(BLOCK, DC, num_warps): query and key tile size, frequencies per chunk, warps.
+def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): query rows and keys of a tile, warps.
 
-    GPU values from compiling for sm_90 and reading ptxas (``corope/PERF_NOTES.md``). A
-    16 x 16 tile gives each of the 256 threads one (query, key) pair, so every reduction and
-    atomic is paid per pair; 32 x 32 tiles with one frequency a chunk give four, which cuts
-    the instructions per (pair, frequency) by 13-18% for fp16/bf16 at ``G <= 4``, ``D <= 128``
-    (measured on an H200: 18-20% faster at N = 4K and 16K, but 8% slower at N = 1K, where
-    the 16-row tiles give twice as many programs; hence only from N = 4096). Elsewhere 32-row tiles spill kilobytes
-    (fp32, ``G = 8``) or exceed the shared memory (``D = 256``), so 16-row tiles stay, with
-    8, 4 or 2 frequencies a chunk for 1, 2 or more heads a group. The interpreter runs each op
-    once over whole numpy arrays, so there larger tiles are cheaper.
+    ``BLOCK_M = 64`` rows on 4 warps is one warpgroup of Hopper's tensor-core product, whose
+    accumulator layout (``_gates``) gives each thread 2 rows and ``BLOCK_N / 4`` keys of
+    every head: the dq reduction over keys is then mostly in-thread and the heads' sums
+    fully. ``GP * BLOCK_N <= 128`` columns bound the registers, and ``dO`` (``GP * BLOCK_M x
+    D``, in shared memory for two products) is kept to 64 KB by fewer rows for large groups
+    or head dims, and to 32 KB at D = 256 (where 64 KB took 240 KB of shared memory in
+    all, over sm_90's 227 KB). With fewer rows the products are not warpgroup ones and the
+    heads of a pair may be split over warps: correct, slower. On the GPU, fp32 inputs take exact fp32 products,
+    which are FMA loops whose code grows with the tile: 16 x 16 tiles on 8 warps keep
+    ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``, "Backward v2". The
+    interpreter, whose cost is per tile, runs the half-precision rule for every dtype
+    (which gives 16 x 16 tiles for its largest fp32 groups).
     """
+    if dtype == torch.float32 and not _interpreted():
+        return 16, 16, 8
     gp = triton.next_power_of_2(group)
-    if _interpreted():
-        return 32, min(16, triton.next_power_of_2(half)), 4
-    if gp <= 4 and head_dim <= 128 and dtype in (torch.float16, torch.bfloat16) and n >= 4096:
-        return 32, 1, 8
-    return 16, min(8 if gp == 1 else 4 if gp == 2 else 2, triton.next_power_of_2(half)), 8
+    row_bytes = gp * max(16, triton.next_power_of_2(head_dim)) * dtype.itemsize
+    do_bytes = 65536 if head_dim <= 128 else 32768
+    return max(16, min(64, do_bytes // row_bytes)), max(16, min(32, 128 // gp)), 4
 
 
 def corope_bwd(
@@ -465,35 +544,48 @@ def corope_bwd(
         qL = q.unflatten(1, (HKV, G)).float().mean(2)
     inv_freq = inv_freq.contiguous()
     half = R // 2
-    block, dc, num_warps = _block_config(G, half, D, q.dtype, N)
-    num_tiles = triton.cdiv(N, block)
+    block_m, block_n, num_warps = _block_config(G, D, q.dtype)
     f32 = dict(dtype=torch.float32, device=device)
     # Accumulated with atomic adds, hence zeroed; every other output is fully written.
     dq = torch.zeros(B, HQ, N, D, **f32)
     dk = torch.zeros(B, HKV, N, D, **f32)
     dv = torch.zeros(B, HKV, N, D, **f32)
-    # dqL = s (Gtot X - Y) of every leader row, written once (unused without the mileage).
-    dql = torch.empty(B, HKV, N, D, **f32) if not detach_mileage else dv
+    # The leader rows' gate gradient dqL: its -Sg part added per key tile during the sweep,
+    # its Gtot part after it (unused without the mileage).
+    dql = torch.zeros(B, HKV, N, D, **f32) if not detach_mileage else dv
     if deterministic:
         # One buffer per kind of add, so that each element gets one add per (query
         # tile, key tile) and per buffer, in query-tile order; summed in a fixed order.
         dk_g, dk_t = torch.zeros_like(dk), torch.zeros_like(dk)
-        lock = torch.zeros(B * HKV, num_tiles, dtype=torch.int32, device=device)
+        lock = torch.zeros(B * HKV, triton.cdiv(N, block_n), dtype=torch.int32, device=device)
         lock_t = torch.zeros_like(lock)
     else:
         dk_g = dk_t = dk
         lock = lock_t = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    # The rotary pairs (x1, x2) of q and k side by side in fp32, [B, H, R/2, N] int64 views:
+    # the frequency loops load a pair with one 8-byte load and convert nothing (their
+    # instructions -8% at G = 4, for B * (HQ + HKV) * N * R * 4 bytes while the kernel runs).
+    qp, kp = (
+        torch.empty(x.shape[0], x.shape[1], half, N, 2, **f32)
+        .copy_(x[..., :R].unflatten(-1, (2, half)).permute(0, 1, 4, 2, 3))
+        .view(torch.int64)
+        .squeeze(-1)
+        for x in (q, k)
+    )
     dn = D - R
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
-    _corope_bwd_kernel[(num_tiles, B * HKV)](
-        q, k, v, o, do, lse, qL, inv_freq,
+    _corope_bwd_kernel[(triton.cdiv(N, block_m), B * HKV)](
+        q, k, v, o, do, lse, qL, inv_freq, qp, kp,
         dq, dql, dk, dk_g, dk_t, dv, lock, lock_t,
         s, N, HKV,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-        *lse.stride(), *qL.stride(), *dq.stride(), *dk.stride(), lock.stride(0),
+        *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
+        *dk.stride(), lock.stride(0),
         G=G, GP=triton.next_power_of_2(G), D=D, D_PAD=max(16, triton.next_power_of_2(D)),
-        HALF=half, DC=dc, DN_PAD=max(16, triton.next_power_of_2(dn)) if dn else 0,
-        BLOCK=block,
+        # At least 64 pass-through channels: with 32, the [rows, 32] x [32, BLOCK_N] score
+        # product read out of range in shared memory on sm_90 (Triton 3.6, compute-sanitizer).
+        HALF=half, DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
         FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
         num_warps=num_warps,

@@ -117,6 +117,22 @@ def test_backward_strided_inputs():
         assert torch.equal(a, b)
 
 
+def test_backward_mixed_strides():
+    # Each of q, do, o read with its own strides: q as a [B, N, H, D] buffer, do contiguous,
+    # o with its head dim reversed in memory.
+    B, HQ, HKV, N, D = 1, 4, 2, 40, 64
+    q = torch.randn(B, N, HQ, D, device=DEVICE).transpose(1, 2)
+    k, v = (torch.randn(B, HKV, N, D, device=DEVICE) for _ in range(2))
+    do = torch.randn(B, HQ, N, D, device=DEVICE)
+    o, lse, *_ = _ref_grads(q, k, v, do, torch.float32)
+    o = o.flip(-1).contiguous().flip(-1)
+    w = corope_inv_freq(D, 10000.0, None, q.device)
+    mixed = corope_bwd(do, q, k, v, o, lse, w, D**-0.5, D, "first", False)
+    dense = corope_bwd(do, q.contiguous(), k, v, o.contiguous(), lse, w, D**-0.5, D, "first", False)
+    for a, b in zip(mixed, dense, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("leader", ["first", "mean"])
 def test_backward_detach_mileage(leader):
     _check(1, 4, 2, 63, 64, None, leader, detach_mileage=True)
@@ -184,6 +200,23 @@ GPU_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("B, HQ, HKV, N, D, rope_dim, leader", GPU_CASES)
 def test_backward_gpu(B, HQ, HKV, N, D, rope_dim, leader, dtype):
+    _check(B, HQ, HKV, N, D, rope_dim, leader, dtype=dtype)
+
+
+# The kernel's other GPU tile configurations (corope.backward._block_config): query tiles
+# narrower than the 64-row warpgroup product (large groups or head dims: 32 rows and 16
+# keys at G = 8, D = 128; 32 x 32 at D = 256) and the smallest head dim.
+NARROW_GPU_CASES = [
+    pytest.param(1, 8, 1, 1000, 128, None, "first", id="G8-N1000-D128"),
+    pytest.param(1, 8, 2, 700, 256, None, "mean", id="G4-N700-D256-mean"),
+    pytest.param(1, 4, 2, 333, 32, None, "first", id="G2-N333-D32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, HQ, HKV, N, D, rope_dim, leader", NARROW_GPU_CASES)
+def test_backward_gpu_narrow_tiles(B, HQ, HKV, N, D, rope_dim, leader, dtype):
     _check(B, HQ, HKV, N, D, rope_dim, leader, dtype=dtype)
 
 
