@@ -11,8 +11,9 @@ phases ``phi = delta * w`` and the rotated keys ``Kr = Rot(-phi) k``,
 * gate path: ``du = dz z (1 - z)``, ``dqL[i] = s sum_t du k[t]``, ``dk[t] += s sum_i du qL[i]``.
 
 One program owns ``BLOCK_M`` query rows of one KV group and all ``G`` heads of the
-group, and sweeps key tiles of ``BLOCK_N`` from the diagonal down to tile 0, exactly as
-the forward does, so that ``delta`` is the same running suffix sum of gates. Each key
+group (or a slice of them, one launch a slice, where shared memory is short), and
+sweeps key tiles of ``BLOCK_N`` from the diagonal down to tile 0, exactly as the
+forward does, so that ``delta`` is the same running suffix sum of gates. Each key
 tile takes two passes over the frequencies, one frequency an iteration: the first
 builds the scores (``P`` needs every frequency), the second the gradients once ``dS``
 is known. The backward therefore evaluates ``2 * R/2`` sines and ``2 * R/2`` cosines
@@ -62,6 +63,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from corope.forward import _cos_sin
 from corope.naive import check_corope_inputs
@@ -175,7 +177,7 @@ def _frequency(QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry, local, two_pi, i
 def _corope_bwd_kernel(
     Q, K, V, O, DO, LSE, QL, W, QP, KP,
     DQ, DQL, DK_S, DK_G, DK_T, DV, LOCK, LOCK_T,
-    softmax_scale, N, HKV,
+    softmax_scale, N, HKV, group,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -201,7 +203,7 @@ def _corope_bwd_kernel(
     bg = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)  # batch offsets can pass 2**31 elements
     grp = bg % HKV
-    h0 = grp * G
+    h0 = grp * group  # the program's G heads are the first of its group's in Q, O, DQ, ...
     scale = softmax_scale
     ROPE: tl.constexpr = 2 * HALF
 
@@ -480,6 +482,28 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     return max(16, min(64, do_bytes // row_bytes)), max(16, min(32, 128 // gp)), 4
 
 
+def _launch_configs(group: int, head_dim: int, dtype: torch.dtype):
+    """``(BLOCK_M, BLOCK_N, num_warps, heads)`` to try in order: ``_block_config``'s tile,
+    then fewer query rows, then programs that take ``heads`` of the group's ``group`` heads
+    (a divisor; one launch per slice of heads, their contributions to dk, dv and the
+    leader's gate gradient summed by the same atomic adds, exact as those are linear in
+    the heads). What does not fit in shared memory fails at launch and the next is tried:
+    fp32 products (fp32 inputs; the ``"mean"`` leader's fp32 query) take twice the
+    shared memory of the half-precision rule's estimate (fp32 G = 16 at D = 128: 288 KB).
+    """
+    block_m, block_n, num_warps = _block_config(group, head_dim, dtype)
+    for heads in (h for h in range(group, 0, -1) if group % h == 0):
+        rows = block_m
+        while rows >= 16:
+            yield rows, block_n, num_warps, heads
+            rows //= 2
+
+
+# (G, D, rope_dim, dtype, leader, detach_mileage, deterministic) -> the first of
+# _launch_configs that fitted, so that a failing one is compiled once per process.
+_FITTED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
 def corope_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -544,7 +568,6 @@ def corope_bwd(
         qL = q.unflatten(1, (HKV, G)).float().mean(2)
     inv_freq = inv_freq.contiguous()
     half = R // 2
-    block_m, block_n, num_warps = _block_config(G, D, q.dtype)
     f32 = dict(dtype=torch.float32, device=device)
     # Accumulated with atomic adds, hence zeroed; every other output is fully written.
     dq = torch.zeros(B, HQ, N, D, **f32)
@@ -557,11 +580,8 @@ def corope_bwd(
         # One buffer per kind of add, so that each element gets one add per (query
         # tile, key tile) and per buffer, in query-tile order; summed in a fixed order.
         dk_g, dk_t = torch.zeros_like(dk), torch.zeros_like(dk)
-        lock = torch.zeros(B * HKV, triton.cdiv(N, block_n), dtype=torch.int32, device=device)
-        lock_t = torch.zeros_like(lock)
     else:
         dk_g = dk_t = dk
-        lock = lock_t = torch.zeros(1, 1, dtype=torch.int32, device=device)
     # The rotary pairs (x1, x2) of q and k side by side in fp32, [B, H, R/2, N] int64 views:
     # the frequency loops load a pair with one 8-byte load and convert nothing (their
     # instructions -8% at G = 4, for B * (HQ + HKV) * N * R * 4 bytes while the kernel runs).
@@ -573,23 +593,49 @@ def corope_bwd(
         for x in (q, k)
     )
     dn = D - R
+
+    def launch(block_m, block_n, num_warps, heads):
+        # Deterministic mode's counters (per key tile: how many query tiles have added to
+        # it; one set for the sweep, one for the Gtot loop), zeroed for each launch.
+        locks = torch.zeros(2, B * HKV, triton.cdiv(N, block_n) if deterministic else 1,
+                            dtype=torch.int32, device=device)  # fmt: skip
+        for h in range(0, G, heads):
+            if h:
+                locks.zero_()
+            sl = slice(h, None)  # the kernel reads heads h .. h + heads - 1 of each group
+            _corope_bwd_kernel[(triton.cdiv(N, block_m), B * HKV)](
+                q[:, sl], k, v, o[:, sl], do[:, sl], lse[:, sl], qL, inv_freq, qp[:, sl], kp,
+                dq[:, sl], dql, dk, dk_g, dk_t, dv, locks[0], locks[1],
+                s, N, HKV, G,
+                *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
+                *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
+                *dk.stride(), locks.stride(1),
+                G=heads, GP=triton.next_power_of_2(heads), D=D,
+                D_PAD=max(16, triton.next_power_of_2(D)), HALF=half,
+                # At least 64 pass-through channels: with 32, the [rows, 32] x [32, BLOCK_N]
+                # score product read out of range in shared memory on sm_90 (Triton 3.6,
+                # compute-sanitizer).
+                DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
+                BLOCK_M=block_m, BLOCK_N=block_n,
+                MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
+                FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
+                num_warps=num_warps,
+            )  # fmt: skip
+
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
-    _corope_bwd_kernel[(triton.cdiv(N, block_m), B * HKV)](
-        q, k, v, o, do, lse, qL, inv_freq, qp, kp,
-        dq, dql, dk, dk_g, dk_t, dv, lock, lock_t,
-        s, N, HKV,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-        *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
-        *dk.stride(), lock.stride(0),
-        G=G, GP=triton.next_power_of_2(G), D=D, D_PAD=max(16, triton.next_power_of_2(D)),
-        # At least 64 pass-through channels: with 32, the [rows, 32] x [32, BLOCK_N] score
-        # product read out of range in shared memory on sm_90 (Triton 3.6, compute-sanitizer).
-        HALF=half, DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
-        FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
-        num_warps=num_warps,
-    )  # fmt: skip
+    key = (G, D, R, q.dtype, leader, detach_mileage, deterministic)
+    if key in _FITTED:
+        launch(*_FITTED[key])
+    else:
+        for config in _launch_configs(G, D, q.dtype):
+            try:
+                launch(*config)
+            except OutOfResources:
+                continue  # raised before the kernel runs: nothing was written
+            _FITTED[key] = config
+            break
+        else:
+            raise RuntimeError(f"no backward tile fits in shared memory for key {key}")
     if deterministic:
         dk = dk + dk_g + dk_t
     if not detach_mileage:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from corope.backward import corope_bwd
 from corope.naive import corope_attention_ref, corope_inv_freq
@@ -155,6 +156,49 @@ def test_backward_deterministic(dtype):
     again = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False, True)
     for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
+class _FailsAtFirstConfig:
+    """Stands in for the kernel: its first launch configuration raises OutOfResources, as a
+    tile too large for shared memory does on the GPU (before it runs), the rest launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.configs = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            config = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["G"])
+            self.configs.append(config)
+            if config == self.configs[0]:
+                raise OutOfResources(300000, 232448, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_falls_back_to_a_tile_that_fits(monkeypatch, deterministic):
+    # The first configuration fails; the others are slices of the group's heads (one launch
+    # each, whose dk, dv and gate contributions add up) with fewer rows. Each must give the
+    # reference's gradients, and the one that fitted is reused without retrying.
+    import corope.backward as backward
+
+    for configs in ([(16, 16, 4, 6), (16, 16, 4, 3)], [(16, 16, 4, 6), (16, 16, 4, 2)]):
+        fake = _FailsAtFirstConfig(backward._corope_bwd_kernel)
+        monkeypatch.setattr(backward, "_corope_bwd_kernel", fake)
+        monkeypatch.setattr(backward, "_launch_configs", lambda *a, c=configs: iter(c))
+        monkeypatch.setattr(backward, "_FITTED", {})
+        q, k, v, do, o, lse, w, grads = _check(
+            1, 12, 2, 40, 64, None, "mean", deterministic=deterministic
+        )
+        heads = configs[1][3]
+        assert fake.configs == [(16, 16, 6)] + [(16, 16, heads)] * (6 // heads)
+        again = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False,
+                           deterministic)  # fmt: skip
+        assert fake.configs[1 + 6 // heads :] == [(16, 16, heads)] * (6 // heads)
+        if deterministic:
+            for name, a, b in zip(("dq", "dk", "dv"), grads, again, strict=True):
+                assert torch.equal(a, b), name
 
 
 def test_backward_validates_inputs():
