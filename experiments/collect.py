@@ -9,9 +9,10 @@ early (``run_parallel.py --job-timeout``, a killed job) by the last evaluation i
 ``metrics.jsonl`` and their ``.hydra/`` overrides, marked partial (``*`` on their steps), as are
 runs that ``train.max_minutes`` stopped (``stopped_early`` in their summary).
 
-A cell is one setting of the overrides that vary between runs (``seed`` aside; the shared
-ones head the table). The task of a cell is its varying ``experiment`` / ``data`` /
-``data.*`` overrides (or ``summary["data"]``), its variant the rest (``attention=...``).
+A cell is one setting of the overrides that vary between runs (``seed`` aside, and the keys
+of ``--ignore``: runs of two launches that differ only in, say, ``train.max_minutes`` share a
+cell; the shared overrides head the table). The task of a cell is its varying
+``experiment`` / ``data`` / ``data.*`` overrides (or ``summary["data"]``), its variant the rest (``attention=...``).
 Each metric is ``mean ± std`` over the cell's seeds (sample standard deviation; ``±``
 omitted for one seed); with several tasks, one table per task.
 
@@ -121,6 +122,16 @@ def load_runs(root: Path) -> list[Run]:
             f"no summary.json or metrics.jsonl under {root} (is it a run root?)"
         )
     return runs
+
+
+def drop_overrides(runs: list[Run], keys: list[str]) -> None:
+    """Removes the overrides of ``keys`` from every run's summary: they define no cell."""
+    for run in runs:
+        run.summary["overrides"] = [
+            o
+            for o in run.summary.get("overrides", [])
+            if o.split("=", 1)[0].lstrip("+~") not in keys
+        ]
 
 
 def overrides_of(summary: dict) -> dict[str, str]:
@@ -320,15 +331,16 @@ def _save_with_legend(fig, path: Path) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             labelled.setdefault(label, handle)
     fig.tight_layout()
-    fig.legend(
-        labelled.values(),
-        labelled.keys(),
-        loc="upper center",
-        bbox_to_anchor=(0.5, 0.0),
-        ncol=min(3, len(labelled)),
-        fontsize=8,
-        frameon=False,
-    )
+    if labelled:  # matplotlib cannot lay out a legend of no entries
+        fig.legend(
+            labelled.values(),
+            labelled.keys(),
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.0),
+            ncol=min(3, len(labelled)),
+            fontsize=8,
+            frameon=False,
+        )
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
@@ -404,9 +416,15 @@ def main(argv: list[str] | None = None) -> str:
         help="comma-separated summary keys (default: error rates "
         "or perplexities per split, best_val_loss, tokens_per_s)",
     )
+    parser.add_argument(
+        "--ignore",
+        default="",
+        help="comma-separated override keys that define no cell (e.g. train.max_minutes)",
+    )
     parser.add_argument("--out", type=Path, help="output directory (default: multirun_dir)")
     args = parser.parse_args(argv)
     runs = load_runs(args.multirun_dir)
+    drop_overrides(runs, [k for k in args.ignore.split(",") if k])
     summaries = [r.summary for r in runs]
     metrics = args.metrics.split(",") if args.metrics else default_metrics(summaries)
     missing = [m for m in metrics if not any(m in s for s in summaries)]

@@ -19,6 +19,9 @@ layer and group, the gates of the chosen query token (``--query``, default the l
 keys up to it, and the mileage from it to each of them beside the plain distance ``i - j``
 that RoPE would use; the x axis is the input's tokens. For inputs of at most ``--matrix-max``
 tokens a second figure (``<out>_matrix.png``) draws every ``[N, N]`` causal gate matrix.
+``<out>_gates.md`` tables the query's mean gate per key token (what a head counts: for a
+counting program, gates near 1 on ``++`` and near 0 elsewhere mean the mileage counts the
+increments).
 """
 
 from __future__ import annotations
@@ -145,6 +148,29 @@ def input_ids(dataset: LMDataset, example: str | None, input_file: Path | None) 
     return examples[int(index)].tokens[:-1].tolist()
 
 
+def gates_by_token(z: torch.Tensor, labels: list[str], query: int) -> str:
+    """A markdown table: per key token (the distinct labels of keys ``0..query``, most
+    frequent first, with their count) the mean gate that query ``query`` gives keys of that
+    token, a column per layer and group (``z [L, HKV, N, N]``)."""
+    L, G = z.shape[:2]
+    keys = labels[: query + 1]
+    row = z[:, :, query, : query + 1].reshape(L * G, query + 1).double()
+    tokens = sorted(set(keys), key=lambda t: (-keys.count(t), t))
+    names = [f"L{l} g{g}" for l in range(L) for g in range(G)]
+    lines = [
+        "| key token | count | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for token in tokens:
+        cols = torch.tensor([t == token for t in keys])
+        means = row[:, cols].mean(1)
+        shown = token.replace("|", "\\|")
+        lines.append(
+            f"| `{shown}` | {int(cols.sum())} | " + " | ".join(f"{m:.3f}" for m in means) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _ticks(ax, labels: list[str], fontsize: float) -> None:
     every = max(1, len(labels) // 120)
     positions = list(range(0, len(labels), every))
@@ -209,7 +235,7 @@ def draw_matrices(z: torch.Tensor, labels: list[str], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """Draws the figures; returns ``{"ids", "labels", "query", "gates", "mileage", "paths"}``
-    (``gates`` and ``mileage`` ``[L, HKV, N, N]``, ``paths`` the PNG files written)."""
+    (``gates`` and ``mileage`` ``[L, HKV, N, N]``, ``paths`` the files written)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a Co-RoPE run directory or its checkpoint.pt")
     source = parser.add_mutually_exclusive_group()
@@ -253,10 +279,17 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or run_dir / "mileage.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     draw_row(z, delta, labels, query, out)
-    paths = [out]
+    table = out.with_name(out.stem + "_gates.md")
+    table.write_text(
+        f"Mean leader gate of query {query} ({labels[query]!r}) per key token, "
+        f"`{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n"
+        + gates_by_token(z, labels, query)
+    )
+    paths = [out, table]
     if len(ids) <= args.matrix_max:
         paths.append(out.with_name(out.stem + "_matrix.png"))
         draw_matrices(z, labels, paths[-1])
+    print(table.read_text(), end="")
     print("wrote " + ", ".join(map(str, paths)))
     return {
         "ids": ids,

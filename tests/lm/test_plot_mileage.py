@@ -47,8 +47,9 @@ def test_drawn_mileage_reproduces_the_models_attention(tmp_path, leader, query):
     drawn = main(
         [str(tmp_path), "--example", "test:1", "--query", str(query), "--dtype", "float64"]
     )
-    assert [p.name for p in drawn["paths"]] == ["mileage.png", "mileage_matrix.png"]
-    assert all(p.stat().st_size > 10_000 for p in drawn["paths"])
+    names = ["mileage.png", "mileage_gates.md", "mileage_matrix.png"]
+    assert [p.name for p in drawn["paths"]] == names
+    assert all(p.stat().st_size > 10_000 for p in drawn["paths"] if p.suffix == ".png")
 
     _, model, dataset = load_run(tmp_path, torch.float64)
     ids = torch.tensor(drawn["ids"])
@@ -71,6 +72,25 @@ def test_drawn_mileage_reproduces_the_models_attention(tmp_path, leader, query):
             # the check can fail: a mileage that counts key j's own gate is off by z[i, j]
             inclusive = row + z[layer, g, i, : i + 1]
             assert errors(attention_row(q, k, v, inclusive, attn, i, g), ref)[1] > 1e-6
+
+
+def test_gate_table_is_the_mean_gate_per_key_token(tmp_path):
+    save_run(tmp_path, "attention=corope")
+    program = tmp_path / "prog.txt"
+    program.write_text("x ++ ; pass ; x ++ ; print x")
+    drawn = main([str(tmp_path), "--input-file", str(program), "--query", "6"])
+    z, labels = drawn["gates"], drawn["labels"]
+    table = (tmp_path / "mileage_gates.md").read_text().splitlines()
+    assert table[2] == "| key token | count | L0 g0 | L0 g1 | L1 g0 | L1 g1 |"
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table[4:]]
+    # keys 0..6 are `x ++ ; pass ; x ++`: most frequent first, ties by name
+    assert [r[:2] for r in rows] == [["`++`", "2"], ["`;`", "2"], ["`x`", "2"], ["`pass`", "1"]]
+    for row in rows:
+        keys = [j for j in range(7) if f"`{labels[j]}`" == row[0]]
+        expected = z[:, :, 6, keys].double().mean(-1).flatten()
+        assert torch.allclose(
+            torch.tensor([float(c) for c in row[2:]], dtype=torch.float64), expected, atol=6e-4
+        )
 
 
 def test_rejects_a_run_that_is_not_corope(tmp_path):
