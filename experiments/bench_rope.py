@@ -15,6 +15,7 @@ allocated before it (outputs, gradients and workspace).
     python experiments/bench_rope.py                       # GPU: writes experiments/results/
     python experiments/bench_rope.py --quick --out /tmp/r  # smoke run (CPU: the interpreter)
     python experiments/bench_rope.py --tune                # GPU: sweep the launch shape
+    python experiments/bench_rope.py --tune --shapes B2-HQ32-HK8-N4096-D128  # one shape (~1 min)
 """
 
 from __future__ import annotations
@@ -245,17 +246,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for csv/md/png")
     parser.add_argument("--tune", action="store_true", help="sweep the kernel's launch shape")
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        choices=[shape_id(s) for s in SHAPES],
+        help="a subset of the shapes (default: all; --quick has its own)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    chosen = [s for s in SHAPES if not args.shapes or shape_id(s) in args.shapes]
     if args.tune:
-        for shape in SHAPES:
+        for shape in chosen:
             tune_shape(shape, device)
         return
     quick = args.quick or device.type == "cpu"
     env = environment()
     copy_ms, copy_gbps = copy_bandwidth(device, quick)
     print(f"copy bandwidth: {copy_gbps:.4g} GB/s ({env['gpu']})")
-    shapes = QUICK_SHAPES if quick else SHAPES
+    shapes = QUICK_SHAPES if quick else chosen
     dtypes = ["fp16"] if device.type == "cpu" else list(DTYPES)  # interpreter: no bf16
     rows = []
     for shape in shapes:
