@@ -499,8 +499,9 @@ def _launch_configs(group: int, head_dim: int, dtype: torch.dtype):
             rows //= 2
 
 
-# (G, D, rope_dim, dtype, leader, detach_mileage, deterministic) -> the first of
-# _launch_configs that fitted, so that a failing one is compiled once per process.
+# (device kind, G, D, rope_dim, dtype, leader, detach_mileage, deterministic) -> the first of
+# _launch_configs that fitted, so that a failing one is compiled once per process. The device
+# kind is part of the key: shared memory per block differs between GPU models.
 _FITTED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
@@ -623,7 +624,8 @@ def corope_bwd(
             )  # fmt: skip
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
-    key = (G, D, R, q.dtype, leader, detach_mileage, deterministic)
+    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic)
     if key in _FITTED:
         launch(*_FITTED[key])
     else:
