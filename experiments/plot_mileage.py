@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 # Run as a script (`python experiments/plot_mileage.py`): the repository root is not on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from corope.naive import check_corope_inputs, gates, leader_query, mileage  # noqa: E402
+from experiments.results_io import markdown_table  # noqa: E402
 from lm.checkpoint import load_checkpoint  # noqa: E402
 from lm.data import build_dataset  # noqa: E402
 from lm.data.base import LMDataset  # noqa: E402
@@ -152,23 +153,21 @@ def gates_by_token(z: torch.Tensor, labels: list[str], query: int) -> str:
     """A markdown table: per key token (the distinct labels of keys ``0..query``, most
     frequent first, with their count) the mean gate that query ``query`` gives keys of that
     token, a column per layer and group (``z [L, HKV, N, N]``)."""
-    L, G = z.shape[:2]
+    names = _panel_names(z)
     keys = labels[: query + 1]
-    row = z[:, :, query, : query + 1].reshape(L * G, query + 1).double()
-    tokens = sorted(set(keys), key=lambda t: (-keys.count(t), t))
-    names = [f"L{l} g{g}" for l in range(L) for g in range(G)]
-    lines = [
-        "| key token | count | " + " | ".join(names) + " |",
-        "|---|---|" + "---|" * len(names),
-    ]
-    for token in tokens:
+    row = z[:, :, query, : query + 1].reshape(len(names), query + 1).double()
+    rows = []
+    for token in sorted(set(keys), key=lambda t: (-keys.count(t), t)):
         cols = torch.tensor([t == token for t in keys])
-        means = row[:, cols].mean(1)
         shown = token.replace("|", "\\|")
-        lines.append(
-            f"| `{shown}` | {int(cols.sum())} | " + " | ".join(f"{m:.3f}" for m in means) + " |"
-        )
-    return "\n".join(lines) + "\n"
+        means = {n: f"{m:.3f}" for n, m in zip(names, row[:, cols].mean(1).tolist(), strict=True)}
+        rows.append({"key token": f"`{shown}`", "count": int(cols.sum()), **means})
+    return markdown_table(rows, ["key token", "count", *names])
+
+
+def _panel_names(z: torch.Tensor) -> list[str]:
+    """``L<layer> g<group>`` for each (layer, KV group) of ``z [L, HKV, ...]``, layer-major."""
+    return [f"L{l} g{g}" for l in range(z.shape[0]) for g in range(z.shape[1])]
 
 
 def _ticks(ax, labels: list[str], fontsize: float) -> None:
@@ -184,7 +183,7 @@ def draw_row(
     ``query`` as a heatmap with a row per layer and group (``z [L, HKV, N, N]``), and the
     mileage from the query to each key per layer and group (``delta``) beside ``query - j``."""
     L, G = z.shape[:2]
-    names = [f"L{l} g{g}" for l in range(L) for g in range(G)]
+    names = _panel_names(z)
     keys = labels[: query + 1]
     fig, (ax_z, ax_d) = plt.subplots(
         2,
