@@ -65,8 +65,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from corope.forward import _cos_sin
 from corope.naive import check_corope_inputs
+from fused_rope._trig import cos_sin
 from fused_rope._validation import (
     KERNEL_DTYPES,
     check_float_tensor,
@@ -165,7 +165,7 @@ def _frequency(QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry, local, two_pi, i
     w = tl.load(W + d)
     ang = carry * w
     ang = (ang - two_pi * tl.floor(ang * inv_two_pi)).to(tl.float32)
-    cs, sn = _cos_sin(ang[:, None] + local * w, FAST_TRIG)
+    cs, sn = cos_sin(ang[:, None] + local * w, FAST_TRIG)
     k1, k2 = _split_pair(tl.load(KP + d * stride_pkd + offs_n, mask=n_ok, other=0))
     k1 = k1[None, :]
     k2 = k2[None, :]

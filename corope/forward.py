@@ -23,7 +23,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from fused_rope._trig import cos_sin
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -57,15 +58,6 @@ def _prune(configs, named_args, **kwargs):
         if kept:
             return kept
     return [triton.Config({"BLOCK_GM": g_pad, "BLOCK_N": 64}, num_warps=4)]
-
-
-@triton.jit
-def _cos_sin(x, FAST_TRIG: tl.constexpr):
-    # The hardware approximations (one special-function op each) are accurate to ~1e-6 for the
-    # small arguments they get here; the interpreter has only the libm versions.
-    if FAST_TRIG:
-        return libdevice.fast_cosf(x), libdevice.fast_sinf(x)
-    return tl.cos(x), tl.sin(x)
 
 
 @triton.jit
@@ -207,7 +199,7 @@ def _corope_fwd_kernel(
             # No `other`: a masked-out column (padded head, position >= N) only feeds its own
             # scores, softmax statistics and o column, none of which is stored.
             q1, q2 = tl.split(tl.load(qt_base + d * stride_tqd, mask=qcol_ok))
-            cos_p, sin_p = _cos_sin(ang[None, :] + local * w, FAST_TRIG)
+            cos_p, sin_p = cos_sin(ang[None, :] + local * w, FAST_TRIG)
             # The key rotated by -delta * w: computed once, used by all G heads.
             kr1 = k1 * cos_p + k2 * sin_p
             kr2 = k2 * cos_p - k1 * sin_p

@@ -219,19 +219,17 @@ def write_markdown(path: Path, rows, copy_gbps, env, lines) -> None:
 
 
 def tune_shape(shape, device, dtype=torch.bfloat16) -> None:
-    """Times the Triton forward over a grid of launch shapes; prints the five fastest next to
-    the heuristic's choice (``fused_rope.rope.tile_config``), with their GB/s."""
+    """Times the Triton forward over a grid of launch shapes (every head in one program, or one
+    head block per program); prints the five fastest next to the heuristic's choice (``fused_rope.rope.tile_config``), with their GB/s."""
     B, HQ, HK, N, D = shape
     q, k, angles, _, _ = inputs(shape, dtype, device)
     moved = 2 * (q.numel() + k.numel()) * q.element_size()
     run = lambda cfg: time_ms(lambda: rope_fwd(q, k, angles, "half", D, 1.0, 1.0, config=cfg))[0]
     base = tile_config(B, N, HQ, HK, D, device)
-    configs = {
-        TileConfig(bn, min(bh, triton.next_power_of_2(HQ)), min(bh, triton.next_power_of_2(HK)), nw)
-        for bn in (1, 2, 4, 8, 16)
-        for bh in (1, 2, 4, 8, 16)
-        for nw in (1, 2, 4, 8)
-    }
+    configs = set()
+    for bn, bh, nw, one_block in itertools.product((1, 2, 4, 8), (4, 8, 16), (2, 4, 8), (0, 1)):
+        bhq, bhk = min(bh, triton.next_power_of_2(HQ)), min(bh, triton.next_power_of_2(HK))
+        configs.add(TileConfig(bn, bhq, bhk, nw, max(bhq, bhk) if one_block else None))
     results = sorted(((run(cfg), cfg) for cfg in configs), key=lambda t: t[0])
     ms = run(base)
     print(

@@ -10,12 +10,12 @@ that torch.compile sees, then the public functions ``apply_rope`` and ``apply_ro
 # No ``from __future__ import annotations``: torch.library.custom_op reads the real annotations.
 import math
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from fused_rope._trig import cos_sin_of_angle
 from fused_rope._validation import (
     KERNEL_DTYPES,
     check_angles,
@@ -44,7 +44,8 @@ def _rotate_heads(
     cos,
     sin,
     scale,
-    H: tl.constexpr,
+    h_lo,
+    h_hi,
     D: tl.constexpr,
     R: tl.constexpr,
     HALF_P: tl.constexpr,
@@ -54,7 +55,8 @@ def _rotate_heads(
     INTERLEAVED: tl.constexpr,
     COPY_PASS: tl.constexpr,
 ):
-    """Rotates the ``[BLOCK_N]`` positions ``offs_n`` of all ``H`` heads of one batch element.
+    """Rotates the ``[BLOCK_N]`` positions ``offs_n`` of heads ``[h_lo, h_hi)`` of one batch
+    element (an empty range does nothing).
 
     ``x_ptr``/``y_ptr`` point at the batch element; ``cos``/``sin`` are ``[1, BLOCK_N, HALF_P]``
     fp32. ``BLOCK_H`` heads are loaded per iteration so every thread has several independent
@@ -64,9 +66,9 @@ def _rotate_heads(
     offs_d = tl.arange(0, HALF_P)
     # int64 rows: one batch element of a long sequence can exceed 2**31 elements.
     n64 = offs_n.to(tl.int64)[None, :, None]
-    for h0 in tl.range(0, H, BLOCK_H):
+    for h0 in tl.range(h_lo, h_hi, BLOCK_H):
         h = (h0 + offs_h).to(tl.int64)[:, None, None]
-        mask_row = (h < H) & mask_n[None, :, None]
+        mask_row = (h < h_hi) & mask_n[None, :, None]
         x_row = x_ptr + h * stride_xh + n64 * stride_xn  # [BLOCK_H, BLOCK_N, 1]
         y_row = y_ptr + h * stride_yh + n64 * stride_yn
         if INTERLEAVED:
@@ -131,36 +133,52 @@ def _rope_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
     COPY_PASS: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
 ):
-    """Program (n-tile, b): positions ``[n0, n0 + BLOCK_N)`` of batch ``b``, every head of q then k.
+    """Program (n-tile, head chunk, b): positions ``[n0, n0 + BLOCK_N)`` of batch ``b`` in
+    ``HEADS_PER_PROGRAM`` heads of the list "q's ``H_Q`` heads, then k's ``H_K``" (a chunk may
+    hold heads of both; ``HEADS_PER_PROGRAM >= H_Q + H_K`` is one program for all of them).
 
     The last dimension of every tensor has unit stride (checked by the launcher), which lets
     loads vectorize. ``H_K = 0`` rotates q alone. ``stride_ab = 0`` shares angles over batches.
     """
     pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1).to(tl.int64)
+    pid_h = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_d = tl.arange(0, HALF_P)
     a_ptrs = angles_ptr + pid_b * stride_ab + offs_n[:, None] * stride_an + offs_d[None, :]
     theta = tl.load(a_ptrs, mask=mask_n[:, None] & (offs_d < R // 2)[None, :], other=0.0)
-    # sin/cos once per (position, frequency), in fp32, reused by all H_Q + H_K heads.
-    cos = tl.cos(theta)[None, :, :]
-    sin = tl.sin(theta)[None, :, :]
+    # sin/cos once per (position, frequency) and program, in fp32, reused by all its heads.
+    cos, sin = cos_sin_of_angle(theta, FAST_TRIG)
+    cos = cos[None, :, :]
+    sin = sin[None, :, :]
     if CONJUGATE:
         sin = -sin  # R(-theta) = R(theta)^T: the backward of the rotation
+    if HEADS_PER_PROGRAM >= H_Q + H_K:
+        # Constant loop bounds when one program takes every head.
+        q_lo, q_hi, k_lo, k_hi = 0, H_Q, 0, H_K
+    else:
+        h_lo = pid_h * HEADS_PER_PROGRAM
+        h_hi = h_lo + HEADS_PER_PROGRAM
+        q_lo, q_hi = tl.minimum(h_lo, H_Q), tl.minimum(h_hi, H_Q)
+        k_lo, k_hi = tl.maximum(h_lo - H_Q, 0), tl.minimum(h_hi - H_Q, H_K)
     _rotate_heads(
         q_ptr + pid_b * stride_qb, q_out_ptr + pid_b * stride_qob,
         stride_qh, stride_qn, stride_qoh, stride_qon, offs_n, mask_n, cos, sin, q_scale,
-        H_Q, D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HQ, INTERLEAVED, COPY_PASS,
+        q_lo, q_hi,
+        D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HQ, INTERLEAVED, COPY_PASS,
     )  # fmt: skip
     _rotate_heads(
         k_ptr + pid_b * stride_kb, k_out_ptr + pid_b * stride_kob,
         stride_kh, stride_kn, stride_koh, stride_kon, offs_n, mask_n, cos, sin, k_scale,
-        H_K, D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HK, INTERLEAVED, COPY_PASS,
+        k_lo, k_hi,
+        D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HK, INTERLEAVED, COPY_PASS,
     )  # fmt: skip
 
 
@@ -172,39 +190,48 @@ def _rope_kernel(
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape: ``block_n`` positions per program, ``block_hq``/``block_hk`` heads per
-    loop iteration, ``num_warps`` warps per program."""
+    loop iteration, ``num_warps`` warps per program, and ``heads_per_program`` of the list
+    "q's heads, then k's" per program (None: all of them, one program per position tile)."""
 
     block_n: int
     block_hq: int
     block_hk: int
     num_warps: int
-
-
-@cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the interpreter runs programs one by one: fewer, larger tiles are faster
+    heads_per_program: int | None = None
 
 
 def tile_config(
     batch: int, seq_len: int, heads_q: int, heads_k: int, rope_dim: int, device: torch.device
 ) -> TileConfig:
-    """Heuristic launch shape (no autotuning: deterministic and free to trace).
+    """Heuristic launch shape (no autotuning: deterministic and free to trace), from a sweep of
+    launch shapes on an H100 at the three benchmark shapes (``fused_rope/README.md``):
 
-    About 2048 rotated pairs per loop iteration (16 per thread with 4 warps, i.e. 2-4 vector
-    loads of each half in flight per thread), then fewer positions per program until the grid
-    has at least 4 programs per SM, because one program alone cannot hide memory latency.
+    * about 512 rotated pairs per loop iteration on 4 warps (4 pairs a thread);
+    * one program for every head while that is at most two loop iterations (q's head block
+      and k's), else one head block per program: a program's iterations run one after the
+      other, each waiting for its own loads, so at (2, 32/8, 4096, 128) five iterations a
+      program were 5% slower than one, while at 16 heads two iterations sharing one sin/cos
+      were 1% faster than two programs;
+    * fewer positions per program until the grid has 4 programs per SM.
+
+    The interpreter runs programs one by one, so there it takes one program per 2048 pairs
+    and every head.
     """
     half_p = triton.next_power_of_2(rope_dim // 2)
     block_hq = min(triton.next_power_of_2(heads_q), 8)
     block_hk = min(triton.next_power_of_2(max(heads_k, 1)), 8)
-    block_n = max(1, min(64, 2048 // (half_p * max(block_hq, block_hk))))
-    while block_n > 1 and batch * triton.cdiv(seq_len, block_n) < 4 * _num_sms(device):
+    block_h = max(block_hq, block_hk)
+    if device.type != "cuda":
+        return TileConfig(max(1, min(64, 2048 // (half_p * block_h))), block_hq, block_hk, 4)
+    iterations = triton.cdiv(heads_q, block_hq) + triton.cdiv(heads_k, block_hk)
+    heads_per_program = None if iterations <= 2 else block_h
+    chunks = 1 if heads_per_program is None else triton.cdiv(heads_q + heads_k, block_h)
+    block_n = max(1, 512 // (half_p * block_h))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    while block_n > 1 and batch * chunks * triton.cdiv(seq_len, block_n) < 4 * sms:
         block_n //= 2
-    pairs = block_n * half_p * max(block_hq, block_hk)
-    num_warps = max(1, min(8, pairs // 512))
-    return TileConfig(block_n, block_hq, block_hk, num_warps)
+    num_warps = max(1, min(4, block_n * half_p * block_h // 128))
+    return TileConfig(block_n, block_hq, block_hk, num_warps, heads_per_program)
 
 
 def _launch(
@@ -232,7 +259,8 @@ def _launch(
     cfg = config or tile_config(B, N, H_Q, H_K, rope_dim, q.device)
     # In place with unit scale, the pass-through channels already hold the result.
     copy_pass = rope_dim < D and not (q_out is q and q_scale == 1.0 and k_scale == 1.0)
-    grid = (triton.cdiv(N, cfg.block_n), B)
+    heads = cfg.heads_per_program or H_Q + H_K
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(H_Q + H_K, heads), B)
     _rope_kernel[grid](
         q, k, q_out, k_out, angles,
         q.stride(0), q.stride(1), q.stride(2),
@@ -245,7 +273,11 @@ def _launch(
         HALF_P=triton.next_power_of_2(rope_dim // 2),
         PASS_P=triton.next_power_of_2(max(D - rope_dim, 1)),
         BLOCK_N=cfg.block_n, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk,
+        HEADS_PER_PROGRAM=heads,
         INTERLEAVED=layout == "interleaved", CONJUGATE=conjugate, COPY_PASS=copy_pass,
+        # The hardware sin/cos (~1e-6 absolute error) is far below a half-precision output's
+        # rounding; fp32 outputs keep libm's. The interpreter has only libm's.
+        FAST_TRIG=q.is_cuda and q.dtype != torch.float32,
         num_warps=cfg.num_warps,
     )  # fmt: skip
 

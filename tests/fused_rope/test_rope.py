@@ -117,13 +117,20 @@ def test_backward_partial_rotation_and_scale(layout, dtype):
 
 @pytest.mark.parametrize(
     "cfg",
-    [TileConfig(1, 2, 1, 1), TileConfig(8, 2, 4, 2), TileConfig(4, 8, 2, 4)],
-    ids=["BN1-BHQ2-BHK1", "BN8-BHQ2-BHK4", "BN4-BHQ8-BHK2"],
+    [
+        TileConfig(1, 2, 1, 1),
+        TileConfig(8, 2, 4, 2),
+        TileConfig(4, 8, 2, 4),
+        TileConfig(4, 2, 2, 2, heads_per_program=3),
+        TileConfig(2, 1, 1, 1, heads_per_program=1),
+    ],
+    ids=["BN1-BHQ2-BHK1", "BN8-BHQ2-BHK4", "BN4-BHQ8-BHK2", "BN4-BH2-HPP3", "BN2-BH1-HPP1"],
 )
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_launch_shapes_other_than_the_heuristic(cfg, layout):
     # Several head iterations with a partial last one (5 = 2 + 2 + 1 heads), as on a GPU where
     # tile_config picks small position tiles; the interpreter's own choice is one big tile.
+    # Three heads a program: the chunks are q 0-2, q 3-4 with k 0, and k 1-2.
     B, HQ, HK, N, D, R = 2, 5, 3, 21, 48, 32
     q = torch.randn(B, HQ, N, D, device=DEVICE)
     k = torch.randn(B, HK, N, D, device=DEVICE)
@@ -133,6 +140,19 @@ def test_launch_shapes_other_than_the_heuristic(cfg, layout):
     _check("k_out", k_out, k, angles, layout, R, 2.0)
     dq, _ = rope_fwd(q_out, None, angles, layout, R, 0.5, 1.0, conjugate=True, config=cfg)
     _check("dq", dq, q, angles, layout, R, 0.5, dy=q_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_angles_of_a_million_radians(dtype):
+    # Positions up to 2**20 with the fastest frequency 1: the kernel reduces the angle modulo
+    # 2 pi before sin/cos (on a GPU the hardware's approximations for fp16/bf16, which are
+    # accurate only near zero), so it must stay as accurate as at small positions.
+    B, H, N, D = 2, 2, 40, 64
+    x = torch.randn(B, H, N, D, device=DEVICE, dtype=dtype)
+    positions = torch.randint(2**19, 2**20, (B, N), device=DEVICE)
+    angles = rope_angles(positions, rope_frequencies(D)[0].to(DEVICE))
+    assert angles.max() > 5e5
+    _check("y", apply_rope(x, angles), x, angles, "half", None, 1.0)
 
 
 def test_gradient_with_a_strided_last_dimension():
@@ -415,7 +435,7 @@ from triton.compiler import ASTSource
 from fused_rope.rope import _rope_kernel
 
 out = {}
-for dtype, layout, D, R in json.loads(sys.argv[1]):
+for dtype, layout, D, R, heads in json.loads(sys.argv[1]):
     sig, attrs = {}, {}
     for i, name in enumerate(_rope_kernel.arg_names):
         if name.endswith("_ptr"):
@@ -427,12 +447,13 @@ for dtype, layout, D, R in json.loads(sys.argv[1]):
         if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_an"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     consts = dict(H_Q=32, H_K=8, D=D, R=R, HALF_P=R // 2, PASS_P=max(D - R, 1), BLOCK_N=4,
-                  BLOCK_HQ=8, BLOCK_HK=8, INTERLEAVED=layout == "interleaved", CONJUGATE=False,
-                  COPY_PASS=R < D)
+                  BLOCK_HQ=8, BLOCK_HK=8, HEADS_PER_PROGRAM=heads,
+                  INTERLEAVED=layout == "interleaved", CONJUGATE=False, COPY_PASS=R < D,
+                  FAST_TRIG=dtype != "fp32")
     sig.update({name: "constexpr" for name in consts})
     kernel = triton.compile(ASTSource(_rope_kernel, sig, consts, attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out[f"{dtype}-{layout}-D{D}-R{R}"] = re.findall(r"st\.global[.\w]*", kernel.asm["ptx"])
+    out[f"{dtype}-{layout}-D{D}-R{R}-heads{heads}"] = re.findall(r"st\.global[.\w]*", kernel.asm["ptx"])
 print(json.dumps(out))
 """
 
@@ -445,8 +466,9 @@ def test_kernel_compiles_for_sm90_with_16_byte_stores():
     import sys
     from pathlib import Path
 
-    cases = [["fp16", "half", 128, 128], ["bf16", "interleaved", 128, 128],
-             ["fp16", "interleaved", 192, 64], ["fp32", "half", 64, 64]]  # fmt: skip
+    # heads per program: 40 = all of q's 32 and k's 8; 8 = one loop iteration a program
+    cases = [["fp16", "half", 128, 128, 40], ["bf16", "interleaved", 128, 128, 8],
+             ["fp16", "interleaved", 192, 64, 40], ["fp32", "half", 64, 64, 8]]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(

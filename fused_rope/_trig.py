@@ -1,0 +1,50 @@
+"""sin and cos inside the Triton kernels of this project.
+
+``cos_sin`` is for arguments of at most a few tens of radians: with ``FAST`` the hardware's
+approximations (one special-function instruction each; absolute error about 1e-6 at such
+arguments), otherwise libm's accurate versions (the interpreter has only those).
+``cos_sin_of_angle`` takes any fp32 angle (a RoPE angle ``position * inv_freq`` reaches a
+million radians at long context): it first subtracts the nearest multiple of 2 pi, so that
+the fast versions see ``|x| <= pi`` and libm never takes its slow large-argument path.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
+# 2 pi split as HI + LO: HI = fp32(2 pi) and LO = fp32(2 pi - HI). For an integer k and an
+# fp32 angle x, fma(-k, HI, x) is exact: k * HI and x are both multiples of 2**-22 where the
+# difference is below 4 (HI's last bit is 2**-21), so the difference has at most 24 bits.
+# Leaving out 2 pi - HI - LO (7e-15) costs k * 7e-15 radians: 1e-9 at a million radians.
+TWO_PI_HI = tl.constexpr(6.2831854820251465)
+TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
+
+
+@triton.jit
+def cos_sin(x, FAST: tl.constexpr):
+    """``(cos x, sin x)`` for fp32 ``x`` of at most a few tens of radians."""
+    if FAST:
+        return libdevice.fast_cosf(x), libdevice.fast_sinf(x)
+    return tl.cos(x), tl.sin(x)
+
+
+@triton.jit
+def reduce_angle(x):
+    """``x - 2 pi k`` (to about 2**-22 radians), ``k`` the integer nearest ``x / 2 pi``: in
+    ``[-pi, pi]`` up to rounding, for fp32 ``x`` of magnitude below ``2**24`` radians."""
+    k = tl.floor(x * INV_TWO_PI + 0.5)
+    # tl.fma, not `a * b + c`: the compiler need not contract the latter into the single
+    # rounding that makes the first step exact. (The interpreter's fma wants tensor operands.)
+    hi = tl.full(x.shape, -TWO_PI_HI, tl.float32)
+    lo = tl.full(x.shape, -TWO_PI_LO, tl.float32)
+    return tl.fma(k, lo, tl.fma(k, hi, x))
+
+
+@triton.jit
+def cos_sin_of_angle(x, FAST: tl.constexpr):
+    """``(cos x, sin x)`` for any fp32 angle ``x`` (``|x| < 2**24``), through ``reduce_angle``."""
+    return cos_sin(reduce_angle(x), FAST)
+
+
+__all__ = ["cos_sin", "cos_sin_of_angle", "reduce_angle"]
