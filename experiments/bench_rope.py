@@ -3,7 +3,9 @@
 Providers: this project's Triton kernel (``fused_rope.rope.apply_rope_qk``, one launch, sin/cos from
 fp32 angles in the kernel); the eager Hugging Face rotation (``q * cos + rotate_half(q) * sin``
 in the input dtype, cos/sin precomputed once as HF models do); ``torch.compile`` of that
-rotation; Liger-Kernel's ``liger_rotary_pos_emb`` (row says "not installed" when missing).
+rotation; Liger-Kernel's ``liger_rotary_pos_emb`` (row says "not installed" when missing; the
+``liger-kernel`` wheel is pure Python, so a GPU machine without it takes it from the wheelhouse:
+``python3 -m pip download --no-deps --only-binary=:all: -d .whl liger-kernel``).
 
 Bandwidth counts the bytes that must move: q and k read once and written once (forward), and
 twice that for forward+backward (the backward reads dq_out, dk_out and writes dq, dk). cos/sin

@@ -12,7 +12,8 @@ Providers (causal, fp16 and bf16, forward and forward+backward):
 * ``sdpa_no_rope``: ``scaled_dot_product_attention`` without RoPE, the floor.
 * ``eager_rope+sdpa``: Hugging Face's rotation (``rotate_half``, cos/sin tables in the dtype,
   computed once outside the timing as HF models do) then SDPA.
-* ``liger_rope+sdpa``: Liger-Kernel's ``liger_rotary_pos_emb`` then SDPA (if installed).
+* ``liger_rope+sdpa``: Liger-Kernel's ``liger_rotary_pos_emb`` then SDPA (if installed; see
+  ``bench_rope.py`` for its wheel).
 * ``compile(rope+sdpa)``: ``torch.compile`` of the eager provider.
 
 TFLOPS counts ``4*B*H*N^2*D/2`` for the causal forward (H = query heads) and 3.5 times that
