@@ -64,7 +64,7 @@ def _prune(configs, named_args, **kwargs):
 def _frequency_operands(
     W, kt_base, d, carry, two_pi, inv_two_pi, offs_j, key_ok, stride_tkd, stride_tkn,
     HALF: tl.constexpr,
-):
+):  # fmt: skip
     """Frequency ``d``'s inputs to the per-pair rotation: ``w`` (scalar fp32), the carry's
     phase ``carry * w`` reduced modulo 2 pi (``[BLOCK_M]`` fp32) and the key tile's rotary
     pair ``k1, k2`` (``[BLOCK_N, 1]`` fp32; 0 for keys past N). ``d`` must be in ``[0, HALF)``.
@@ -109,7 +109,7 @@ def _corope_fwd_kernel(
     FAST_TRIG: tl.constexpr,
     BLOCK_GM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
+):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_GM // G_PAD
     HALF: tl.constexpr = ROPE_DIM // 2
     pid_m = tl.program_id(0)
@@ -131,7 +131,7 @@ def _corope_fwd_kernel(
         Q + b * stride_qb + (g * G + cols_h)[None, :] * stride_qh
         + cols_i[None, :] * stride_qn + offs_d[:, None] * stride_qd,
         mask=col_ok[None, :], other=0.0,
-    )  # [D, BLOCK_GM]
+    )  # fmt: skip
     if ROPE_DIM < HEAD_DIM:
         q_pass = tl.where(offs_d[:, None] >= ROPE_DIM, q_t, tl.zeros_like(q_t))
 
@@ -143,7 +143,7 @@ def _corope_fwd_kernel(
     qt_base = (
         QT + b * stride_tqb + (g * G + offs_h)[:, None, None] * stride_tqh
         + offs_i[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-    )
+    )  # fmt: skip
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
@@ -164,18 +164,18 @@ def _corope_fwd_kernel(
         key_ok = offs_j < N
         k = tl.load(
             k_base + offs_j[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-            mask=key_ok[:, None], other=0.0,
+            mask=key_ok[:, None],
+            other=0.0,
         )  # [BLOCK_N, D]
         v = tl.load(
             v_base + offs_j[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            mask=key_ok[:, None], other=0.0,
+            mask=key_ok[:, None],
+            other=0.0,
         )
 
         # Gate logits of every head; the leader's are the first head's or the heads' mean
         # (a sum of exact products, so "mean" needs no separate averaged query).
-        u = tl.reshape(
-            tl.dot(k, q_t, input_precision=DOT_PRECISION), [BLOCK_N, G_PAD, BLOCK_M]
-        )
+        u = tl.reshape(tl.dot(k, q_t, input_precision=DOT_PRECISION), [BLOCK_N, G_PAD, BLOCK_M])
         if LEADER_MEAN:
             u_lead = tl.sum(u, axis=1) / G
         else:
@@ -198,7 +198,7 @@ def _corope_fwd_kernel(
             w_nx, ang_nx, k1_nx, k2_nx = _frequency_operands(
                 W, kt_base, (d + 1) % HALF, carry, two_pi, inv_two_pi, offs_j, key_ok,
                 stride_tkd, stride_tkn, HALF,
-            )
+            )  # fmt: skip
             # fp32 columns with the softmax scale and log2(e) already folded in (launcher).
             # No `other`: a masked-out column (padded head, position >= N) only feeds its own
             # scores, softmax statistics and o column, none of which is stored.
@@ -234,7 +234,7 @@ def _corope_fwd_kernel(
     o_ptrs = (
         O + b * stride_ob + (g * G + cols_h)[None, :] * stride_oh
         + cols_i[None, :] * stride_on + offs_d[:, None] * stride_od
-    )
+    )  # fmt: skip
     tl.store(o_ptrs, (acc / l_i[None, :]).to(O.dtype.element_ty), mask=col_ok[None, :])
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     lse_ptrs = LSE + b * stride_lb + (g * G + cols_h) * stride_lh + cols_i * stride_ln
@@ -300,7 +300,7 @@ def corope_fwd(
         G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, LEADER_MEAN=leader == "mean",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FAST_TRIG=not _INTERPRET,
-    )
+    )  # fmt: skip
     return o, lse
 
 

@@ -76,9 +76,9 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int) -> dict:
         "floor_fwd_ms": f"{fl:.3f}",
         "fwd/floor": f"{t_f / fl:.2f}",
         "bwd/fwd": f"{t_b / t_f:.2f}",
-        "fwd_config": "-" if best is None else (
-            f"({best.kwargs['BLOCK_GM']}, {best.kwargs['BLOCK_N']}, {best.num_warps} warps)"
-        ),
+        "fwd_config": "-"
+        if best is None
+        else (f"({best.kwargs['BLOCK_GM']}, {best.kwargs['BLOCK_N']}, {best.num_warps} warps)"),
     }
 
 
