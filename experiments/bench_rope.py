@@ -222,7 +222,8 @@ def write_markdown(path: Path, rows, copy_gbps, env, lines) -> None:
 
 def tune_shape(shape, device, dtype=torch.bfloat16) -> None:
     """Times the Triton forward over a grid of launch shapes (every head in one program, or one
-    head block per program); prints the five fastest next to the heuristic's choice (``fused_rope.rope.tile_config``), with their GB/s."""
+    head block per program); prints the five fastest next to the heuristic's choice
+    (``fused_rope.rope.tile_config``), with their GB/s."""
     B, HQ, HK, N, D = shape
     q, k, angles, _, _ = inputs(shape, dtype, device)
     moved = 2 * (q.numel() + k.numel()) * q.element_size()

@@ -4,8 +4,9 @@
 approximations (one special-function instruction each; absolute error about 1e-6 at such
 arguments), otherwise libm's accurate versions (the interpreter has only those).
 ``cos_sin_of_angle`` takes any fp32 angle (a RoPE angle ``position * inv_freq`` reaches a
-million radians at long context): it first subtracts the nearest multiple of 2 pi, so that
-the fast versions see ``|x| <= pi`` and libm never takes its slow large-argument path.
+million radians at long context): with ``FAST`` it first subtracts a multiple of 2 pi
+(``reduce_angle``), so that the fast versions see a few radians at most; libm's reduce exactly
+by themselves.
 """
 
 import triton
@@ -14,8 +15,9 @@ from triton.language.extra import libdevice
 
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
 # 2 pi split as HI + LO: HI = fp32(2 pi) and LO = fp32(2 pi - HI). For an integer k and an
-# fp32 angle x, fma(-k, HI, x) is exact: k * HI and x are both multiples of 2**-22 where the
-# difference is below 4 (HI's last bit is 2**-21), so the difference has at most 24 bits.
+# fp32 angle x with |x| < 2**24, fma(-k, HI, x) is exact: k * HI and x are multiples of 2**-21
+# once |x| >= 4 (HI's last bit is 2**-21; below 4, k is 0 or 1 and x a multiple of 2**-22),
+# and the difference is below 8 in magnitude, so it has at most 24 significant bits.
 # Leaving out 2 pi - HI - LO (7e-15) costs k * 7e-15 radians: 1e-9 at a million radians.
 TWO_PI_HI = tl.constexpr(6.2831854820251465)
 TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
@@ -31,8 +33,11 @@ def cos_sin(x, FAST: tl.constexpr):
 
 @triton.jit
 def reduce_angle(x):
-    """``x - 2 pi k`` (to about 2**-22 radians), ``k`` the integer nearest ``x / 2 pi``: in
-    ``[-pi, pi]`` up to rounding, for fp32 ``x`` of magnitude below ``2**24`` radians."""
+    """``x - 2 pi k`` (to about 2**-22 radians) for fp32 ``x``, ``|x| < 2**24``, with ``k`` the
+    integer nearest the fp32 product ``x / 2 pi``: that product's rounding can put ``k`` one off
+    for large ``x``, so the result lies within ``[-pi, pi]`` only up to that slack (at most 3.3
+    in magnitude for ``|x| <= 1e6``, 4.6 near ``2**24``), where the fast sin/cos are still
+    accurate to about 1e-6."""
     k = tl.floor(x * INV_TWO_PI + 0.5)
     # tl.fma, not `a * b + c`: the compiler need not contract the latter into the single
     # rounding that makes the first step exact. (The interpreter's fma wants tensor operands.)
@@ -43,8 +48,11 @@ def reduce_angle(x):
 
 @triton.jit
 def cos_sin_of_angle(x, FAST: tl.constexpr):
-    """``(cos x, sin x)`` for any fp32 angle ``x`` (``|x| < 2**24``), through ``reduce_angle``."""
-    return cos_sin(reduce_angle(x), FAST)
+    """``(cos x, sin x)`` for any fp32 angle ``x`` (``|x| < 2**24`` with ``FAST``, which
+    reduces it first with ``reduce_angle``)."""
+    if FAST:
+        x = reduce_angle(x)
+    return cos_sin(x, FAST)
 
 
 __all__ = ["cos_sin", "cos_sin_of_angle", "reduce_angle"]

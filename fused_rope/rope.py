@@ -10,6 +10,7 @@ that torch.compile sees, then the public functions ``apply_rope`` and ``apply_ro
 # No ``from __future__ import annotations``: torch.library.custom_op reads the real annotations.
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -199,6 +200,20 @@ class TileConfig:
     num_warps: int
     heads_per_program: int | None = None
 
+    def __post_init__(self):
+        for name in ("block_n", "block_hq", "block_hk", "num_warps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TileConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.heads_per_program is not None and self.heads_per_program < 1:
+            raise ValueError(
+                f"TileConfig.heads_per_program must be None or >= 1, got {self.heads_per_program}"
+            )
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
 
 def tile_config(
     batch: int, seq_len: int, heads_q: int, heads_k: int, rope_dim: int, device: torch.device
@@ -218,7 +233,7 @@ def tile_config(
     and every head.
     """
     half_p = triton.next_power_of_2(rope_dim // 2)
-    block_hq = min(triton.next_power_of_2(heads_q), 8)
+    block_hq = min(triton.next_power_of_2(max(heads_q, 1)), 8)
     block_hk = min(triton.next_power_of_2(max(heads_k, 1)), 8)
     block_h = max(block_hq, block_hk)
     if device.type != "cuda":
@@ -227,8 +242,7 @@ def tile_config(
     heads_per_program = None if iterations <= 2 else block_h
     chunks = 1 if heads_per_program is None else triton.cdiv(heads_q + heads_k, block_h)
     block_n = max(1, 512 // (half_p * block_h))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    while block_n > 1 and batch * chunks * triton.cdiv(seq_len, block_n) < 4 * sms:
+    while block_n > 1 and batch * chunks * triton.cdiv(seq_len, block_n) < 4 * _num_sms(device):
         block_n //= 2
     num_warps = max(1, min(4, block_n * half_p * block_h // 128))
     return TileConfig(block_n, block_hq, block_hk, num_warps, heads_per_program)
@@ -248,9 +262,9 @@ def _launch(
     config: TileConfig | None,
 ) -> None:
     B, H_Q, N, D = q.shape
-    if B == 0 or N == 0:
-        return  # a grid with a zero dimension is not a valid launch
     H_K = 0 if k is None else k.shape[1]
+    if B == 0 or N == 0 or H_Q + H_K == 0:
+        return  # a grid with a zero dimension is not a valid launch
     if k is None:  # the k loop runs zero times; any valid pointer and strides do
         k, k_out = q, q_out
     if angles.stride(-1) != 1:
@@ -479,6 +493,8 @@ def apply_rope(
         angles: fp32 ``[N, R/2]`` (shared by the batch) or ``[B, N, R/2]``, ``R = rope_dim``
             (even, at most ``D``; default ``D``). No gradient flows to ``angles``: angles that
             require grad (in grad mode) raise ``ValueError``; detach them explicitly.
+            For fp16/bf16 ``x`` on a GPU, ``|angles| < 2**24`` (16.7M radians: position
+            times the fastest frequency), the range of the kernel's exact reduction.
         layout: ``"half"`` pairs channel ``d`` with ``d + R/2``; ``"interleaved"`` pairs
             ``2d`` with ``2d + 1``.
         output_scale: multiplies the whole output (rotated and pass-through channels);

@@ -9,7 +9,10 @@ shapes (``gpu`` marker).
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from fused_rope._trig import reduce_angle
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref
 from fused_rope.rope import TileConfig, apply_rope, apply_rope_qk, rope_fwd
@@ -138,8 +141,36 @@ def test_launch_shapes_other_than_the_heuristic(cfg, layout):
     q_out, k_out = rope_fwd(q, k, angles, layout, R, 0.5, 2.0, config=cfg)
     _check("q_out", q_out, q, angles, layout, R, 0.5)
     _check("k_out", k_out, k, angles, layout, R, 2.0)
+    # q alone (H_K = 0): chunks over q's heads only.
     dq, _ = rope_fwd(q_out, None, angles, layout, R, 0.5, 1.0, conjugate=True, config=cfg)
     _check("dq", dq, q, angles, layout, R, 0.5, dy=q_out)
+
+
+def test_tile_config_rejects_empty_tiles():
+    with pytest.raises(ValueError, match="heads_per_program"):
+        TileConfig(1, 1, 1, 1, heads_per_program=0)
+    with pytest.raises(ValueError, match="block_n"):
+        TileConfig(0, 1, 1, 1)
+
+
+@triton.jit
+def _reduce_angle_kernel(X, Y, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, reduce_angle(tl.load(X + offs)))
+
+
+def test_reduce_angle_is_exact_to_a_few_ulp():
+    # x - 2 pi k by two FMAs (fused_rope/_trig.py) against float64, over fp32 angles up to
+    # 2**24: the first FMA is exact, so the error is that of LO and of the final rounding.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(4096, generator=gen) * 2.0**e for e in (2, 10, 20, 24)])
+    x = (x * torch.where(torch.rand(x.shape, generator=gen) < 0.5, -1.0, 1.0)).to(DEVICE)
+    y = torch.empty_like(x)
+    _reduce_angle_kernel[(x.numel() // 1024,)](x, y, BLOCK=1024)
+    x64, y64 = x.double().cpu(), y.double().cpu()
+    k = torch.round((x64 - y64) / (2 * torch.pi))  # the multiple of 2 pi the kernel removed
+    assert (y64 - (x64 - k * 2 * torch.pi)).abs().max() < 2**-20
+    assert y64.abs().max() < 5.0  # pi, up to the slack of k for the largest angles
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -423,6 +454,8 @@ def test_empty_inputs():
     q = torch.randn(0, 3, 5, 16, device=DEVICE)
     q_out, k_out = apply_rope_qk(q, q[:, :1], torch.zeros(5, 8, device=DEVICE))
     assert q_out.shape == (0, 3, 5, 16) and k_out.shape == (0, 1, 5, 16)
+    no_heads = torch.randn(2, 0, 5, 16, device=DEVICE)
+    assert apply_rope(no_heads, torch.zeros(5, 8, device=DEVICE)).shape == (2, 0, 5, 16)
 
 
 # Compiles the kernel for sm_90 in a subprocess without TRITON_INTERPRET (works without a GPU)
@@ -453,7 +486,10 @@ for dtype, layout, D, R, heads in json.loads(sys.argv[1]):
     sig.update({name: "constexpr" for name in consts})
     kernel = triton.compile(ASTSource(_rope_kernel, sig, consts, attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out[f"{dtype}-{layout}-D{D}-R{R}-heads{heads}"] = re.findall(r"st\.global[.\w]*", kernel.asm["ptx"])
+    ptx = kernel.asm["ptx"]
+    out[f"{dtype}-{layout}-D{D}-R{R}-heads{heads}"] = [
+        re.findall(r"st\.global[.\w]*", ptx), len(re.findall(r"sin\.approx", ptx))
+    ]
 print(json.dumps(out))
 """
 
@@ -478,5 +514,7 @@ def test_kernel_compiles_for_sm90_with_16_byte_stores():
     assert proc.returncode == 0, proc.stderr[-3000:]
     stores = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(stores) == len(cases)
-    for case, found in stores.items():
+    for case, (found, fast_sines) in stores.items():
         assert found and set(found) == {"st.global.v4.b32"}, f"{case}: {sorted(set(found))}"
+        # fp16/bf16 take the hardware sin/cos after the reduction; fp32 keeps libm's
+        assert (fast_sines > 0) == (not case.startswith("fp32")), f"{case}: {fast_sines} sin.approx"
