@@ -127,6 +127,7 @@ def _corope_fwd_kernel(
     cols_i = m0 + cols % BLOCK_M
     col_ok = (cols_h < G) & (cols_i < N)
     offs_d = tl.arange(0, HEAD_DIM)
+    # q_t: [D, BLOCK_GM], the columns of the tile
     q_t = tl.load(
         Q + b * stride_qb + (g * G + cols_h)[None, :] * stride_qh
         + cols_i[None, :] * stride_qn + offs_d[:, None] * stride_qd,
