@@ -13,7 +13,10 @@ phases ``phi = delta * w`` and the rotated keys ``Kr = Rot(-phi) k``,
 One program owns ``BLOCK_M`` query rows of one KV group and all ``G`` heads of the
 group (or a slice of them, one launch a slice, where shared memory is short), and
 sweeps key tiles of ``BLOCK_N`` from the diagonal down to tile 0, exactly as the
-forward does, so that ``delta`` is the same running suffix sum of gates. Each key
+forward does, so that ``delta`` is the same running suffix sum of gates. Short
+sequences have too few query tiles to fill the GPU, so there the sweep is split: a
+program takes ``key_tiles`` consecutive key tiles of one query tile, and starts its
+carry from the gates of the tiles above its range (a pre-pass of gates only). Each key
 tile takes two passes over the frequencies, one frequency an iteration: the first
 builds the scores (``P`` needs every frequency), the second the gradients once ``dS``
 is known. The backward therefore evaluates ``2 * R/2`` sines and ``2 * R/2`` cosines
@@ -28,12 +31,14 @@ are in-thread, and dq's sum over the keys is in-thread up to 2 shuffle levels; o
 dk's sum over the queries crosses lanes and warps. dq and dk are added per frequency
 with fp32 atomics, both halves of a rotary pair in one add.
 
-The descending sweep has ``sum_{j >= t} g[i, j]`` at hand (a running suffix ``Sg``),
-not the prefix the mileage path needs; with ``Gtot[i] = sum_j g[i, j]`` (known at the
-end of the sweep), ``dz = Gtot - Sg``. So the sweep adds the ``-Sg`` part of the gate
-gradient (``-s sum_t Sg z' k[t]`` to ``dqL``, ``z' = z (1 - z)``, and ``-s sum_i Sg z'
-qL[i]`` to the keys) as it goes, and a second, cheap loop over the key tiles (gates
-only: one ``tl.dot`` and a sigmoid per tile) adds the ``Gtot`` part.
+The descending sweep has ``sum_{j >= t} g[i, j]`` over its own keys at hand (a running
+suffix ``Sg``), not the prefix the mileage path needs. With ``T_s[i]`` the sum of ``g[i, j]``
+over the keys of split ``s`` (written at the end of its sweep) and ``C_s = sum_{s' <= s}
+T_s'``, a key ``t`` of split ``s`` has ``dz = C_s - Sg``. So the sweep adds the ``-Sg`` part
+of the gate gradient (``-s sum_t Sg z' k[t]`` to ``dqL``, ``z' = z (1 - z)``, and ``-s sum_i
+Sg z' qL[i]`` to the keys) as it goes, and a second, cheap kernel (``_gate_tail_kernel``:
+gates only, one ``tl.dot`` and a sigmoid per tile) adds the ``C`` part once every split is
+done. Unsplit, ``C`` is the row's total ``Gtot``.
 
 Precision, as in the forward: the gates' carry is fp64, and the phase is formed as
 ``(carry w mod 2 pi) + local w`` with the reduction in fp64 and ``local < BLOCK_N``, so the
@@ -43,10 +48,10 @@ Products of an fp32 intermediate
 (P, dS, the gate terms) with a half-precision input split the intermediate into a
 high and a low half (two tensor-core products), which keeps them at fp32 accuracy.
 
-dq rows belong to one program, which adds to them in a fixed order (deterministic in
-both modes); dk and dv receive contributions from every query tile that sees them
-and are accumulated in fp32 with atomic adds. ``deterministic=True`` orders those
-adds: per key tile an int32 counter says how many query tiles have added to it, and
+dq, dk and dv are accumulated in fp32 with atomic adds: dk and dv receive
+contributions from every query tile that sees them, dq from every split of its query
+tile. ``deterministic=True`` does not split (dq's rows then belong to one program, which
+adds to them in a fixed order) and orders the dk and dv adds: per key tile an int32 counter says how many query tiles have added to it, and
 query tile ``m`` waits until every earlier one that sees the key tile has (query tiles
 run in ascending order; since each sweeps downwards from its diagonal, tile ``m``
 trails tile ``m - 1`` by about one query tile's worth of keys and the waits are
@@ -59,6 +64,7 @@ ordered split-K reductions also assume.
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import torch
 import triton
@@ -66,6 +72,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from corope.naive import check_corope_inputs
+from fused_rope._device import num_sms
 from fused_rope._trig import cos_sin
 from fused_rope._validation import (
     KERNEL_DTYPES,
@@ -176,8 +183,8 @@ def _frequency(QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry, local, two_pi, i
 @triton.jit
 def _corope_bwd_kernel(
     Q, K, V, O, DO, LSE, QL, W, QP, KP,
-    DQ, DQL, DK_S, DK_G, DK_T, DV, LOCK, LOCK_T,
-    softmax_scale, N, HKV, group,
+    DQ, DQL, DK_S, DK_G, DV, TG, LOCK,
+    softmax_scale, N, HKV, group, key_tiles, n_splits,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -189,6 +196,7 @@ def _corope_bwd_kernel(
     stride_pkb, stride_pkh, stride_pkd,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_tgb, stride_tgs,  # TG: [B * HKV, n_splits, N] fp32
     stride_lock,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, DN_PAD: tl.constexpr,
@@ -197,9 +205,13 @@ def _corope_bwd_kernel(
     FAST_TRIG: tl.constexpr,
 ):  # fmt: skip
     num_m = tl.cdiv(N, BLOCK_M)
-    # Longest sweeps first for load balance; the ordered (deterministic) mode needs
-    # ascending query tiles so that a program only ever waits on earlier programs.
-    m = tl.program_id(0) if DETERMINISTIC else num_m - 1 - tl.program_id(0)
+    # Program (m, split): query tile m, key tiles [split * key_tiles, (split + 1) * key_tiles)
+    # of its causal range (n_splits = 1 in the deterministic mode). Longest sweeps first for
+    # load balance; the ordered (deterministic) mode needs ascending query tiles so that a
+    # program only ever waits on earlier programs.
+    split = tl.program_id(0) % n_splits
+    m = tl.program_id(0) // n_splits
+    m = m if DETERMINISTIC else num_m - 1 - m
     bg = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)  # batch offsets can pass 2**31 elements
     grp = bg % HKV
@@ -221,10 +233,9 @@ def _corope_bwd_kernel(
     DQL += kv_off
     DK_S += kv_off
     DK_G += kv_off
-    DK_T += kv_off
     DV += kv_off
+    TG += bg * stride_tgb + split * stride_tgs
     LOCK += bg * stride_lock
-    LOCK_T += bg * stride_lock
 
     # The per-pair tiles are [BLOCK_M queries, GP heads, BLOCK_N keys] (layout: `_gates`);
     # the queries' (row, head) grid is [BLOCK_M, GP].
@@ -268,12 +279,24 @@ def _corope_bwd_kernel(
 
     two_pi = tl.full([BLOCK_M], 6.283185307179586, tl.float64)
     inv_two_pi = tl.full([BLOCK_M], 0.15915494309189535, tl.float64)
-    # Gates of the keys in later tiles; fp64 like the forward's, as it grows to N.
-    carry_z = tl.zeros([BLOCK_M], dtype=tl.float64)
-    carry_g = tl.zeros([BLOCK_M], dtype=tl.float32)  # phase gradient of the later keys
     n_tiles = (tl.minimum(N, (m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
-    for step in range(0, n_tiles):
-        n = n_tiles - 1 - step
+    lo = tl.minimum(split * key_tiles, n_tiles)
+    hi = tl.minimum(lo + key_tiles, n_tiles)
+    # Gates of the keys in later tiles; fp64 like the forward's, as it grows to N. A split
+    # starts from the gates of the tiles above it (gates only: one product a tile).
+    carry_z = tl.zeros([BLOCK_M], dtype=tl.float64)
+    ql = tl.load(
+        QL + offs_m[:, None] * stride_qln + offs_d[None, :] * stride_qld, mask=md_mask, other=0.0
+    )
+    for step in range(0, n_tiles - hi):
+        _offs_n, _n_ok, z = _gates(
+            K, ql, n_tiles - 1 - step, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn,
+            stride_kd, BLOCK_M, GP, BLOCK_N, PREC,
+        )  # fmt: skip
+        carry_z += tl.sum(z, axis=1).to(tl.float64)
+    carry_g = tl.zeros([BLOCK_M], dtype=tl.float32)  # phase gradient of the split's later keys
+    for step in range(0, hi - lo):
+        n = hi - 1 - step
         # Row operands are reloaded per key tile (cache hits) rather than held: with
         # BLOCK_M = 64 rows they would take registers the frequency loops need.
         ql = tl.load(
@@ -388,9 +411,10 @@ def _corope_bwd_kernel(
                       sem="relaxed")  # fmt: skip
 
         if MILEAGE:
-            sg = carry_g[:, None] + tl.cumsum(g_acc, axis=1, reverse=True)  # sum_{j >= t} g
+            # sum_{j >= t} g over the split's keys
+            sg = carry_g[:, None] + tl.cumsum(g_acc, axis=1, reverse=True)
             carry_g += tl.sum(g_acc, axis=1)
-            # The -Sg part of du = (Gtot - Sg) z (1 - z); the Gtot part after the sweep.
+            # The -Sg part of du = (C - Sg) z (1 - z); the C part is `_gate_tail_kernel`'s.
             szp = sg * z * (1.0 - z) * -scale
             kt = tl.load(
                 K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
@@ -412,29 +436,72 @@ def _corope_bwd_kernel(
         carry_z += tl.sum(z, axis=1).to(tl.float64)
 
     if MILEAGE:
-        # The Gtot part of the gate gradient: gates only, no phases.
-        gtot = carry_g
-        ql = tl.load(
-            QL + offs_m[:, None] * stride_qln + offs_d[None, :] * stride_qld,
-            mask=md_mask,
-            other=0.0,
-        )
-        dql = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        for step in range(0, n_tiles):
-            n = n_tiles - 1 - step
+        # The split's total phase gradient per row (summed over head slices: one launch each).
+        tl.atomic_add(TG + offs_m, carry_g, mask=m_ok, sem="relaxed")
+
+
+@triton.jit
+def _gate_tail_kernel(
+    QL, K, TG, DQL, DK_T, LOCK_T,
+    softmax_scale, N, HKV, key_tiles,
+    stride_qlb, stride_qlh, stride_qln, stride_qld,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_tgb, stride_tgs,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_lock,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The ``C`` part of the gate gradient, gates only, no phases: for key ``t`` in split
+    ``s``, ``du[i, t] += C_s[i] z (1 - z)`` with ``C_s = sum_{s' <= s} TG[s']`` (the phase
+    gradient of every key below the split's end), into ``dqL`` and the keys' ``dk``.
+
+    Together with the sweep's ``-Sg`` part this is ``du = dz z (1 - z)`` with ``dz[i, t] =
+    sum_{j < t} g[i, j]``. One program a query tile and KV group; the same tiles and order
+    (and, deterministic, the same per-key-tile counters) as the sweep."""
+    num_m = tl.cdiv(N, BLOCK_M)
+    m = tl.program_id(0) if DETERMINISTIC else num_m - 1 - tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // HKV).to(tl.int64)
+    grp = bg % HKV
+    QL += b * stride_qlb + grp * stride_qlh
+    K += b * stride_kb + grp * stride_kh
+    TG += bg * stride_tgb
+    kv_off = b * stride_dkb + grp * stride_dkh
+    DQL += kv_off
+    DK_T += kv_off
+    LOCK_T += bg * stride_lock
+    scale = softmax_scale
+
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < N
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    md_mask = m_ok[:, None] & d_ok[None, :]
+    ql = tl.load(
+        QL + offs_m[:, None] * stride_qln + offs_d[None, :] * stride_qld, mask=md_mask, other=0.0
+    )
+    dql = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    c = tl.zeros([BLOCK_M], dtype=tl.float32)
+    n_tiles = (tl.minimum(N, (m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
+    for split in range(0, tl.cdiv(n_tiles, key_tiles)):
+        c += tl.load(TG + split * stride_tgs + offs_m, mask=m_ok, other=0.0)
+        for n in range(split * key_tiles, tl.minimum(n_tiles, (split + 1) * key_tiles)):
+            # GP = 1: no copies of the keys, the layout of the sweep's tiles is not needed.
             offs_n, n_ok, z = _gates(
                 K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
-                BLOCK_M, GP, BLOCK_N, PREC,
+                BLOCK_M, 1, BLOCK_N, PREC,
             )  # fmt: skip
-            zpg = z * (1.0 - z) * (gtot * scale)[:, None]
+            zpc = z * (1.0 - z) * (c * scale)[:, None]
             kt = tl.load(
                 K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=n_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            dql += _dot_split(zpg, kt, PREC)
-            dk_t = _dot_split(tl.trans(zpg), ql, PREC)
+            dql += _dot_split(zpc, kt, PREC)
+            dk_t = _dot_split(tl.trans(zpc), ql, PREC)
             if DETERMINISTIC:
+                # Query tiles add to key tile n in ascending order, as in the sweep.
                 while tl.atomic_add(LOCK_T + n, 0, sem="acquire") != m - n * BLOCK_N // BLOCK_M:
                     pass
             tl.atomic_add(
@@ -446,12 +513,12 @@ def _corope_bwd_kernel(
             if DETERMINISTIC:
                 tl.debug_barrier()
                 tl.atomic_add(LOCK_T + n, 1, sem="release")
-        tl.atomic_add(
-            DQL + offs_m[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-            dql,
-            mask=md_mask,
-            sem="relaxed",
-        )
+    tl.atomic_add(
+        DQL + offs_m[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+        dql,
+        mask=md_mask,
+        sem="relaxed",
+    )
 
 
 def _interpreted() -> bool:
@@ -480,6 +547,28 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     row_bytes = gp * max(16, triton.next_power_of_2(head_dim)) * dtype.itemsize
     do_bytes = 65536 if head_dim <= 128 else 32768
     return max(16, min(64, do_bytes // row_bytes)), max(16, min(32, 128 // gp)), 4
+
+
+@cache
+def _key_tiles_per_program(
+    groups: int, seq_len: int, block_m: int, block_n: int, device: torch.device
+) -> int:
+    """Key tiles a program sweeps: enough programs for about 8 per SM (2 fit on an SM at
+    once, and chunks of equal length balance the causal triangle's unequal rows), at least
+    2 tiles each. ``groups`` = B * HKV. One program per query tile where that is enough
+    (long sequences) and in the interpreter, whose cost is per program.
+
+    Short sequences have too few query tiles to fill the GPU (N = 1K, (1, 32/8, 128): 128
+    programs of one 4-warp CTA for 132 SMs, the longest sweeping 32 key tiles); a split
+    costs only its start (the gates of the key tiles above it, one product a tile)."""
+    key_tiles = triton.cdiv(seq_len, block_n)
+    if _interpreted() or device.type != "cuda":
+        return key_tiles
+    work = groups * sum(
+        triton.cdiv(min(seq_len, (m + 1) * block_m), block_n)
+        for m in range(triton.cdiv(seq_len, block_m))
+    )
+    return min(key_tiles, max(2, triton.cdiv(work, 8 * num_sms(device))))
 
 
 def _launch_configs(group: int, head_dim: int, dtype: torch.dtype):
@@ -518,6 +607,7 @@ def corope_bwd(
     leader: str,
     detach_mileage: bool,
     deterministic: bool = False,
+    key_tiles_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of causal Co-RoPE-GQA attention with respect to q, k and v.
 
@@ -534,6 +624,9 @@ def corope_bwd(
         detach_mileage: drop the phase, mileage and gate paths (delta held constant).
         deterministic: order the fp32 accumulation of dk and dv so that two runs give
             bitwise equal results (slightly slower: programs wait on earlier ones).
+        key_tiles_per_program: split each query tile's key sweep into programs of this many
+            key tiles (``None``: ``_key_tiles_per_program``'s choice; tests and tuning set it).
+            Not with ``deterministic``, whose order needs one program per query tile.
 
     Returns:
         ``(dq [B, HQ, N, D], dk [B, HKV, N, D], dv [B, HKV, N, D])`` in the inputs' dtype.
@@ -562,6 +655,16 @@ def corope_bwd(
     check_kernel_device(device, "q")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if key_tiles_per_program is not None:
+        if type(key_tiles_per_program) is not int:
+            raise TypeError(
+                "key_tiles_per_program must be an int or None, got "
+                f"{type(key_tiles_per_program).__name__}"
+            )
+        if key_tiles_per_program < 1:
+            raise ValueError(f"key_tiles_per_program must be >= 1, got {key_tiles_per_program}")
+        if deterministic:
+            raise ValueError("key_tiles_per_program cannot be set with deterministic=True")
 
     if leader == "first":
         qL = q[:, ::G]  # a strided view: the kernel reads the leader head in place
@@ -595,22 +698,33 @@ def corope_bwd(
     )
     dn = D - R
 
-    def launch(block_m, block_n, num_warps, heads):
-        # Deterministic mode's counters (per key tile: how many query tiles have added to
-        # it; one set for the sweep, one for the Gtot loop), zeroed for each launch.
-        locks = torch.zeros(2, B * HKV, triton.cdiv(N, block_n) if deterministic else 1,
-                            dtype=torch.int32, device=device)  # fmt: skip
+    def sweep(block_m, block_n, num_warps, heads):
+        """Launches the sweep; returns what the gate tail needs."""
+        num_m, key_tiles = triton.cdiv(N, block_m), triton.cdiv(N, block_n)
+        if deterministic:
+            per_program = key_tiles
+        elif key_tiles_per_program is not None:
+            per_program = key_tiles_per_program
+        else:
+            per_program = _key_tiles_per_program(B * HKV, N, block_m, block_n, device)
+        n_splits = triton.cdiv(key_tiles, per_program)
+        # Each split's phase gradient per row, for the gate tail; summed over head slices.
+        tg = torch.zeros(B * HKV, n_splits, N, **f32) if not detach_mileage else dv
+        # Deterministic mode's counters (per key tile: how many query tiles have added to it;
+        # one set for the sweep, one for the gate tail), zeroed for each launch.
+        locks = torch.zeros(2, B * HKV, key_tiles if deterministic else 1, dtype=torch.int32,
+                            device=device)  # fmt: skip
         for h in range(0, G, heads):
             if h:
                 locks.zero_()
             sl = slice(h, None)  # the kernel reads heads h .. h + heads - 1 of each group
-            _corope_bwd_kernel[(triton.cdiv(N, block_m), B * HKV)](
+            _corope_bwd_kernel[(num_m * n_splits, B * HKV)](
                 q[:, sl], k, v, o[:, sl], do[:, sl], lse[:, sl], qL, inv_freq, qp[:, sl], kp,
-                dq[:, sl], dql, dk, dk_g, dk_t, dv, locks[0], locks[1],
-                s, N, HKV, G,
+                dq[:, sl], dql, dk, dk_g, dv, tg, locks[0],
+                s, N, HKV, G, per_program, n_splits,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
-                *dk.stride(), locks.stride(1),
+                *dk.stride(), *tg.stride()[:2], locks.stride(1),
                 G=heads, GP=triton.next_power_of_2(heads), D=D,
                 D_PAD=max(16, triton.next_power_of_2(D)), HALF=half,
                 # At least 64 pass-through channels: with 32, the [rows, 32] x [32, BLOCK_N]
@@ -622,22 +736,32 @@ def corope_bwd(
                 FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
                 num_warps=num_warps,
             )  # fmt: skip
+        return tg, locks[1], per_program
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic)
     if key in _FITTED:
-        launch(*_FITTED[key])
+        config = _FITTED[key]
+        tg, locks_t, per_program = sweep(*config)
     else:
         for config in _launch_configs(G, D, q.dtype):
             try:
-                launch(*config)
+                tg, locks_t, per_program = sweep(*config)
             except OutOfResources:
                 continue  # raised before the kernel runs: nothing was written
             _FITTED[key] = config
             break
         else:
             raise RuntimeError(f"no backward tile fits in shared memory for key {key}")
+    if not detach_mileage:
+        block_m, block_n, num_warps, _heads = config
+        _gate_tail_kernel[(triton.cdiv(N, block_m), B * HKV)](
+            qL, k, tg, dql, dk_t, locks_t, s, N, HKV, per_program,
+            *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
+            D=D, D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+            DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
+        )  # fmt: skip
     if deterministic:
         dk = dk + dk_g + dk_t
     if not detach_mileage:

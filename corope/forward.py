@@ -18,6 +18,7 @@ and the phase error does not grow with N.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -43,8 +44,10 @@ def _configs() -> list[triton.Config]:
         # computes the pairs' sin/cos: twice the special-function work); 128 keys give [8, 1]
         # and no duplication (ptxas, sm_90, bf16, G = 4, D = 64 or 128: 252-254 registers, no
         # spill). Autotune chose (64, 128, 8) on an H200 at G = 4, D = 64 and 128 without the
-        # frequency-loop pipelining (corope/PERF_NOTES.md, v1).
-        for gm, bn, nw in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8))
+        # frequency-loop pipelining (corope/PERF_NOTES.md, v1). (64, 128, 4): 4 keys a thread
+        # share each frequency's per-thread work; timed alone on an H100 it was the fastest at
+        # 3 of issue 3's 4 shapes (-5.6% at (1, 32/8, 128), N = 16K; PERF_NOTES, session 6).
+        for gm, bn, nw in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (64, 128, 4))
     ]
 
 
@@ -80,8 +83,11 @@ def _frequency_operands(
     return w, ang, k1.to(tl.float32)[:, None], k2.to(tl.float32)[:, None]
 
 
+FWD_CONFIGS = _configs()
+
+
 @triton.autotune(
-    configs=_configs(),
+    configs=FWD_CONFIGS,
     # and the tensors' dtypes, which autotune adds. N_BUCKET: the best tile changes with N
     # (H100, (1, 8/2, 64): (64, 128, 8 warps) at N = 4K, (64, 64, 4 warps) 15% less time at 16K),
     # and a choice made at the first N seen was kept for every other.
@@ -242,6 +248,19 @@ def _corope_fwd_kernel(
     tl.store(lse_ptrs, lse, mask=col_ok)
 
 
+@contextlib.contextmanager
+def pinned_config(index: int):
+    """Within the block the forward runs config ``index`` of ``FWD_CONFIGS`` with no tuning
+    (a test of each config: autotune only ever runs the fastest)."""
+    kernel = _corope_fwd_kernel
+    saved = kernel.configs, kernel.cache
+    try:
+        kernel.configs, kernel.cache = [FWD_CONFIGS[index]], {}
+        yield
+    finally:
+        kernel.configs, kernel.cache = saved
+
+
 def corope_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -305,4 +324,4 @@ def corope_fwd(
     return o, lse
 
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "corope_fwd"]
+__all__ = ["FWD_CONFIGS", "SUPPORTED_HEAD_DIMS", "corope_fwd", "pinned_config"]

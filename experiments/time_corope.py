@@ -9,6 +9,7 @@ different ``--label``; ``--out DIR`` also writes the table to ``DIR/time_corope_
 
     python experiments/time_corope.py --label after --out /tmp/t
     python experiments/time_corope.py --cases 1,8,2,64,4096 --label quick
+    python experiments/time_corope.py --key-tiles 1 2 4 1000000   # backward split sweep
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 
 import corope  # noqa: E402
 import corope.forward  # noqa: E402
-from corope.backward import corope_bwd  # noqa: E402
+from corope.backward import _block_config, _key_tiles_per_program, corope_bwd  # noqa: E402
 from corope.forward import corope_fwd  # noqa: E402
 from corope.naive import corope_inv_freq  # noqa: E402
 from experiments.results_io import markdown_table  # noqa: E402
@@ -44,7 +45,7 @@ def floor_ms(B: int, HKV: int, N: int, R: int) -> float:
     return 2 * B * HKV * (N * N / 2) * (R / 2) / SINCOS_PER_S * 1e3
 
 
-def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int) -> dict:
+def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=()) -> dict:
     import triton.testing
 
     dev = torch.device("cuda")
@@ -60,18 +61,30 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int) -> dict:
 
     o, lse = fwd()
 
-    def bwd():
-        return corope_bwd(do, q, k, v, o, lse, w, s, D, "first", False)
+    def bwd(tiles=None):
+        return corope_bwd(do, q, k, v, o, lse, w, s, D, "first", False,
+                          key_tiles_per_program=tiles)  # fmt: skip
 
     t_f = triton.testing.do_bench(fwd, warmup=25, rep=rep_ms, return_mode="median")
     t_b = triton.testing.do_bench(bwd, warmup=25, rep=rep_ms, return_mode="median")
     fl = floor_ms(B, HKV, N, D)
     best = getattr(corope.forward._corope_fwd_kernel, "best_config", None)
+    # The backward with the key sweep split into programs of `tiles` key tiles (the default
+    # is corope.backward._key_tiles_per_program's choice; a large number means no split).
+    split = {
+        f"bwd_ms@{tiles}": "{:.3f}".format(
+            triton.testing.do_bench(lambda t=tiles: bwd(t), warmup=25, rep=rep_ms,
+                                    return_mode="median")
+        )
+        for tiles in key_tiles
+    }  # fmt: skip
+    block_m, block_n, _ = _block_config(HQ // HKV, D, q.dtype)
     return {
         "shape": f"({B}, {HQ}/{HKV}, {D})",
         "N": N,
         "fwd_ms": f"{t_f:.3f}",
         "bwd_ms": f"{t_b:.3f}",
+        "bwd_key_tiles": _key_tiles_per_program(B * HKV, N, block_m, block_n, dev),
         "fwd+bwd_ms": f"{t_f + t_b:.3f}",
         "floor_fwd_ms": f"{fl:.3f}",
         "fwd/floor": f"{t_f / fl:.2f}",
@@ -79,7 +92,7 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int) -> dict:
         "fwd_config": "-"
         if best is None
         else (f"({best.kwargs['BLOCK_GM']}, {best.kwargs['BLOCK_N']}, {best.num_warps} warps)"),
-    }
+    } | split
 
 
 def main() -> None:
@@ -88,6 +101,13 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", help="B,HQ,HKV,D,N tuples (default: issue 3's)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget")
     ap.add_argument("--out", type=Path, help="folder for time_corope_<label>.md")
+    ap.add_argument(
+        "--key-tiles",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also time the backward at these key tiles per program (10**6: no split)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("time_corope.py times GPU kernels; no CUDA device here")
@@ -95,7 +115,7 @@ def main() -> None:
     print(f"kernels from {Path(corope.__file__).parent} ({args.label})", flush=True)
     rows = []
     for case in cases:
-        rows.append(time_case(*case, rep_ms=args.rep_ms))
+        rows.append(time_case(*case, rep_ms=args.rep_ms, key_tiles=args.key_tiles))
         print(rows[-1], flush=True)
     text = f"### {args.label} ({torch.cuda.get_device_name()})\n\n" + markdown_table(
         rows, list(rows[0])

@@ -10,12 +10,12 @@ that torch.compile sees, then the public functions ``apply_rope`` and ``apply_ro
 # No ``from __future__ import annotations``: torch.library.custom_op reads the real annotations.
 import math
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from fused_rope._device import num_sms
 from fused_rope._trig import cos_sin_of_angle
 from fused_rope._validation import (
     KERNEL_DTYPES,
@@ -210,11 +210,6 @@ class TileConfig:
             )
 
 
-@cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def tile_config(
     batch: int, seq_len: int, heads_q: int, heads_k: int, rope_dim: int, device: torch.device
 ) -> TileConfig:
@@ -242,7 +237,7 @@ def tile_config(
     heads_per_program = None if iterations <= 2 else block_h
     chunks = 1 if heads_per_program is None else triton.cdiv(heads_q + heads_k, block_h)
     block_n = max(1, 512 // (half_p * block_h))
-    while block_n > 1 and batch * chunks * triton.cdiv(seq_len, block_n) < 4 * _num_sms(device):
+    while block_n > 1 and batch * chunks * triton.cdiv(seq_len, block_n) < 4 * num_sms(device):
         block_n //= 2
     num_warps = max(1, min(4, block_n * half_p * block_h // 128))
     return TileConfig(block_n, block_hq, block_hk, num_warps, heads_per_program)

@@ -158,6 +158,38 @@ def test_backward_deterministic(dtype):
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
+@pytest.mark.parametrize(
+    "key_tiles, leader, dtype",
+    [(1, "first", torch.float32), (2, "mean", torch.float32), (3, "first", torch.float16)],
+)
+def test_backward_split_key_sweep(key_tiles, leader, dtype):
+    """Each query tile's key sweep split over programs of ``key_tiles`` key tiles (what short
+    sequences get on the GPU): the mileage carry enters a split from its own gates pre-pass and
+    the gate gradient from the per-split phase-gradient sums; 7 key tiles in the interpreter."""
+    B, HQ, HKV, N, D = 1, 4, 2, 200, 64
+    q, k, v, do = _inputs(B, HQ, HKV, N, D, dtype)
+    truth = _ref_grads(q, k, v, do, torch.float64, leader=leader)
+    o, lse, *baseline = _ref_grads(q, k, v, do, dtype, leader=leader)
+    w = corope_inv_freq(D, 10000.0, None, q.device)
+    grads = corope_bwd(do, q, k, v, o, lse.float(), w, D**-0.5, D, leader, False,
+                       key_tiles_per_program=key_tiles)  # fmt: skip
+    for name, out, ref, base in zip(("dq", "dk", "dv"), grads, truth[2:], baseline, strict=True):
+        assert_close_to_baseline(name, out, ref, base)
+
+
+def test_backward_split_needs_a_positive_int_and_no_deterministic():
+    q, k, v, do = _inputs(1, 2, 1, 8, 64, torch.float32)
+    lse = torch.zeros(1, 2, 8, device=DEVICE)
+    w = corope_inv_freq(64, 10000.0, None, q.device)
+    args = (do, q, k, v, q, lse, w, 0.125, 64, "first", False)
+    with pytest.raises(ValueError, match="^key_tiles_per_program must be >= 1, got 0"):
+        corope_bwd(*args, key_tiles_per_program=0)
+    with pytest.raises(TypeError, match="^key_tiles_per_program must be an int or None"):
+        corope_bwd(*args, key_tiles_per_program=2.0)
+    with pytest.raises(ValueError, match="cannot be set with deterministic=True"):
+        corope_bwd(*args, True, key_tiles_per_program=2)
+
+
 class _FailsAtFirstConfig:
     """Stands in for the kernel: its first launch configuration raises OutOfResources, as a
     tile too large for shared memory does on the GPU (before it runs), the rest launch."""

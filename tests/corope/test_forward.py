@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corope import corope_attention, corope_attention_ref
+from corope import corope_attention, corope_attention_ref, forward
 from corope.forward import corope_fwd
 from corope.naive import _chunk_rows, corope_inv_freq
 from fused_rope.frequencies import rope_frequencies
@@ -89,6 +89,16 @@ GPU_CASES = [
 @pytest.mark.parametrize("B, HQ, HKV, N, D, rope_dim, leader, dtype", GPU_CASES)
 def test_forward_matches_reference_gpu(B, HQ, HKV, N, D, rope_dim, leader, dtype):
     _check_forward(B, HQ, HKV, N, D, rope_dim, leader, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(forward.FWD_CONFIGS)))
+def test_every_config_gpu(index):
+    """Config ``index`` of the autotune list, which otherwise runs only the fastest one: a
+    group of 4 and of 1 (the tile's head bits), partial rotation, N not a multiple of a tile."""
+    with forward.pinned_config(index):
+        _check_forward(1, 8, 2, 777, 128, None, "first", BF16)
+        _check_forward(1, 2, 2, 300, 64, 48, "mean", torch.float16)
 
 
 def _reference_rows(q, k, v, rows, R, s, dtype=torch.float64):
