@@ -555,20 +555,24 @@ def _key_tiles_per_program(
 ) -> int:
     """Key tiles a program sweeps: enough programs for about 8 per SM (2 fit on an SM at
     once, and chunks of equal length balance the causal triangle's unequal rows), at least
-    2 tiles each. ``groups`` = B * HKV. One program per query tile where that is enough
-    (long sequences) and in the interpreter, whose cost is per program.
+    2 tiles each. ``groups`` = B * HKV. One program per query tile (all its key tiles) where
+    the query tiles alone give that many programs (long sequences), and in the interpreter,
+    whose cost is per program.
 
     Short sequences have too few query tiles to fill the GPU (N = 1K, (1, 32/8, 128): 128
     programs of one 4-warp CTA for 132 SMs, the longest sweeping 32 key tiles); a split
     costs only its start (the gates of the key tiles above it, one product a tile)."""
     key_tiles = triton.cdiv(seq_len, block_n)
+    query_tiles = triton.cdiv(seq_len, block_m)
     if _interpreted() or device.type != "cuda":
         return key_tiles
+    target = 8 * num_sms(device)
+    if groups * query_tiles >= target:
+        return key_tiles
     work = groups * sum(
-        triton.cdiv(min(seq_len, (m + 1) * block_m), block_n)
-        for m in range(triton.cdiv(seq_len, block_m))
+        triton.cdiv(min(seq_len, (m + 1) * block_m), block_n) for m in range(query_tiles)
     )
-    return min(key_tiles, max(2, triton.cdiv(work, 8 * num_sms(device))))
+    return min(key_tiles, max(2, triton.cdiv(work, target)))
 
 
 def _launch_configs(group: int, head_dim: int, dtype: torch.dtype):

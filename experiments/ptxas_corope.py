@@ -1,15 +1,23 @@
-"""Registers and spills of the Co-RoPE forward kernel per tile config, without a GPU.
+"""Registers, spills and loop sizes of the Co-RoPE kernels, without a GPU.
 
-Compiles ``corope.forward._corope_fwd_kernel`` for sm_90 (``triton.compile`` with the
-specialisation a real launch gets: 16-divisible pointers and strides, unit strides as the
-constant 1) and runs Triton's bundled ``ptxas-blackwell -v`` on the PTX (the plain ``ptxas``
-bundled with Triton 3.6 is older than the PTX version it emits). bf16, first-head leader.
+Compiles a kernel of ``corope.forward`` or ``corope.backward`` for sm_90 (``triton.compile``
+with the specialisation a real launch gets: 16-divisible pointers and strides, unit strides
+as the constant 1) and runs Triton's bundled ``ptxas-blackwell -v`` on the PTX (the plain
+``ptxas`` bundled with Triton is older than the PTX version it emits). With ``--loops`` it
+also disassembles the cubin (``cuobjdump -sass``) and gives the instruction count of every
+loop (a backward branch closes one), innermost loops being the short ones: the numbers
+``corope/PERF_NOTES.md`` compares versions by. bf16, first-head leader, with the mileage.
+The compiler is the ``triton`` on ``sys.path``: for the GPU image's version, install that
+wheel with ``pip install --no-deps --target DIR`` and put ``DIR`` first on ``PYTHONPATH``.
 
-    python experiments/ptxas_corope.py            # prints one markdown row per (G, D, R, config)
+    python experiments/ptxas_corope.py                          # forward, every (shape, config)
+    python experiments/ptxas_corope.py --kernel backward --loops
+    python experiments/ptxas_corope.py --kernel gate_tail
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -21,71 +29,143 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, even from a CPU
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from corope.forward import _corope_fwd_kernel  # noqa: E402
+from corope import backward, forward  # noqa: E402
 
-# (G_PAD, D, R) and (BLOCK_GM, BLOCK_N, warps)
+# Pointer arguments of the kernels and their element types (inputs bf16).
+POINTERS = {
+    **dict.fromkeys(("Q", "K", "V", "O", "DO", "KT", "QL"), "*bf16"),
+    **dict.fromkeys(("QT", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"), "*fp32"),
+    **dict.fromkeys(("QP", "KP"), "*i64"),
+    **dict.fromkeys(("LOCK", "LOCK_T"), "*i32"),
+}
+FLOATS = {"gate_scale", "qk_scale", "softmax_scale"}
+# Strides that are 1 in a launch (Triton's launcher turns an int argument equal to 1 into the
+# constant 1; leaving that out makes ptxas report spills that a real launch does not have).
+# stride_lock is 1 outside the deterministic mode (one counter a group).
+UNIT_STRIDES = {
+    "stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_tkn", "stride_ln",
+    "stride_qld", "stride_dqd", "stride_dkd", "stride_lock",
+}  # fmt: skip
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# (G, D, R) shapes
 SHAPES = [(4, 64, 64), (4, 128, 128), (1, 128, 128), (2, 128, 128), (8, 128, 128),
           (16, 128, 128), (4, 128, 64), (4, 256, 256)]  # fmt: skip
-CONFIGS = [(64, 64, 4), (64, 128, 4), (64, 128, 8)]
-UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_tkn", "stride_ln"}
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+FORWARD_CONFIGS = [(64, 64, 4), (64, 128, 4), (64, 128, 8)]  # (BLOCK_GM, BLOCK_N, warps)
 
 
-def resources(g_pad: int, d: int, r: int, block_gm: int, block_n: int, warps: int) -> str:
-    fn = _corope_fwd_kernel.fn
-    sig, attrs, consts = {}, {}, {}
+def compile_sm90(fn, consts: dict, warps: int):
+    """``fn`` compiled for sm_90 with ``consts`` as its constexprs and the launch's
+    specialisation of the other arguments."""
+    sig, attrs, consts = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
-        if name in ("Q", "K", "V", "O", "KT"):
-            sig[name] = "*bf16"
-        elif name in ("QT", "W", "LSE"):
-            sig[name] = "*fp32"
+        if name in consts:
+            sig[name] = "constexpr"
         elif name in UNIT_STRIDES:
             sig[name], consts[name] = "constexpr", 1
-            continue
-        elif name.startswith("stride") or name in ("HKV", "N", "N_BUCKET"):
-            sig[name] = "i32"
-        elif name in ("gate_scale", "qk_scale"):
+        elif name in POINTERS:
+            sig[name], attrs[(i,)] = POINTERS[name], [["tt.divisibility", 16]]
+        elif name in FLOATS:
             sig[name] = "fp32"
         else:
-            continue  # constexprs, below
-        if sig[name].startswith("*") or name.startswith("stride") or name == "N_BUCKET":
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    consts.update(G=g_pad, G_PAD=g_pad, HEAD_DIM=d, ROPE_DIM=r, LEADER_MEAN=False,
-                  DOT_PRECISION="tf32", FAST_TRIG=True, BLOCK_GM=block_gm, BLOCK_N=block_n)  # fmt: skip
-    sig.update({name: "constexpr" for name in consts})
-    kernel = triton.compile(
+            sig[name] = "i32"
+            if name.startswith("stride") or name == "N_BUCKET":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(
         ASTSource(fn, sig, consts, attrs),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": warps, "num_stages": 1},
     )
+
+
+def report(kernel, loops: bool) -> str:
+    """``registers | stack B | spill st / ld B`` (and the loop sizes) of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx.write_text(kernel.asm["ptx"])
         log = subprocess.run(
-            [str(PTXAS), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+            [str(TOOLS / "ptxas-blackwell"), "-v", "--gpu-name", "sm_90a", str(ptx), "-o",
+             str(cubin)],
             capture_output=True, text=True, check=True,
         ).stderr  # fmt: skip
+        sass = (
+            subprocess.run(
+                [str(TOOLS / "cuobjdump"), "-sass", str(cubin)],
+                capture_output=True, text=True, check=True,
+            ).stdout
+            if loops
+            else ""
+        )  # fmt: skip
     regs = re.search(r"Used (\d+) registers", log).group(1)
     stack = re.search(r"(\d+) bytes stack frame", log).group(1)
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
-    return f"{regs} | {stack} | {stores} / {loads}"
+    row = f"{regs} | {stack} | {stores} / {loads}"
+    return row + (f" | {', '.join(loop_sizes(sass))}" if loops else "")
+
+
+def loop_sizes(sass: str) -> list[str]:
+    """``instructions (spill loads and stores)`` of each loop of a ``cuobjdump -sass``
+    listing, in code order: a branch to a lower address closes a loop from its target."""
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    sizes = []
+    for at, text in code:
+        branch = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < at:  # not the closing self-loop (a trap)
+            body = [t for a, t in code if int(branch.group(1), 16) <= a <= at]
+            spills = sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))
+            sizes.append(f"{len(body)} ({spills})")
+    return sizes
+
+
+def forward_rows(loops: bool):
+    for g, d, r in SHAPES:
+        for block_gm, block_n, warps in FORWARD_CONFIGS:
+            if block_gm < 8 * g and g <= 8:
+                continue  # pruned by the autotuner (fewer than 8 query rows)
+            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, LEADER_MEAN=False,
+                          DOT_PRECISION="tf32", FAST_TRIG=True, BLOCK_GM=block_gm,
+                          BLOCK_N=block_n)  # fmt: skip
+            kernel = compile_sm90(forward._corope_fwd_kernel.fn, consts, warps)
+            yield f"{g}, {d}, {r}", (block_gm, block_n, warps), report(kernel, loops)
+
+
+def backward_rows(loops: bool, tail: bool):
+    for g, d, r in SHAPES:
+        block_m, block_n, warps = backward._block_config(g, d, torch.bfloat16)
+        d_pad = max(16, triton.next_power_of_2(d))
+        if tail:
+            consts = dict(D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                          DETERMINISTIC=False, PREC="tf32x3")  # fmt: skip
+            kernel = compile_sm90(backward._gate_tail_kernel, consts, warps)
+        else:
+            dn = d - r
+            consts = dict(G=g, GP=triton.next_power_of_2(g), D=d, D_PAD=d_pad, HALF=r // 2,
+                          DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
+                          BLOCK_M=block_m, BLOCK_N=block_n, MILEAGE=True, DETERMINISTIC=False,
+                          PREC="tf32x3", FAST_TRIG=True)  # fmt: skip
+            kernel = compile_sm90(backward._corope_bwd_kernel, consts, warps)
+        yield f"{g}, {d}, {r}", (block_m, block_n, warps), report(kernel, loops)
 
 
 def main() -> None:
-    print(
-        "| G_PAD, D, R | config (BLOCK_GM, BLOCK_N, warps) | registers | stack B | spill st / ld B |"
-    )
-    print("|---|---|---|---|---|")
-    for g_pad, d, r in SHAPES:
-        for cfg in CONFIGS:
-            if cfg[0] < 8 * g_pad and g_pad <= 8:
-                continue  # pruned by the autotuner (fewer than 8 query rows)
-            row = resources(g_pad, d, r, *cfg)
-            print(f"| {g_pad}, {d}, {r} | {cfg} | {row} |", flush=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=("forward", "backward", "gate_tail"), default="forward")
+    ap.add_argument("--loops", action="store_true", help="also the instructions of each loop")
+    args = ap.parse_args()
+    if args.kernel == "forward":
+        rows, tile = forward_rows(args.loops), "config (BLOCK_GM, BLOCK_N, warps)"
+    else:
+        rows = backward_rows(args.loops, tail=args.kernel == "gate_tail")
+        tile = "tile (BLOCK_M, BLOCK_N, warps)"
+    extra = " | loops: instructions (spill ld/st)" if args.loops else ""
+    print(f"| G, D, R | {tile} | registers | stack B | spill st / ld B{extra} |")
+    print("|---|---|---|---|---" + ("|---|" if args.loops else "|"))
+    for shape, config, row in rows:
+        print(f"| {shape} | {config} | {row} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,24 @@ def test_backward_split_key_sweep(key_tiles, leader, dtype):
         assert_close_to_baseline(name, out, ref, base)
 
 
+def test_key_tiles_per_program_splits_only_short_sequences(monkeypatch):
+    """The launch heuristic on a 132-SM GPU (issue 3's shapes): about 8 programs per SM where
+    the query tiles are fewer, no split where they are enough or under the interpreter."""
+    import corope.backward as backward
+
+    choose = backward._key_tiles_per_program.__wrapped__  # uncached: the patches apply
+    monkeypatch.setattr(backward, "num_sms", lambda device: 132)
+    monkeypatch.setattr(backward, "_interpreted", lambda: False)
+    cuda = torch.device("cuda")
+    # (B * HKV, N) -> key tiles a program, with the 64 x 32 tiles of G <= 4
+    expected = {(8, 1024): 3, (2, 4096): 8, (2, 16384): 125, (8, 16384): 512, (1, 64): 2}
+    for (groups, n), tiles in expected.items():
+        assert choose(groups, n, 64, 32, cuda) == tiles, (groups, n)
+    assert choose(8, 1024, 64, 32, torch.device("cpu")) == 32
+    monkeypatch.setattr(backward, "_interpreted", lambda: True)
+    assert choose(8, 1024, 64, 32, cuda) == 32
+
+
 def test_backward_split_needs_a_positive_int_and_no_deterministic():
     q, k, v, do = _inputs(1, 2, 1, 8, 64, torch.float32)
     lse = torch.zeros(1, 2, 8, device=DEVICE)
