@@ -1532,11 +1532,15 @@ def _rope_then_sdpa(q, k, v, inv_freq, positions, causal, scale, layout, rope_di
     (square attention only: SDPA's causal mask is top-left aligned)."""
     from fused_rope.rope import apply_rope_qk  # task B's kernel module, imported on use
 
-    pos = positions if positions is not None else torch.arange(q.shape[2], device=q.device)
-    # as in the fused kernel: no gradient for positions or frequencies, any strides
-    angles = rope_angles(pos.detach(), inv_freq.detach())
+    # As in the fused kernel: no gradient for positions or frequencies, any strides. Default
+    # positions: the RoPE kernel forms the angles itself, where an angle table took three
+    # more small launches (arange, cast, product).
+    if positions is None:
+        rope = dict(inv_freq=inv_freq.detach())
+    else:
+        rope = dict(angles=rope_angles(positions.detach(), inv_freq.detach()))
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
-    q_rot, k_rot = apply_rope_qk(q, k, angles, layout=layout, rope_dim=rope_dim)
+    q_rot, k_rot = apply_rope_qk(q, k, layout=layout, rope_dim=rope_dim, **rope)
     return torch.nn.functional.scaled_dot_product_attention(
         q_rot, k_rot, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )

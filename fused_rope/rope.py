@@ -139,6 +139,7 @@ def _rope_kernel(
     CONJUGATE: tl.constexpr,
     COPY_PASS: tl.constexpr,
     FAST_TRIG: tl.constexpr,
+    FROM_INV_FREQ: tl.constexpr,
 ):
     """Program (n-tile, head chunk, b): positions ``[n0, n0 + BLOCK_N)`` of batch ``b`` in
     ``HEADS_PER_PROGRAM`` heads of the list "q's ``H_Q`` heads, then k's ``H_K``" (a chunk may
@@ -146,6 +147,9 @@ def _rope_kernel(
 
     The last dimension of every tensor has unit stride (checked by the launcher), which lets
     loads vectorize. ``H_K = 0`` rotates q alone. ``stride_ab = 0`` shares angles over batches.
+    ``FROM_INV_FREQ``: ``angles_ptr`` holds ``inv_freq`` ``[R/2]`` and the angles of the
+    positions ``0..N-1`` are formed here, as the fp32 product ``rope_angles`` forms (no table,
+    and no kernels to build one, which cost as much as this one at short sequences).
     """
     pid_n = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -153,8 +157,12 @@ def _rope_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_d = tl.arange(0, HALF_P)
-    a_ptrs = angles_ptr + pid_b * stride_ab + offs_n[:, None] * stride_an + offs_d[None, :]
-    theta = tl.load(a_ptrs, mask=mask_n[:, None] & (offs_d < R // 2)[None, :], other=0.0)
+    if FROM_INV_FREQ:
+        w = tl.load(angles_ptr + offs_d, mask=offs_d < R // 2, other=0.0)
+        theta = offs_n.to(tl.float32)[:, None] * w[None, :]
+    else:
+        a_ptrs = angles_ptr + pid_b * stride_ab + offs_n[:, None] * stride_an + offs_d[None, :]
+        theta = tl.load(a_ptrs, mask=mask_n[:, None] & (offs_d < R // 2)[None, :], other=0.0)
     # sin/cos once per (position, frequency) and program, in fp32, reused by all its heads.
     cos, sin = cos_sin_of_angle(theta, FAST_TRIG)
     cos = cos[None, :, :]
@@ -263,7 +271,7 @@ def _launch(
     if k is None:  # the k loop runs zero times; any valid pointer and strides do
         k, k_out = q, q_out
     if angles.stride(-1) != 1:
-        angles = angles.contiguous()  # [.., N, R/2] fp32: small next to q and k
+        angles = angles.contiguous()  # [.., N, R/2] fp32 (or inv_freq): small next to q and k
     stride_ab = angles.stride(0) if angles.dim() == 3 else 0
     cfg = config or tile_config(B, N, H_Q, H_K, rope_dim, q.device)
     # In place with unit scale, the pass-through channels already hold the result.
@@ -276,7 +284,7 @@ def _launch(
         k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        stride_ab, angles.stride(-2),
+        stride_ab, angles.stride(-2) if angles.dim() > 1 else 0,
         N, float(q_scale), float(k_scale),
         H_Q=H_Q, H_K=H_K, D=D, R=rope_dim,
         HALF_P=triton.next_power_of_2(rope_dim // 2),
@@ -287,6 +295,7 @@ def _launch(
         # The hardware sin/cos (~1e-6 absolute error) is far below a half-precision output's
         # rounding; fp32 outputs keep libm's. The interpreter has only libm's.
         FAST_TRIG=q.is_cuda and q.dtype != torch.float32,
+        FROM_INV_FREQ=angles.dim() == 1,
         num_warps=cfg.num_warps,
     )  # fmt: skip
 
@@ -314,7 +323,8 @@ def rope_fwd(
     conjugate: bool = False,
     config: TileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None.
+    """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None. ``angles``:
+    fp32 ``[N, R/2]`` or ``[B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the positions ``0..N-1``.
 
     ``conjugate=True`` rotates by ``-theta``: the backward, with the SAME scales (seed 000's
     rule: ``y = s R x`` gives ``dx = s R^T dy``). Outputs come from ``torch.empty_like``: the
@@ -458,24 +468,42 @@ def _check_kernel_tensor(x, name: str) -> None:
         )
 
 
-def _check_kernel_angles(angles, batch: int, seq_len: int, rope_dim: int) -> None:
-    check_angles(angles, batch, seq_len, rope_dim)
-    if angles.dtype != torch.float32:
+def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **inputs):
+    """The kernels' angle argument: ``angles`` ``[.., N, R/2]``, or ``inv_freq`` ``[R/2]`` for
+    the positions ``0..N-1`` (exactly one of them given), fp32, not requiring grad, on the
+    device of the named ``inputs`` (the first of which names a kernel-capable device)."""
+    if (angles is None) == (inv_freq is None):
+        given = "both" if angles is not None else "neither"
+        raise ValueError(f"pass exactly one of angles and inv_freq, got {given}")
+    name, t = ("angles", angles) if angles is not None else ("inv_freq", inv_freq)
+    if angles is not None:
+        check_angles(angles, batch, seq_len, rope_dim)
+    else:
+        check_float_tensor(inv_freq, "inv_freq", ndim=1)
+        if inv_freq.shape[0] != rope_dim // 2:
+            raise ValueError(
+                f"inv_freq must have rope_dim // 2 = {rope_dim // 2} entries, got "
+                f"{inv_freq.shape[0]}"
+            )
+    if t.dtype != torch.float32:
         raise TypeError(
-            f"angles must be float32 (in half precision, far positions are off by whole radians), "
-            f"got {angles.dtype}"
+            f"{name} must be float32 (in half precision, far positions are off by whole "
+            f"radians), got {t.dtype}"
         )
-    if angles.requires_grad and torch.is_grad_enabled():
+    if t.requires_grad and torch.is_grad_enabled():
         raise ValueError(
-            "angles requires grad, but the RoPE kernels give no gradient for angles; pass "
-            "angles.detach() to train through x only, or use fused_rope.naive.apply_rope_ref"
+            f"{name} requires grad, but the RoPE kernels give no gradient for it; pass "
+            f"{name}.detach() to train through x only, or use fused_rope.naive.apply_rope_ref"
         )
+    check_kernel_device(check_same_device(**inputs, **{name: t}), next(iter(inputs)))
+    return t
 
 
 def apply_rope(
     x: torch.Tensor,
-    angles: torch.Tensor,
+    angles: torch.Tensor | None = None,
     *,
+    inv_freq: torch.Tensor | None = None,
     layout: str = "half",
     rope_dim: int | None = None,
     output_scale: float = 1.0,
@@ -490,6 +518,9 @@ def apply_rope(
             require grad (in grad mode) raise ``ValueError``; detach them explicitly.
             For fp16/bf16 ``x`` on a GPU, ``|angles| < 2**24`` (16.7M radians: position
             times the fastest frequency), the range of the kernel's exact reduction.
+        inv_freq: fp32 ``[R/2]``, instead of ``angles``, for the positions ``0..N-1``: the
+            kernel forms ``rope_angles(arange(N), inv_freq)`` itself (bitwise the same angles,
+            without the kernels that would build the table). No gradient, as ``angles``.
         layout: ``"half"`` pairs channel ``d`` with ``d + R/2``; ``"interleaved"`` pairs
             ``2d`` with ``2d + 1``.
         output_scale: multiplies the whole output (rotated and pass-through channels);
@@ -506,8 +537,7 @@ def apply_rope(
     check_layout(layout)
     B, _, N, D = x.shape
     R = check_rope_dim(rope_dim, D)
-    _check_kernel_angles(angles, B, N, R)
-    check_kernel_device(check_same_device(x=x, angles=angles), "x")
+    angles = _kernel_angles(angles, inv_freq, B, N, R, x=x)
     scale = _check_scale(output_scale, "output_scale")
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
@@ -538,8 +568,9 @@ def apply_rope(
 def apply_rope_qk(
     q: torch.Tensor,
     k: torch.Tensor,
-    angles: torch.Tensor,
+    angles: torch.Tensor | None = None,
     *,
+    inv_freq: torch.Tensor | None = None,
     layout: str = "half",
     rope_dim: int | None = None,
     q_scale: float = 1.0,
@@ -551,6 +582,8 @@ def apply_rope_qk(
         q: ``[B, HQ, N, D]`` fp32/fp16/bf16, any strides with a contiguous last dimension.
         k: ``[B, HK, N, D]``, same B, N, D and dtype as ``q``; ``HK`` may differ (GQA, MQA).
         angles: fp32 ``[N, R/2]`` or ``[B, N, R/2]``; no gradient (see ``apply_rope``).
+        inv_freq: fp32 ``[R/2]`` instead of ``angles``, for the positions ``0..N-1`` (see
+            ``apply_rope``).
         layout, rope_dim: as ``apply_rope``.
         q_scale, k_scale: output scales of q and k (e.g. ``q_scale = softmax_scale`` folds the
             attention scale into q; backward uses the same scales).
@@ -571,8 +604,7 @@ def apply_rope_qk(
     if k.dtype != q.dtype:
         raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
     R = check_rope_dim(rope_dim, D)
-    _check_kernel_angles(angles, B, N, R)
-    check_kernel_device(check_same_device(q=q, k=k, angles=angles), "q")
+    angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)
     qs = _check_scale(q_scale, "q_scale")
     ks = _check_scale(k_scale, "k_scale")
     if torch.compiler.is_compiling():

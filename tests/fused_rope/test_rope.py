@@ -107,6 +107,37 @@ def test_qk_forward_and_backward(B, HQ, HK, N, D, layout, per_batch, dtype):
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize(
+    "B, HQ, HK, N, D, R",
+    [
+        pytest.param(2, 4, 2, 63, 64, None, id="B2-HQ4-HK2-N63-D64"),
+        pytest.param(1, 3, 1, 37, 80, 48, id="B1-HQ3-HK1-N37-D80-R48"),
+        pytest.param(2, 32, 8, 4096, 128, None, marks=gpu, id="B2-HQ32-HK8-N4096-D128"),
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inv_freq_gives_the_angle_table_bitwise(B, HQ, HK, N, D, R, layout, dtype):
+    """``inv_freq=`` (angles formed in the kernel for positions 0..N-1) against the table of
+    ``rope_angles(arange(N), inv_freq)``: the same fp32 angles, so the same bits, forward and
+    backward, for apply_rope_qk and apply_rope."""
+    inv_freq = rope_frequencies(R or D, 500.0)[0].to(DEVICE)
+    table = rope_angles(torch.arange(N, device=DEVICE), inv_freq)
+    q, k = (torch.randn(B, h, N, D, device=DEVICE, dtype=dtype) for h in (HQ, HK))
+    outs, grads = [], []
+    for rope in (dict(angles=table), dict(inv_freq=inv_freq)):
+        qq, kk = (x.detach().requires_grad_() for x in (q, k))
+        q_out, k_out = apply_rope_qk(qq, kk, layout=layout, rope_dim=R, q_scale=0.5, **rope)
+        torch.autograd.backward((q_out, k_out), (q_out.detach() * 3, k_out.detach() - 1))
+        x_out = apply_rope(q, layout=layout, rope_dim=R, output_scale=0.5, **rope)
+        outs.append((q_out, k_out, x_out))
+        grads.append((qq.grad, kk.grad))
+    for name, a, b in zip(("q_out", "k_out", "x_out", "dq", "dk"), outs[0] + grads[0],
+                          outs[1] + grads[1], strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
+    _check("x_out", outs[1][2], q, table, layout, R, 0.5)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_partial_rotation_and_scale(layout, dtype):
     B, H, N, D, R = 2, 3, 63, 64, 32
@@ -430,6 +461,21 @@ BAD_INPUTS = [
                  ValueError, "k is on meta but q is on", id="qk-different-devices"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16), A(), k_scale=None),
                  TypeError, "k_scale must be a Python float, got NoneType", id="k-scale-none"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16)), ValueError,
+                 "pass exactly one of angles and inv_freq, got neither", id="no-angles"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16), A(),
+                 inv_freq=torch.ones(8, device=DEVICE)), ValueError,
+                 "exactly one of angles and inv_freq, got both", id="angles-and-inv-freq"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), inv_freq=torch.ones(4, device=DEVICE)),
+                 ValueError, "inv_freq must have rope_dim // 2 = 8 entries, got 4",
+                 id="inv-freq-wrong-R"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), inv_freq=torch.ones(1, 8, device=DEVICE)),
+                 ValueError, "inv_freq must have 1 dimension", id="inv-freq-2d"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), inv_freq=torch.ones(8, device=DEVICE,
+                 dtype=torch.float64)), TypeError, "inv_freq must be float32.*torch.float64",
+                 id="inv-freq-fp64"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), inv_freq=torch.ones(8, device="meta")),
+                 ValueError, "inv_freq is on meta but x is on", id="inv-freq-other-device"),
 ]  # fmt: skip
 
 
@@ -468,7 +514,7 @@ from triton.compiler import ASTSource
 from fused_rope.rope import _rope_kernel
 
 out = {}
-for dtype, layout, D, R, heads in json.loads(sys.argv[1]):
+for dtype, layout, D, R, heads, from_inv_freq in json.loads(sys.argv[1]):
     sig, attrs = {}, {}
     for i, name in enumerate(_rope_kernel.arg_names):
         if name.endswith("_ptr"):
@@ -482,12 +528,12 @@ for dtype, layout, D, R, heads in json.loads(sys.argv[1]):
     consts = dict(H_Q=32, H_K=8, D=D, R=R, HALF_P=R // 2, PASS_P=max(D - R, 1), BLOCK_N=4,
                   BLOCK_HQ=8, BLOCK_HK=8, HEADS_PER_PROGRAM=heads,
                   INTERLEAVED=layout == "interleaved", CONJUGATE=False, COPY_PASS=R < D,
-                  FAST_TRIG=dtype != "fp32")
+                  FAST_TRIG=dtype != "fp32", FROM_INV_FREQ=from_inv_freq)
     sig.update({name: "constexpr" for name in consts})
     kernel = triton.compile(ASTSource(_rope_kernel, sig, consts, attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
-    out[f"{dtype}-{layout}-D{D}-R{R}-heads{heads}"] = [
+    out[f"{dtype}-{layout}-D{D}-R{R}-heads{heads}-inv_freq{from_inv_freq}"] = [
         re.findall(r"st\.global[.\w]*", ptx), len(re.findall(r"sin\.approx", ptx))
     ]
 print(json.dumps(out))
@@ -502,9 +548,11 @@ def test_kernel_compiles_for_sm90_with_16_byte_stores():
     import sys
     from pathlib import Path
 
-    # heads per program: 40 = all of q's 32 and k's 8; 8 = one loop iteration a program
-    cases = [["fp16", "half", 128, 128, 40], ["bf16", "interleaved", 128, 128, 8],
-             ["fp16", "interleaved", 192, 64, 40], ["fp32", "half", 64, 64, 8]]  # fmt: skip
+    # heads per program: 40 = all of q's 32 and k's 8; 8 = one loop iteration a program. Last:
+    # the angles formed from inv_freq.
+    cases = [["fp16", "half", 128, 128, 40, False], ["bf16", "interleaved", 128, 128, 8, False],
+             ["fp16", "interleaved", 192, 64, 40, False], ["fp32", "half", 64, 64, 8, False],
+             ["bf16", "half", 128, 128, 40, True]]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
