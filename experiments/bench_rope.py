@@ -1,7 +1,8 @@
 """Benchmark: rotating q and k with RoPE, every provider in one process.
 
 Providers: this project's Triton kernel (``fused_rope.rope.apply_rope_qk``, one launch, sin/cos from
-fp32 angles in the kernel); the eager Hugging Face rotation (``q * cos + rotate_half(q) * sin``
+fp32 angles in the kernel; ``triton(inv_freq)``: given ``inv_freq``, it also forms the angles of
+positions 0..N-1); the eager Hugging Face rotation (``q * cos + rotate_half(q) * sin``
 in the input dtype, cos/sin precomputed once as HF models do); ``torch.compile`` of that
 rotation; Liger-Kernel's ``liger_rotary_pos_emb`` (row says "not installed" when missing; the
 ``liger-kernel`` wheel is pure Python, so a GPU machine without it takes it from the wheelhouse:
@@ -76,11 +77,13 @@ def hf_rope(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def providers(angles, cos, sin, device):
-    """name -> (fn(q, k) -> (q_out, k_out)) or a string saying why it cannot run."""
+def providers(angles, inv_freq, cos, sin, device):
+    """name -> (fn(q, k) -> (q_out, k_out)) or a string saying why it cannot run.
+    ``triton(inv_freq)``: the same kernel forming the angles of positions 0..N-1 itself."""
     cos4, sin4 = cos[None, None], sin[None, None]
     out = {
         "triton": lambda q, k: apply_rope_qk(q, k, angles),
+        "triton(inv_freq)": lambda q, k: apply_rope_qk(q, k, inv_freq=inv_freq),
         "eager": lambda q, k: hf_rope(q, k, cos4, sin4),
     }
     if device.type == "cuda":
@@ -101,10 +104,10 @@ def inputs(shape, dtype, device):
     B, HQ, HK, N, D = shape
     q = torch.randn(B, HQ, N, D, device=device, dtype=dtype)
     k = torch.randn(B, HK, N, D, device=device, dtype=dtype)
-    inv_freq, _ = rope_frequencies(D)
-    angles = rope_angles(torch.arange(N, device=device), inv_freq.to(device))  # [N, D/2] fp32
+    inv_freq = rope_frequencies(D)[0].to(device)
+    angles = rope_angles(torch.arange(N, device=device), inv_freq)  # [N, D/2] fp32
     emb = torch.cat((angles, angles), dim=-1)  # HF's [N, D] table
-    return q, k, angles, emb.cos().to(dtype), emb.sin().to(dtype)
+    return q, k, angles, inv_freq, emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def max_error(fn, q, k, angles) -> float:
@@ -124,14 +127,14 @@ def run_case(shape, dtype_name, copy_gbps, env, device, quick) -> list[dict]:
     cycle through enough input copies to defeat L2); the note adds the eager time per call
     (``do_bench``: Python, autograd and launch overhead included)."""
     dtype = DTYPES[dtype_name]
-    q, k, angles, cos, sin = inputs(shape, dtype, device)
+    q, k, angles, inv_freq, cos, sin = inputs(shape, dtype, device)
     torch._dynamo.reset()  # a fresh compile per case: no cache-size fallback to eager
     rows = []
     moved = 2 * (q.numel() + k.numel()) * q.element_size()
     n_sets = input_sets(moved, device)
     sets = [(q, k)] + [(torch.randn_like(q), torch.randn_like(k)) for _ in range(n_sets - 1)]
     rep = 20 if quick else 100
-    for name, fn in providers(angles, cos, sin, device).items():
+    for name, fn in providers(angles, inv_freq, cos, sin, device).items():
         for mode in MODES:
             row = dict(
                 env, op=OP, provider=name, mode=mode, shape=shape_id(shape), dtype=dtype_name
@@ -225,7 +228,7 @@ def tune_shape(shape, device, dtype=torch.bfloat16) -> None:
     head block per program); prints the five fastest next to the heuristic's choice
     (``fused_rope.rope.tile_config``), with their GB/s."""
     B, HQ, HK, N, D = shape
-    q, k, angles, _, _ = inputs(shape, dtype, device)
+    q, k, angles, *_ = inputs(shape, dtype, device)
     moved = 2 * (q.numel() + k.numel()) * q.element_size()
     run = lambda cfg: time_ms(lambda: rope_fwd(q, k, angles, "half", D, 1.0, 1.0, config=cfg))[0]
     base = tile_config(B, N, HQ, HK, D, device)
