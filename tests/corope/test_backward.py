@@ -159,13 +159,25 @@ def test_backward_deterministic(dtype):
 
 
 @pytest.mark.parametrize(
-    "key_tiles, leader, dtype",
-    [(1, "first", torch.float32), (2, "mean", torch.float32), (3, "first", torch.float16)],
+    "key_tiles, leader, dtype, heads",
+    [
+        (1, "first", torch.float32, None),
+        (2, "mean", torch.float32, None),
+        (3, "first", torch.float16, None),
+        (2, "first", torch.float32, 1),
+    ],
 )
-def test_backward_split_key_sweep(key_tiles, leader, dtype):
+def test_backward_split_key_sweep(key_tiles, leader, dtype, heads, monkeypatch):
     """Each query tile's key sweep split over programs of ``key_tiles`` key tiles (what short
     sequences get on the GPU): the mileage carry enters a split from its own gates pre-pass and
-    the gate gradient from the per-split phase-gradient sums; 7 key tiles in the interpreter."""
+    the gate gradient from the per-split phase-gradient sums; 7 key tiles in the interpreter.
+    ``heads = 1``: also one launch per head (the shared-memory fallback), whose per-split sums
+    add up before the gate tail."""
+    import corope.backward as backward
+
+    if heads is not None:
+        monkeypatch.setattr(backward, "_launch_configs", lambda *a: iter([(64, 32, 4, heads)]))
+        monkeypatch.setattr(backward, "_FITTED", {})
     B, HQ, HKV, N, D = 1, 4, 2, 200, 64
     q, k, v, do = _inputs(B, HQ, HKV, N, D, dtype)
     truth = _ref_grads(q, k, v, do, torch.float64, leader=leader)
