@@ -181,6 +181,22 @@ def _frequency(QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry, local, two_pi, i
 
 
 @triton.jit
+def _program_range(N, key_tiles, n_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DETERMINISTIC: tl.constexpr):  # fmt: skip
+    """Program ``(m, split)`` of axis 0 and its key tiles ``[lo, hi)``: query tile ``m``, key
+    tiles ``[split * key_tiles, (split + 1) * key_tiles)`` of its causal range (empty for the
+    splits past it). Longest sweeps first for load balance; the ordered (deterministic) mode,
+    which does not split, needs ascending query tiles so that a program only ever waits on
+    earlier programs."""
+    split = tl.program_id(0) % n_splits
+    m = tl.program_id(0) // n_splits
+    m = m if DETERMINISTIC else tl.cdiv(N, BLOCK_M) - 1 - m
+    n_tiles = (tl.minimum(N, (m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
+    lo = tl.minimum(split * key_tiles, n_tiles)
+    return m, split, lo, tl.minimum(lo + key_tiles, n_tiles), n_tiles
+
+
+@triton.jit
 def _corope_bwd_kernel(
     Q, K, V, O, DO, LSE, QL, W, QP, KP,
     DQ, DQL, DK_S, DK_G, DV, TG, LOCK,
@@ -204,14 +220,11 @@ def _corope_bwd_kernel(
     MILEAGE: tl.constexpr, DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
     FAST_TRIG: tl.constexpr,
 ):  # fmt: skip
-    num_m = tl.cdiv(N, BLOCK_M)
-    # Program (m, split): query tile m, key tiles [split * key_tiles, (split + 1) * key_tiles)
-    # of its causal range (n_splits = 1 in the deterministic mode). Longest sweeps first for
-    # load balance; the ordered (deterministic) mode needs ascending query tiles so that a
-    # program only ever waits on earlier programs.
-    split = tl.program_id(0) % n_splits
-    m = tl.program_id(0) // n_splits
-    m = m if DETERMINISTIC else num_m - 1 - m
+    m, split, lo, hi, n_tiles = _program_range(
+        N, key_tiles, n_splits, BLOCK_M, BLOCK_N, DETERMINISTIC
+    )
+    if lo == hi:
+        return  # a split past the query tile's causal range (TG is zeroed by the launcher)
     bg = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)  # batch offsets can pass 2**31 elements
     grp = bg % HKV
@@ -279,9 +292,6 @@ def _corope_bwd_kernel(
 
     two_pi = tl.full([BLOCK_M], 6.283185307179586, tl.float64)
     inv_two_pi = tl.full([BLOCK_M], 0.15915494309189535, tl.float64)
-    n_tiles = (tl.minimum(N, (m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
-    lo = tl.minimum(split * key_tiles, n_tiles)
-    hi = tl.minimum(lo + key_tiles, n_tiles)
     # Gates of the keys in later tiles; fp64 like the forward's, as it grows to N. A split
     # starts from the gates of the tiles above it (gates only: one product a tile).
     carry_z = tl.zeros([BLOCK_M], dtype=tl.float64)
@@ -443,7 +453,7 @@ def _corope_bwd_kernel(
 @triton.jit
 def _gate_tail_kernel(
     QL, K, TG, DQL, DK_T, LOCK_T,
-    softmax_scale, N, HKV, key_tiles,
+    softmax_scale, N, HKV, key_tiles, n_splits,
     stride_qlb, stride_qlh, stride_qln, stride_qld,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_tgb, stride_tgs,
@@ -457,10 +467,13 @@ def _gate_tail_kernel(
     gradient of every key below the split's end), into ``dqL`` and the keys' ``dk``.
 
     Together with the sweep's ``-Sg`` part this is ``du = dz z (1 - z)`` with ``dz[i, t] =
-    sum_{j < t} g[i, j]``. One program a query tile and KV group; the same tiles and order
-    (and, deterministic, the same per-key-tile counters) as the sweep."""
-    num_m = tl.cdiv(N, BLOCK_M)
-    m = tl.program_id(0) if DETERMINISTIC else num_m - 1 - tl.program_id(0)
+    sum_{j < t} g[i, j]``. The sweep's programs, tiles and order (and, deterministic, the same
+    per-key-tile counters)."""
+    m, split, lo, hi, _n_tiles = _program_range(
+        N, key_tiles, n_splits, BLOCK_M, BLOCK_N, DETERMINISTIC
+    )
+    if lo == hi:
+        return
     bg = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)
     grp = bg % HKV
@@ -482,37 +495,38 @@ def _gate_tail_kernel(
         QL + offs_m[:, None] * stride_qln + offs_d[None, :] * stride_qld, mask=md_mask, other=0.0
     )
     dql = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    # C_s, in the order the unsplit sum would take
     c = tl.zeros([BLOCK_M], dtype=tl.float32)
-    n_tiles = (tl.minimum(N, (m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
-    for split in range(0, tl.cdiv(n_tiles, key_tiles)):
-        c += tl.load(TG + split * stride_tgs + offs_m, mask=m_ok, other=0.0)
-        for n in range(split * key_tiles, tl.minimum(n_tiles, (split + 1) * key_tiles)):
-            # GP = 1: no copies of the keys, the layout of the sweep's tiles is not needed.
-            offs_n, n_ok, z = _gates(
-                K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
-                BLOCK_M, 1, BLOCK_N, PREC,
-            )  # fmt: skip
-            zpc = z * (1.0 - z) * (c * scale)[:, None]
-            kt = tl.load(
-                K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            dql += _dot_split(zpc, kt, PREC)
-            dk_t = _dot_split(tl.trans(zpc), ql, PREC)
-            if DETERMINISTIC:
-                # Query tiles add to key tile n in ascending order, as in the sweep.
-                while tl.atomic_add(LOCK_T + n, 0, sem="acquire") != m - n * BLOCK_N // BLOCK_M:
-                    pass
-            tl.atomic_add(
-                DK_T + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-                dk_t,
-                mask=n_ok[:, None] & d_ok[None, :],
-                sem="relaxed",
-            )
-            if DETERMINISTIC:
-                tl.debug_barrier()
-                tl.atomic_add(LOCK_T + n, 1, sem="release")
+    for s in range(0, split + 1):
+        c += tl.load(TG + s * stride_tgs + offs_m, mask=m_ok, other=0.0)
+    zpc_scale = (c * scale)[:, None]
+    for n in range(lo, hi):
+        # GP = 1: no copies of the keys, the layout of the sweep's tiles is not needed.
+        offs_n, n_ok, z = _gates(
+            K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
+            BLOCK_M, 1, BLOCK_N, PREC,
+        )  # fmt: skip
+        zpc = z * (1.0 - z) * zpc_scale
+        kt = tl.load(
+            K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        dql += _dot_split(zpc, kt, PREC)
+        dk_t = _dot_split(tl.trans(zpc), ql, PREC)
+        if DETERMINISTIC:
+            # Query tiles add to key tile n in ascending order, as in the sweep.
+            while tl.atomic_add(LOCK_T + n, 0, sem="acquire") != m - n * BLOCK_N // BLOCK_M:
+                pass
+        tl.atomic_add(
+            DK_T + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+            dk_t,
+            mask=n_ok[:, None] & d_ok[None, :],
+            sem="relaxed",
+        )
+        if DETERMINISTIC:
+            tl.debug_barrier()
+            tl.atomic_add(LOCK_T + n, 1, sem="release")
     tl.atomic_add(
         DQL + offs_m[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
         dql,
@@ -740,18 +754,18 @@ def corope_bwd(
                 FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
                 num_warps=num_warps,
             )  # fmt: skip
-        return tg, locks[1], per_program
+        return tg, locks[1], per_program, n_splits
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic)
     if key in _FITTED:
         config = _FITTED[key]
-        tg, locks_t, per_program = sweep(*config)
+        tg, locks_t, per_program, n_splits = sweep(*config)
     else:
         for config in _launch_configs(G, D, q.dtype):
             try:
-                tg, locks_t, per_program = sweep(*config)
+                tg, locks_t, per_program, n_splits = sweep(*config)
             except OutOfResources:
                 continue  # raised before the kernel runs: nothing was written
             _FITTED[key] = config
@@ -760,8 +774,8 @@ def corope_bwd(
             raise RuntimeError(f"no backward tile fits in shared memory for key {key}")
     if not detach_mileage:
         block_m, block_n, num_warps, _heads = config
-        _gate_tail_kernel[(triton.cdiv(N, block_m), B * HKV)](
-            qL, k, tg, dql, dk_t, locks_t, s, N, HKV, per_program,
+        _gate_tail_kernel[(triton.cdiv(N, block_m) * n_splits, B * HKV)](
+            qL, k, tg, dql, dk_t, locks_t, s, N, HKV, per_program, n_splits,
             *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
             D=D, D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
             DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
