@@ -50,9 +50,10 @@ high and a low half (two tensor-core products), which keeps them at fp32 accurac
 
 dq, dk and dv are accumulated in fp32 with atomic adds: dk and dv receive
 contributions from every query tile that sees them, dq from every split of its query
-tile. ``deterministic=True`` does not split (dq's rows then belong to one program, which
-adds to them in a fixed order) and orders the dk and dv adds: per key tile an int32 counter says how many query tiles have added to it, and
-query tile ``m`` waits until every earlier one that sees the key tile has (query tiles
+tile; so by default two runs may differ in the last bits. ``deterministic=True`` does not
+split (dq's rows then belong to one program, which adds to them in a fixed order) and
+orders the dk and dv adds: per key tile an int32 counter says how many query tiles have
+added to it, and query tile ``m`` waits until every earlier one that sees the key tile has (query tiles
 run in ascending order; since each sweeps downwards from its diagonal, tile ``m``
 trails tile ``m - 1`` by about one query tile's worth of keys and the waits are
 short). Each fp32 buffer element then receives its adds in one fixed order, so two
@@ -247,7 +248,7 @@ def _corope_bwd_kernel(
     DK_S += kv_off
     DK_G += kv_off
     DV += kv_off
-    TG += bg * stride_tgb + split * stride_tgs
+    TG += bg.to(tl.int64) * stride_tgb + split.to(tl.int64) * stride_tgs
     LOCK += bg * stride_lock
 
     # The per-pair tiles are [BLOCK_M queries, GP heads, BLOCK_N keys] (layout: `_gates`);
@@ -479,7 +480,7 @@ def _gate_tail_kernel(
     grp = bg % HKV
     QL += b * stride_qlb + grp * stride_qlh
     K += b * stride_kb + grp * stride_kh
-    TG += bg * stride_tgb
+    TG += bg.to(tl.int64) * stride_tgb
     kv_off = b * stride_dkb + grp * stride_dkh
     DQL += kv_off
     DK_T += kv_off
@@ -497,8 +498,10 @@ def _gate_tail_kernel(
     dql = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     # C_s, in the order the unsplit sum would take
     c = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(0, split + 1):
-        c += tl.load(TG + s * stride_tgs + offs_m, mask=m_ok, other=0.0)
+    tg_ptr = TG + offs_m
+    for _s in range(0, split + 1):
+        c += tl.load(tg_ptr, mask=m_ok, other=0.0)
+        tg_ptr += stride_tgs  # a pointer step: no int32 product to overflow
     zpc_scale = (c * scale)[:, None]
     for n in range(lo, hi):
         # GP = 1: no copies of the keys, the layout of the sweep's tiles is not needed.
@@ -606,10 +609,27 @@ def _launch_configs(group: int, head_dim: int, dtype: torch.dtype):
             rows //= 2
 
 
-# (device kind, G, D, rope_dim, dtype, leader, detach_mileage, deterministic) -> the first of
-# _launch_configs that fitted, so that a failing one is compiled once per process. The device
-# kind is part of the key: shared memory per block differs between GPU models.
-_FITTED: dict[tuple, tuple[int, int, int, int]] = {}
+# (kernel, device kind, G, D, rope_dim, dtype, leader, detach_mileage, deterministic[, tile])
+# -> the first launch configuration that fitted, so that a failing one is compiled once per
+# process. The device kind is part of the key: shared memory per block differs between GPU
+# models.
+_FITTED: dict[tuple, tuple[int, ...]] = {}
+
+
+def _first_fitting(key: tuple, candidates, launch):
+    """``launch(*c)`` for the first of ``candidates`` that fits in shared memory (one that does
+    not raises ``OutOfResources`` before it runs, having written nothing), remembered under
+    ``key``. Returns ``(c, launch's result)``."""
+    if key in _FITTED:
+        return _FITTED[key], launch(*_FITTED[key])
+    for config in candidates:
+        try:
+            result = launch(*config)
+        except OutOfResources:
+            continue
+        _FITTED[key] = config
+        return config, result
+    raise RuntimeError(f"no backward tile fits in shared memory for key {key}")
 
 
 def corope_bwd(
@@ -644,7 +664,9 @@ def corope_bwd(
             bitwise equal results (slightly slower: programs wait on earlier ones).
         key_tiles_per_program: split each query tile's key sweep into programs of this many
             key tiles (``None``: ``_key_tiles_per_program``'s choice; tests and tuning set it).
-            Not with ``deterministic``, whose order needs one program per query tile.
+            Not with ``deterministic``, whose order needs one program per query tile. The
+            splits' row sums take ``B * HKV * cdiv(N / BLOCK_N, this) * N * 4`` bytes: small
+            by default, 8 GiB at N = 64K, B * HKV = 16 and 1 tile a program.
 
     Returns:
         ``(dq [B, HQ, N, D], dk [B, HKV, N, D], dv [B, HKV, N, D])`` in the inputs' dtype.
@@ -684,6 +706,8 @@ def corope_bwd(
         if deterministic:
             raise ValueError("key_tiles_per_program cannot be set with deterministic=True")
 
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)  # no launch to make
     if leader == "first":
         qL = q[:, ::G]  # a strided view: the kernel reads the leader head in place
     else:
@@ -727,7 +751,8 @@ def corope_bwd(
             per_program = _key_tiles_per_program(B * HKV, N, block_m, block_n, device)
         n_splits = triton.cdiv(key_tiles, per_program)
         # Each split's phase gradient per row, for the gate tail; summed over head slices.
-        tg = torch.zeros(B * HKV, n_splits, N, **f32) if not detach_mileage else dv
+        # (Without the mileage the kernel does not touch it.)
+        tg = torch.zeros(B * HKV, n_splits if not detach_mileage else 1, N, **f32)
         # Deterministic mode's counters (per key tile: how many query tiles have added to it;
         # one set for the sweep, one for the gate tail), zeroed for each launch.
         locks = torch.zeros(2, B * HKV, key_tiles if deterministic else 1, dtype=torch.int32,
@@ -759,27 +784,25 @@ def corope_bwd(
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic)
-    if key in _FITTED:
-        config = _FITTED[key]
-        tg, locks_t, per_program, n_splits = sweep(*config)
-    else:
-        for config in _launch_configs(G, D, q.dtype):
-            try:
-                tg, locks_t, per_program, n_splits = sweep(*config)
-            except OutOfResources:
-                continue  # raised before the kernel runs: nothing was written
-            _FITTED[key] = config
-            break
-        else:
-            raise RuntimeError(f"no backward tile fits in shared memory for key {key}")
+    config, (tg, locks_t, per_program, n_splits) = _first_fitting(
+        ("sweep", *key), _launch_configs(G, D, q.dtype), sweep
+    )
     if not detach_mileage:
-        block_m, block_n, num_warps, _heads = config
-        _gate_tail_kernel[(triton.cdiv(N, block_m) * n_splits, B * HKV)](
-            qL, k, tg, dql, dk_t, locks_t, s, N, HKV, per_program, n_splits,
-            *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
-            D=D, D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
-            DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
-        )  # fmt: skip
+        _block_m, block_n, num_warps, _heads = config
+
+        def tail(block_m):
+            # Any row count works: the splits are key-tile ranges and TG is per row.
+            _gate_tail_kernel[(triton.cdiv(N, block_m) * n_splits, B * HKV)](
+                qL, k, tg, dql, dk_t, locks_t, s, N, HKV, per_program, n_splits,
+                *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
+                D=D, D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
+                BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
+            )  # fmt: skip
+
+        # Its own shared-memory fallback (fewer rows): the "mean" leader's fp32 qL at D = 256
+        # does not fit at the sweep's 64 rows when the sweep itself does.
+        rows = [(r,) for r in (64, 32, 16) if r <= _block_m]
+        _first_fitting(("tail", *key, config), rows, tail)
     if deterministic:
         dk = dk + dk_g + dk_t
     if not detach_mileage:

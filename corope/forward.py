@@ -251,7 +251,9 @@ def _corope_fwd_kernel(
 @contextlib.contextmanager
 def pinned_config(index: int):
     """Within the block the forward runs config ``index`` of ``FWD_CONFIGS`` with no tuning
-    (a test of each config: autotune only ever runs the fastest)."""
+    (a test of each config: autotune only ever runs the fastest). A single config skips
+    ``_prune``, so at large groups it may run a tile the autotuner never would. Not
+    thread-safe: it swaps the kernel's config list."""
     kernel = _corope_fwd_kernel
     saved = kernel.configs, kernel.cache
     try:

@@ -6,7 +6,8 @@ as the constant 1) and runs Triton's bundled ``ptxas-blackwell -v`` on the PTX (
 ``ptxas`` bundled with Triton is older than the PTX version it emits). With ``--loops`` it
 also disassembles the cubin (``cuobjdump -sass``) and gives the instruction count of every
 loop (a backward branch closes one), innermost loops being the short ones: the numbers
-``corope/PERF_NOTES.md`` compares versions by. bf16, first-head leader, with the mileage.
+``corope/PERF_NOTES.md`` compares versions by. bf16, with the mileage; ``--leader mean``
+compiles the mean leader (an fp32 ``qL`` in the backward: more shared memory).
 The compiler is the ``triton`` on ``sys.path``: for the GPU image's version, install that
 wheel with ``pip install --no-deps --target DIR`` and put ``DIR`` first on ``PYTHONPATH``.
 
@@ -58,17 +59,18 @@ SHAPES = [(4, 64, 64), (4, 128, 128), (1, 128, 128), (2, 128, 128), (8, 128, 128
 FORWARD_CONFIGS = [(64, 64, 4), (64, 128, 4), (64, 128, 8)]  # (BLOCK_GM, BLOCK_N, warps)
 
 
-def compile_sm90(fn, consts: dict, warps: int):
+def compile_sm90(fn, consts: dict, warps: int, leader: str = "first"):
     """``fn`` compiled for sm_90 with ``consts`` as its constexprs and the launch's
-    specialisation of the other arguments."""
+    specialisation of the other arguments (the backward's ``QL`` is fp32 for the mean leader)."""
+    pointers = POINTERS | ({"QL": "*fp32"} if leader == "mean" else {})
     sig, attrs, consts = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name in UNIT_STRIDES:
             sig[name], consts[name] = "constexpr", 1
-        elif name in POINTERS:
-            sig[name], attrs[(i,)] = POINTERS[name], [["tt.divisibility", 16]]
+        elif name in pointers:
+            sig[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
         elif name in FLOATS:
             sig[name] = "fp32"
         else:
@@ -83,7 +85,8 @@ def compile_sm90(fn, consts: dict, warps: int):
 
 
 def report(kernel, loops: bool) -> str:
-    """``registers | stack B | spill st / ld B`` (and the loop sizes) of a compiled kernel."""
+    """``registers | stack B | spill st / ld B | shared B`` (and the loop sizes) of a compiled
+    kernel; shared memory above sm_90's 232448 bytes a block fails at launch."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx.write_text(kernel.asm["ptx"])
@@ -103,7 +106,7 @@ def report(kernel, loops: bool) -> str:
     regs = re.search(r"Used (\d+) registers", log).group(1)
     stack = re.search(r"(\d+) bytes stack frame", log).group(1)
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
-    row = f"{regs} | {stack} | {stores} / {loads}"
+    row = f"{regs} | {stack} | {stores} / {loads} | {kernel.metadata.shared}"
     return row + (f" | {', '.join(loop_sizes(sass))}" if loops else "")
 
 
@@ -121,33 +124,33 @@ def loop_sizes(sass: str) -> list[str]:
     return sizes
 
 
-def forward_rows(loops: bool):
+def forward_rows(loops: bool, leader: str):
     for g, d, r in SHAPES:
         for block_gm, block_n, warps in FORWARD_CONFIGS:
             if block_gm < 8 * g and g <= 8:
                 continue  # pruned by the autotuner (fewer than 8 query rows)
-            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, LEADER_MEAN=False,
+            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, LEADER_MEAN=leader == "mean",
                           DOT_PRECISION="tf32", FAST_TRIG=True, BLOCK_GM=block_gm,
                           BLOCK_N=block_n)  # fmt: skip
             kernel = compile_sm90(forward._corope_fwd_kernel.fn, consts, warps)
             yield f"{g}, {d}, {r}", (block_gm, block_n, warps), report(kernel, loops)
 
 
-def backward_rows(loops: bool, tail: bool):
+def backward_rows(loops: bool, tail: bool, leader: str):
     for g, d, r in SHAPES:
         block_m, block_n, warps = backward._block_config(g, d, torch.bfloat16)
         d_pad = max(16, triton.next_power_of_2(d))
         if tail:
             consts = dict(D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                           DETERMINISTIC=False, PREC="tf32x3")  # fmt: skip
-            kernel = compile_sm90(backward._gate_tail_kernel, consts, warps)
+            kernel = compile_sm90(backward._gate_tail_kernel, consts, warps, leader)
         else:
             dn = d - r
             consts = dict(G=g, GP=triton.next_power_of_2(g), D=d, D_PAD=d_pad, HALF=r // 2,
                           DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
                           BLOCK_M=block_m, BLOCK_N=block_n, MILEAGE=True, DETERMINISTIC=False,
                           PREC="tf32x3", FAST_TRIG=True)  # fmt: skip
-            kernel = compile_sm90(backward._corope_bwd_kernel, consts, warps)
+            kernel = compile_sm90(backward._corope_bwd_kernel, consts, warps, leader)
         yield f"{g}, {d}, {r}", (block_m, block_n, warps), report(kernel, loops)
 
 
@@ -155,15 +158,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("forward", "backward", "gate_tail"), default="forward")
     ap.add_argument("--loops", action="store_true", help="also the instructions of each loop")
+    ap.add_argument("--leader", choices=("first", "mean"), default="first")
     args = ap.parse_args()
     if args.kernel == "forward":
-        rows, tile = forward_rows(args.loops), "config (BLOCK_GM, BLOCK_N, warps)"
+        rows, tile = forward_rows(args.loops, args.leader), "config (BLOCK_GM, BLOCK_N, warps)"
     else:
-        rows = backward_rows(args.loops, tail=args.kernel == "gate_tail")
+        rows = backward_rows(args.loops, args.kernel == "gate_tail", args.leader)
         tile = "tile (BLOCK_M, BLOCK_N, warps)"
     extra = " | loops: instructions (spill ld/st)" if args.loops else ""
-    print(f"| G, D, R | {tile} | registers | stack B | spill st / ld B{extra} |")
-    print("|---|---|---|---|---" + ("|---|" if args.loops else "|"))
+    print(f"| G, D, R | {tile} | registers | stack B | spill st / ld B | shared B{extra} |")
+    print("|---|---|---|---|---|---" + ("|---|" if args.loops else "|"))
     for shape, config, row in rows:
         print(f"| {shape} | {config} | {row} |", flush=True)
 

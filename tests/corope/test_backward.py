@@ -17,6 +17,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
+from corope import corope_attention
 from corope.backward import corope_bwd
 from corope.naive import corope_attention_ref, corope_inv_freq
 from tests.helpers import DEVICE, assert_close_to_baseline
@@ -159,20 +160,21 @@ def test_backward_deterministic(dtype):
 
 
 @pytest.mark.parametrize(
-    "key_tiles, leader, dtype, heads",
+    "key_tiles, leader, dtype, heads, detach",
     [
-        (1, "first", torch.float32, None),
-        (2, "mean", torch.float32, None),
-        (3, "first", torch.float16, None),
-        (2, "first", torch.float32, 1),
+        (1, "first", torch.float32, None, False),
+        (2, "mean", torch.float32, None, False),
+        (3, "first", torch.float16, None, False),
+        (2, "first", torch.float32, 1, False),
+        (2, "first", torch.float32, None, True),
     ],
 )
-def test_backward_split_key_sweep(key_tiles, leader, dtype, heads, monkeypatch):
+def test_backward_split_key_sweep(key_tiles, leader, dtype, heads, detach, monkeypatch):
     """Each query tile's key sweep split over programs of ``key_tiles`` key tiles (what short
     sequences get on the GPU): the mileage carry enters a split from its own gates pre-pass and
     the gate gradient from the per-split phase-gradient sums; 7 key tiles in the interpreter.
     ``heads = 1``: also one launch per head (the shared-memory fallback), whose per-split sums
-    add up before the gate tail."""
+    add up before the gate tail. ``detach``: the mileage held constant (no gate tail)."""
     import corope.backward as backward
 
     if heads is not None:
@@ -180,10 +182,11 @@ def test_backward_split_key_sweep(key_tiles, leader, dtype, heads, monkeypatch):
         monkeypatch.setattr(backward, "_FITTED", {})
     B, HQ, HKV, N, D = 1, 4, 2, 200, 64
     q, k, v, do = _inputs(B, HQ, HKV, N, D, dtype)
-    truth = _ref_grads(q, k, v, do, torch.float64, leader=leader)
-    o, lse, *baseline = _ref_grads(q, k, v, do, dtype, leader=leader)
+    kw = dict(leader=leader, detach_mileage=detach)
+    truth = _ref_grads(q, k, v, do, torch.float64, **kw)
+    o, lse, *baseline = _ref_grads(q, k, v, do, dtype, **kw)
     w = corope_inv_freq(D, 10000.0, None, q.device)
-    grads = corope_bwd(do, q, k, v, o, lse.float(), w, D**-0.5, D, leader, False,
+    grads = corope_bwd(do, q, k, v, o, lse.float(), w, D**-0.5, D, leader, detach,
                        key_tiles_per_program=key_tiles)  # fmt: skip
     for name, out, ref, base in zip(("dq", "dk", "dv"), grads, truth[2:], baseline, strict=True):
         assert_close_to_baseline(name, out, ref, base)
@@ -221,15 +224,16 @@ def test_backward_split_needs_a_positive_int_and_no_deterministic():
 
 
 class _FailsAtFirstConfig:
-    """Stands in for the kernel: its first launch configuration raises OutOfResources, as a
-    tile too large for shared memory does on the GPU (before it runs), the rest launch."""
+    """Stands in for a kernel: its first launch configuration (the values of the ``keys``
+    arguments) raises OutOfResources, as a tile too large for shared memory does on the GPU
+    (before it runs), the rest launch."""
 
-    def __init__(self, kernel):
-        self.kernel, self.configs = kernel, []
+    def __init__(self, kernel, keys=("BLOCK_M", "BLOCK_N", "G")):
+        self.kernel, self.keys, self.configs = kernel, keys, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            config = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["G"])
+            config = tuple(kwargs[key] for key in self.keys)
             self.configs.append(config)
             if config == self.configs[0]:
                 raise OutOfResources(300000, 232448, "shared memory")
@@ -261,6 +265,28 @@ def test_backward_falls_back_to_a_tile_that_fits(monkeypatch, deterministic):
         if deterministic:
             for name, a, b in zip(("dq", "dk", "dv"), grads, again, strict=True):
                 assert torch.equal(a, b), name
+
+
+def test_gate_tail_falls_back_to_fewer_rows(monkeypatch):
+    # The gate tail has its own shared-memory fallback (the "mean" leader's fp32 qL at D = 256
+    # fitted the sweep's 64-row tile but not the tail's on an H100): 64 rows fail, 32 serve,
+    # and are then reused.
+    import corope.backward as backward
+
+    fake = _FailsAtFirstConfig(backward._gate_tail_kernel, keys=("BLOCK_M",))
+    monkeypatch.setattr(backward, "_gate_tail_kernel", fake)
+    monkeypatch.setattr(backward, "_launch_configs", lambda *a: iter([(64, 32, 4, 2)]))
+    monkeypatch.setattr(backward, "_FITTED", {})
+    q, k, v, do, o, lse, w, grads = _check(1, 4, 2, 100, 64, None, "mean")
+    assert fake.configs == [(64,), (32,)]
+    corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False)
+    assert fake.configs == [(64,), (32,), (32,)]
+
+
+def test_backward_of_an_empty_sequence():
+    q, k, v = (torch.randn(1, h, 0, 64, device=DEVICE, requires_grad=True) for h in (4, 2, 2))
+    corope_attention(q, k, v).sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
 def test_backward_validates_inputs():
