@@ -52,11 +52,11 @@ dq, dk and dv are accumulated in fp32 with atomic adds: dk and dv receive
 contributions from every query tile that sees them, dq from every split of its query
 tile; so by default two runs may differ in the last bits. ``deterministic=True`` does not
 split (dq's rows then belong to one program, which adds to them in a fixed order) and
-orders the dk and dv adds: per key tile an int32 counter says how many query tiles have
-added to it, and query tile ``m`` waits until every earlier one that sees the key tile has (query tiles
-run in ascending order; since each sweeps downwards from its diagonal, tile ``m``
-trails tile ``m - 1`` by about one query tile's worth of keys and the waits are
-short). Each fp32 buffer element then receives its adds in one fixed order, so two
+orders the dk and dv adds: per key tile an int32 counter says how many query tiles
+have added to it, and query tile ``m`` waits until every earlier one that sees the key
+tile has (query tiles run in ascending order; since each sweeps downwards from its
+diagonal, tile ``m`` trails tile ``m - 1`` by about one query tile's worth of keys and
+the waits are short). Each fp32 buffer element then receives its adds in one fixed order, so two
 runs give bitwise equal dk and dv. This relies on the GPU starting programs in grid
 order (a program only waits on lower-numbered ones), as the interpreter does and as
 ordered split-K reductions also assume.
@@ -552,9 +552,9 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     D``, in shared memory for two products) is kept to 64 KB by fewer rows for large groups
     or head dims, and to 32 KB at D = 256 (where 64 KB took 240 KB of shared memory in
     all, over sm_90's 227 KB). With fewer rows the products are not warpgroup ones and the
-    heads of a pair may be split over warps: correct, slower. On the GPU, fp32 inputs take exact fp32 products,
-    which are FMA loops whose code grows with the tile: 16 x 16 tiles on 8 warps keep
-    ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``, "Backward v2". The
+    heads of a pair may be split over warps: correct, slower. On the GPU, fp32 inputs take
+    exact fp32 products, which are FMA loops whose code grows with the tile: 16 x 16 tiles
+    on 8 warps keep ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``, "Backward v2". The
     interpreter, whose cost is per tile, runs the half-precision rule for every dtype
     (which gives 16 x 16 tiles for its largest fp32 groups).
     """
