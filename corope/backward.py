@@ -219,7 +219,7 @@ def _corope_bwd_kernel(
     HALF: tl.constexpr, DN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MILEAGE: tl.constexpr, DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
-    FAST_TRIG: tl.constexpr,
+    FAST_TRIG: tl.constexpr, DK_PARTS: tl.constexpr,
 ):  # fmt: skip
     m, split, lo, hi, n_tiles = _program_range(
         N, key_tiles, n_splits, BLOCK_M, BLOCK_N, DETERMINISTIC
@@ -380,7 +380,11 @@ def _corope_bwd_kernel(
         pair = tl.arange(0, 2) * HALF
         dq_ptr = DQ + (offs_m[:, None] * stride_dqn + offs_h[None, :] * stride_dqh)[:, :, None]
         dq_ptr += pair[None, None, :] * stride_dqd
-        dk_ptr = DK_S + offs_n[:, None] * stride_dkn + pair[None, :] * stride_dkd
+        dk_ptr = tl.broadcast_to(
+            (DK_S + offs_n[:, None] * stride_dkn + pair[None, :] * stride_dkd)[None, :, :],
+            [DK_PARTS, BLOCK_N, 2],
+        )
+        dk_mask = tl.broadcast_to(n_ok[None, :, None], [DK_PARTS, BLOCK_N, 2])
         for d in range(HALF):
             w, q1, q2, cs, sn, kr1, kr2 = _frequency(
                 QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry_z, local, two_pi, inv_two_pi,
@@ -395,8 +399,17 @@ def _corope_bwd_kernel(
             # Head sums of s dS q: dk = sum_i Rot(+phi) of them.
             a1 = tl.sum(ds3 * q1[:, :, None], axis=1)
             a2 = tl.sum(ds3 * q2[:, :, None], axis=1)
-            dk = tl.sum(tl.join(cs * a1 - sn * a2, sn * a1 + cs * a2), axis=0)
-            tl.atomic_add(dk_ptr + d * stride_dkd, dk, mask=n_ok[:, None], sem="relaxed")
+            # dk's sum over the queries stops at DK_PARTS groups of rows, each added on its
+            # own: with a warp's rows a group, the sum stays in registers and shuffles, where a
+            # sum across warps would cost shared memory and three more barriers a frequency.
+            dk = tl.sum(
+                tl.reshape(
+                    tl.join(cs * a1 - sn * a2, sn * a1 + cs * a2),
+                    [DK_PARTS, BLOCK_M // DK_PARTS, BLOCK_N, 2],
+                ),
+                axis=1,
+            )
+            tl.atomic_add(dk_ptr + d * stride_dkd, dk, mask=dk_mask, sem="relaxed")
             if MILEAGE:
                 g_acc += w * (a1 * kr2 - a2 * kr1)
         ds2 = tl.reshape(tl.permute(ds3, (1, 0, 2)), [GP * BLOCK_M, BLOCK_N])
@@ -567,6 +580,15 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     row_bytes = gp * max(16, triton.next_power_of_2(head_dim)) * dtype.itemsize
     do_bytes = 65536 if head_dim <= 128 else 32768
     return max(16, min(64, do_bytes // row_bytes)), max(16, min(32, 128 // gp)), 4
+
+
+def _dk_parts(block_m: int, num_warps: int, deterministic: bool) -> int:
+    """Row groups whose dk partials the sweep adds separately: one a warp where the tile's
+    rows are split over the warps 16 each (the 64-row tiles' warpgroup product; H100, bf16:
+    3-5% less backward time, PERF_NOTES.md), else 1. The narrower tiles' rows do not follow
+    the warps (their sum would be converted through shared memory anyway), and the
+    deterministic mode needs one add an element in a fixed order."""
+    return num_warps if block_m == 16 * num_warps and not deterministic else 1
 
 
 @cache
@@ -780,6 +802,7 @@ def corope_bwd(
                 BLOCK_M=block_m, BLOCK_N=block_n,
                 MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
                 FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
+                DK_PARTS=_dk_parts(block_m, num_warps, deterministic),
                 num_warps=num_warps,
             )  # fmt: skip
         return tg, locks[1], per_program, n_splits
