@@ -1,0 +1,127 @@
+"""Which ``scaled_dot_product_attention`` backend is the floor of issue 5's benchmark.
+
+``bench_rope_attention.py`` measures ``rope_attention`` against SDPA without RoPE as PyTorch
+dispatches it. This script times that default next to each backend forced with
+``torch.nn.attention.sdpa_kernel`` (flash, cuDNN, memory-efficient), causal, on the anchor shapes
+and the GQA shape, forward and forward+backward, fp16 and bf16, and says which backend the
+default ran (the one whose output it matches bit for bit). The default's times are the floor a
+fused RoPE attention kernel has to meet.
+
+    python experiments/sdpa_backends.py --out experiments/results   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from experiments.results_io import environment, markdown_table  # noqa: E402
+from experiments.timing import input_sets, time_ms  # noqa: E402
+
+# name: (B, HQ, HKV, N, D), as in bench_rope_attention.py
+SHAPES = {
+    "Small-1K": (4, 8, 8, 1024, 64),
+    "Llama7B-2K": (2, 32, 32, 2048, 128),
+    "Llama7B-4K": (2, 32, 32, 4096, 128),
+    "GQA-4K": (2, 32, 8, 4096, 128),
+    "Long-16K": (1, 8, 8, 16384, 128),
+}
+BACKENDS = {
+    "default": None,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def attention(backend, gqa: bool):
+    def fn(q, k, v):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    return fn
+
+
+def run_shape(name: str, dtype_name: str, device: torch.device) -> list[dict]:
+    B, HQ, HKV, N, D = SHAPES[name]
+    dtype = DTYPES[dtype_name]
+    n_sets = input_sets(N * D * (HQ + 2 * HKV) * dtype.itemsize, device)
+    sets = [
+        tuple(torch.randn(B, h, N, D, device=device, dtype=dtype, requires_grad=True)
+              for h in (HQ, HKV, HKV))
+        for _ in range(n_sets)
+    ]  # fmt: skip
+    grads = [t for s in sets for t in s]
+    do = torch.randn(B, HQ, N, D, device=device, dtype=dtype)
+    fwd_flops = 4 * B * HQ * N * N * D / 2
+    rows, outputs = [], {}
+    for backend_name, backend in BACKENDS.items():
+        fn = attention(backend, HQ != HKV)
+        row = dict(shape=name, dtype=dtype_name, backend=backend_name)
+        try:
+            with torch.no_grad():
+                outputs[backend_name] = fn(*sets[0])
+            for mode in ("fwd", "fwd+bwd"):
+                if mode == "fwd":
+                    calls = [lambda fn=fn, a=a: fn(*a) for a in sets]
+                else:
+                    calls = [lambda fn=fn, a=a: fn(*a).backward(do) for a in sets]
+                cycle = itertools.cycle(calls)
+                with torch.set_grad_enabled(mode != "fwd"):
+                    ms = time_ms(lambda c=cycle: next(c)(), grad_to_none=grads, rep_ms=60)[0]
+                for t in grads:
+                    t.grad = None
+                flops = fwd_flops if mode == "fwd" else 3.5 * fwd_flops
+                row[f"{mode}_ms"] = f"{ms:.4f}"
+                row[f"{mode}_tflops"] = f"{flops / ms / 1e9:.0f}"
+        except RuntimeError as e:  # a backend that does not take this shape
+            row["note"] = f"not available: {str(e).splitlines()[0][:80]}"
+        rows.append(row)
+    default = outputs.get("default")
+    same = [b for b, o in outputs.items() if b != "default" and torch.equal(o, default)]
+    rows[0]["note"] = "ran: " + (", ".join(same) if same else "none of the forced backends")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--out", type=Path, help="folder for sdpa_backends.md")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sdpa_backends.py times GPU attention; no CUDA device here")
+    device = torch.device("cuda")
+    env = environment()
+    rows = []
+    for name in args.shapes:
+        for dtype_name in DTYPES:
+            rows += run_shape(name, dtype_name, device)
+            print(rows[-len(BACKENDS)], flush=True)
+    columns = ["shape", "dtype", "backend", "fwd_ms", "fwd_tflops", "fwd+bwd_ms",
+               "fwd+bwd_tflops", "note"]  # fmt: skip
+    text = (
+        f"# SDPA backends, causal\n\n{env['gpu']}, torch {env['torch']}, cuDNN "
+        f"{torch.backends.cudnn.version()}, commit {env['commit']}, {env['date']}. ms: median GPU "
+        "time (CUDA graph). Written by `experiments/sdpa_backends.py`.\n\n"
+        + markdown_table(rows, columns)
+    )
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sdpa_backends.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
