@@ -3,20 +3,29 @@
 The speed-work companion of ``bench_corope.py`` (which times every provider and writes the
 shared CSV): this one launches the two kernels directly, with ``triton.testing.do_bench``
 medians, for the shapes of issue 3, and prints one markdown table with the sin/cos floor
-(``shared/docs/corope.md``). To compare two versions of the kernels in one GPU session, run
-it once per version with ``PYTHONPATH`` pointing at each copy of the ``corope`` package and a
-different ``--label``; ``--out DIR`` also writes the table to ``DIR/time_corope_<label>.md``.
+(``shared/docs/corope.md``). ``--out DIR`` also writes the table to
+``DIR/time_corope_<label>.md``.
+
+To compare versions of the kernels, copy the repository (or just its ``corope`` folder) once
+per version, edit the copies, and pass them with ``--versions``: their ``corope/forward.py``
+and ``corope/backward.py`` are loaded in this process next to the checkout's (the rest of the
+package, ``fused_rope`` included, is the checkout's), run on the same inputs, and each row
+says how far the version's outputs and gradients are from the checkout's (the largest
+difference over the largest value of each tensor).
 
     python experiments/time_corope.py --label after --out /tmp/t
     python experiments/time_corope.py --cases 1,8,2,64,4096 --label quick
     python experiments/time_corope.py --key-tiles 1 2 4 1000000   # backward split sweep
+    python experiments/time_corope.py --versions /tmp/v_stages /tmp/v_dk   # A/B in one process
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -26,8 +35,6 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 import corope  # noqa: E402
 import corope.backward  # noqa: E402
 import corope.forward  # noqa: E402
-from corope.backward import _key_tiles_per_program, corope_bwd  # noqa: E402
-from corope.forward import corope_fwd  # noqa: E402
 from corope.naive import corope_inv_freq  # noqa: E402
 from experiments.results_io import markdown_table  # noqa: E402
 
@@ -46,7 +53,33 @@ def floor_ms(B: int, HKV: int, N: int, R: int) -> float:
     return 2 * B * HKV * (N * N / 2) * (R / 2) / SINCOS_PER_S * 1e3
 
 
-def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=()) -> dict:
+def load_version(root: Path, index: int) -> tuple[ModuleType, ModuleType]:
+    """``corope/forward.py`` and ``corope/backward.py`` of the copy at ``root``, as modules of
+    their own (their imports of the rest of the package resolve to the checkout's)."""
+    modules = []
+    for name in ("forward", "backward"):
+        path = root / "corope" / f"{name}.py"
+        if not path.is_file():
+            raise SystemExit(f"--versions: {path} does not exist")
+        spec = importlib.util.spec_from_file_location(f"corope_{name}_v{index}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        modules.append(module)
+    return modules[0], modules[1]
+
+
+def rel_diff(xs, ys) -> float:
+    """Largest ``max |x - y| / max |x|`` over pairs of tensors."""
+    return max(
+        ((x.float() - y.float()).abs().max() / x.float().abs().max().clamp_min(1e-30)).item()
+        for x, y in zip(xs, ys, strict=True)
+    )
+
+
+def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=(),
+              versions=()) -> list[dict]:  # fmt: skip
+    """One row per kernel version: the checkout's, then each ``(label, forward, backward)``
+    module pair of ``versions``, on the same inputs."""
     import triton.testing
 
     dev = torch.device("cuda")
@@ -56,46 +89,63 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
     do = torch.randn_like(q)
     w = corope_inv_freq(D, 10000.0, None, dev)
     s = D**-0.5
-
-    def fwd():
-        return corope_fwd(q, k, v, w, s, D, "first")
-
-    o, lse = fwd()
-
-    def bwd(tiles=None):
-        return corope_bwd(do, q, k, v, o, lse, w, s, D, "first", False,
-                          key_tiles_per_program=tiles)  # fmt: skip
-
-    t_f = triton.testing.do_bench(fwd, warmup=25, rep=rep_ms, return_mode="median")
-    t_b = triton.testing.do_bench(bwd, warmup=25, rep=rep_ms, return_mode="median")
     fl = floor_ms(B, HKV, N, D)
-    best = getattr(corope.forward._corope_fwd_kernel, "best_config", None)
-    # The backward with the key sweep split into programs of `tiles` key tiles (the default
-    # is corope.backward._key_tiles_per_program's choice; a large number means no split).
-    split = {
-        f"bwd_ms@{tiles}": "{:.3f}".format(
-            triton.testing.do_bench(lambda t=tiles: bwd(t), warmup=25, rep=rep_ms,
-                                    return_mode="median")
+    rows, reference = [], None
+    for label, fwd_mod, bwd_mod in (("checkout", corope.forward, corope.backward), *versions):
+
+        def fwd(fwd_mod=fwd_mod):
+            return fwd_mod.corope_fwd(q, k, v, w, s, D, "first")
+
+        o, lse = fwd()
+
+        def bwd(tiles=None, bwd_mod=bwd_mod, o=o, lse=lse):
+            return bwd_mod.corope_bwd(do, q, k, v, o, lse, w, s, D, "first", False,
+                                      key_tiles_per_program=tiles)  # fmt: skip
+
+        outputs = (o, lse, *bwd())
+        if reference is None:
+            reference = outputs
+        t_f = triton.testing.do_bench(fwd, warmup=25, rep=rep_ms, return_mode="median")
+        t_b = triton.testing.do_bench(bwd, warmup=25, rep=rep_ms, return_mode="median")
+        best = getattr(fwd_mod._corope_fwd_kernel, "best_config", None)
+        # The backward with the key sweep split into programs of `tiles` key tiles (the
+        # default is the backward's _key_tiles_per_program choice; a large number: no split).
+        split = {
+            f"bwd_ms@{tiles}": "{:.3f}".format(
+                triton.testing.do_bench(lambda t=tiles: bwd(t), warmup=25, rep=rep_ms,
+                                        return_mode="median")
+            )
+            for tiles in key_tiles
+        }  # fmt: skip
+        # the tile the launcher fitted (its first choice unless shared memory was short)
+        fitted = (torch.cuda.get_device_name(dev), HQ // HKV, D, D, q.dtype, "first", False,
+                  False)  # fmt: skip
+        block_m, block_n, *_ = bwd_mod._FITTED[("sweep", *fitted)]
+        tiles_default = bwd_mod._key_tiles_per_program(B * HKV, N, block_m, block_n, dev)
+        config = "-"
+        if best is not None:
+            config = (
+                f"({best.kwargs['BLOCK_GM']}, {best.kwargs['BLOCK_N']}, {best.num_warps} warps)"
+            )
+        rows.append(
+            {
+                "version": label,
+                "shape": f"({B}, {HQ}/{HKV}, {D})",
+                "N": N,
+                "fwd_ms": f"{t_f:.3f}",
+                "bwd_ms": f"{t_b:.3f}",
+                "bwd_key_tiles": tiles_default,
+                "fwd+bwd_ms": f"{t_f + t_b:.3f}",
+                "floor_fwd_ms": f"{fl:.3f}",
+                "fwd/floor": f"{t_f / fl:.2f}",
+                "bwd/fwd": f"{t_b / t_f:.2f}",
+                "fwd_config": config,
+                # o, lse, dq, dk, dv against the checkout's (bf16 outputs, fp32 atomics)
+                "max_rel_diff": f"{rel_diff(reference, outputs):.1e}",
+            }
+            | split
         )
-        for tiles in key_tiles
-    }  # fmt: skip
-    # the tile the launcher fitted (its first choice unless shared memory was short)
-    fitted = (torch.cuda.get_device_name(dev), HQ // HKV, D, D, q.dtype, "first", False, False)
-    block_m, block_n, *_ = corope.backward._FITTED[("sweep", *fitted)]
-    return {
-        "shape": f"({B}, {HQ}/{HKV}, {D})",
-        "N": N,
-        "fwd_ms": f"{t_f:.3f}",
-        "bwd_ms": f"{t_b:.3f}",
-        "bwd_key_tiles": _key_tiles_per_program(B * HKV, N, block_m, block_n, dev),
-        "fwd+bwd_ms": f"{t_f + t_b:.3f}",
-        "floor_fwd_ms": f"{fl:.3f}",
-        "fwd/floor": f"{t_f / fl:.2f}",
-        "bwd/fwd": f"{t_b / t_f:.2f}",
-        "fwd_config": "-"
-        if best is None
-        else (f"({best.kwargs['BLOCK_GM']}, {best.kwargs['BLOCK_N']}, {best.num_warps} warps)"),
-    } | split
+    return rows
 
 
 def main() -> None:
@@ -111,15 +161,23 @@ def main() -> None:
         default=[],
         help="also time the backward at these key tiles per program (10**6: no split)",
     )
+    ap.add_argument(
+        "--versions",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="copies of the repository whose corope/forward.py and backward.py to time too",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("time_corope.py times GPU kernels; no CUDA device here")
     cases = [tuple(int(x) for x in c.split(",")) for c in args.cases] if args.cases else CASES
+    versions = [(str(root), *load_version(root, i)) for i, root in enumerate(args.versions)]
     print(f"kernels from {Path(corope.__file__).parent} ({args.label})", flush=True)
     rows = []
     for case in cases:
-        rows.append(time_case(*case, rep_ms=args.rep_ms, key_tiles=args.key_tiles))
-        print(rows[-1], flush=True)
+        rows += time_case(*case, rep_ms=args.rep_ms, key_tiles=args.key_tiles, versions=versions)
+        print(*rows[-1 - len(versions) :], sep="\n", flush=True)
     text = f"### {args.label} ({torch.cuda.get_device_name()})\n\n" + markdown_table(
         rows, list(rows[0])
     )
