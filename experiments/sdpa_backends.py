@@ -24,27 +24,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from experiments.bench_rope_attention import DTYPES, SHAPES  # noqa: E402
 from experiments.results_io import environment, markdown_table  # noqa: E402
 from experiments.timing import input_sets, time_ms  # noqa: E402
 
-# name: (B, HQ, HKV, N, D), as in bench_rope_attention.py
-SHAPES = {
-    "Small-1K": (4, 8, 8, 1024, 64),
-    "Llama7B-2K": (2, 32, 32, 2048, 128),
-    "Llama7B-4K": (2, 32, 32, 4096, 128),
-    "GQA-4K": (2, 32, 8, 4096, 128),
-    "Long-16K": (1, 8, 8, 16384, 128),
-}
 BACKENDS = {
     "default": None,
     "flash": SDPBackend.FLASH_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def attention(backend, gqa: bool):
+    """Causal SDPA of ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]`` on ``backend`` (None: the one
+    PyTorch picks)."""
+
     def fn(q, k, v):
         if backend is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
