@@ -28,7 +28,8 @@ one tensor-core product (``_gates``), in which a thread holds 2 query rows, 8 ke
 every head of them. So a pair's sin/cos is computed once for the group, the head sums
 ``a = sum_h dS q_h`` (shared by dk and the phase gradient) and the phase gradient ``g``
 are in-thread, and dq's sum over the keys is in-thread up to 2 shuffle levels; only
-dk's sum over the queries crosses lanes and warps. dq and dk are added per frequency
+dk's sum over the queries crosses lanes (and, in the narrow tiles and the deterministic
+mode, warps: the 64-row tiles add one partial a warp). dq and dk are added per frequency
 with fp32 atomics, both halves of a rotary pair in one add.
 
 The descending sweep has ``sum_{j >= t} g[i, j]`` over its own keys at hand (a running
@@ -325,8 +326,9 @@ def _corope_bwd_kernel(
         # Pass 1: scores of the G heads.
         s3 = tl.zeros([BLOCK_M, GP, BLOCK_N], dtype=tl.float32)
         # num_stages=3: the q, k and w loads stream into shared memory two frequencies ahead
-        # (cp.async), as in the forward. H100: -4% at N = 1K, -8% at 16K; the same option on
-        # pass 2 cost 7% at 1K and 5% at 16K (time_corope_stages_h100.md).
+        # (cp.async), as in the forward. H100, (1, 32/8, 128): -4% at N = 1K, -8% at 16K
+        # (probably a few % slower at (1, 8/2, 64), N = 4K; not A/B'd there); the same option
+        # on pass 2 cost 7% at 1K and 5% at 16K (time_corope_stages_h100.md).
         for d in tl.range(HALF, num_stages=3):
             _w, q1, q2, _cs, _sn, kr1, kr2 = _frequency(
                 QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry_z, local, two_pi, inv_two_pi,
@@ -374,7 +376,7 @@ def _corope_bwd_kernel(
 
         # Pass 2: gradients, recomputing the phases of pass 1. Reductions over the keys
         # (dq) and over the heads (a1, a2) stay mostly in a thread; over the queries (dk)
-        # they cross lanes and warps.
+        # they cross lanes (and warps where DK_PARTS is 1).
         g_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # The (x1, x2) halves of a rotary pair, as a last axis of 2.
         pair = tl.arange(0, 2) * HALF
@@ -585,7 +587,7 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
 def _dk_parts(block_m: int, num_warps: int, deterministic: bool) -> int:
     """Row groups whose dk partials the sweep adds separately: one a warp where the tile's
     rows are split over the warps 16 each (the 64-row tiles' warpgroup product; H100, bf16:
-    3-5% less backward time, PERF_NOTES.md), else 1. The narrower tiles' rows do not follow
+    0.4-5% less backward time, 5% at the 16K target shape; PERF_NOTES.md), else 1. The narrower tiles' rows do not follow
     the warps (their sum would be converted through shared memory anyway), and the
     deterministic mode needs one add an element in a fixed order."""
     return num_warps if block_m == 16 * num_warps and not deterministic else 1

@@ -200,8 +200,8 @@ def _corope_fwd_kernel(
         )
         # num_stages=3: Triton also streams the loop's loads (the query columns, which the
         # hand pipelining leaves in place) into shared memory two frequencies ahead
-        # (cp.async). H100: 6-8% less time at the shapes; in the backward the same
-        # option cost 4-16% at short N (time_corope_stages_h100.md).
+        # (cp.async). H100: 5-8% less time at the shapes (time_corope_stages_h100.md;
+        # the backward's first frequency loop does the same, its second loses by it).
         for d in tl.range(HALF, num_stages=3):
             w, ang, k1, k2 = w_nx, ang_nx, k1_nx, k2_nx
             # The last iteration wraps to frequency 0 (a wasted but in-bounds prefetch) rather

@@ -210,6 +210,18 @@ def test_key_tiles_per_program_splits_only_short_sequences(monkeypatch):
     assert choose(8, 1024, 64, 32, cuda) == 32
 
 
+def test_dk_parts_per_warp_only_where_rows_follow_warps_and_order_is_free():
+    """dk's per-warp partial adds: only for the 64-row, 4-warp tiles (16 rows a warp) and never
+    in the deterministic mode, whose one add an element in a fixed order the interpreter
+    cannot check (it runs programs and their adds in order)."""
+    import corope.backward as backward
+
+    assert backward._dk_parts(64, 4, False) == 4
+    assert backward._dk_parts(64, 4, True) == 1
+    for block_m, warps in ((32, 4), (16, 4), (16, 8)):  # narrow tiles, fp32's 8 warps
+        assert backward._dk_parts(block_m, warps, False) == 1
+
+
 def test_backward_split_needs_a_positive_int_and_no_deterministic():
     q, k, v, do = _inputs(1, 2, 1, 8, 64, torch.float32)
     lse = torch.zeros(1, 2, 8, device=DEVICE)
