@@ -79,6 +79,7 @@ from fused_rope._trig import cos_sin
 from fused_rope._validation import (
     KERNEL_DTYPES,
     check_float_tensor,
+    check_inv_freq,
     check_kernel_device,
     check_same_device,
 )
@@ -713,11 +714,7 @@ def corope_bwd(
     check_float_tensor(lse, "lse", ndim=3, dtypes=(torch.float32,))
     if lse.shape != (B, HQ, N):
         raise ValueError(f"lse must be [B, HQ, N] = {(B, HQ, N)}, got {tuple(lse.shape)}")
-    check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=(torch.float32,))
-    if inv_freq.shape[0] != R // 2:
-        raise ValueError(
-            f"inv_freq must have rope_dim // 2 = {R // 2} entries, got {inv_freq.shape[0]}"
-        )
+    check_inv_freq(inv_freq, R, dtypes=(torch.float32,))
     device = check_same_device(q=q, k=k, v=v, do=do, o=o, lse=lse, inv_freq=inv_freq)
     check_kernel_device(device, "q")
     if not isinstance(deterministic, bool):

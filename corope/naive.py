@@ -17,7 +17,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fused_rope._validation import check_float_tensor, check_rope_dim
+from fused_rope._validation import check_float_tensor, check_inv_freq, check_rope_dim
 from fused_rope.frequencies import default_inv_freq
 
 LEADERS = ("first", "mean")
@@ -32,11 +32,7 @@ def corope_inv_freq(
     """``w[d] = theta ** (-2d / R)`` in fp32, or the given ``inv_freq`` (checked: ``[R/2]``)."""
     if inv_freq is None:
         return default_inv_freq(rope_dim, theta, device)
-    check_float_tensor(inv_freq, "inv_freq", ndim=1)
-    if inv_freq.shape[0] != rope_dim // 2:
-        raise ValueError(
-            f"inv_freq must have rope_dim // 2 = {rope_dim // 2} entries, got {inv_freq.shape[0]}"
-        )
+    check_inv_freq(inv_freq, rope_dim)
     return inv_freq.float().to(device)
 
 

@@ -58,6 +58,15 @@ def check_kernel_device(device: torch.device, name: str) -> None:
     )
 
 
+def check_inv_freq(inv_freq, rope_dim: int, dtypes=None) -> None:
+    """``inv_freq`` is a floating-point ``[rope_dim // 2]`` tensor (of one of ``dtypes``)."""
+    check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=dtypes)
+    if inv_freq.shape[0] != rope_dim // 2:
+        raise ValueError(
+            f"inv_freq must have rope_dim // 2 = {rope_dim // 2} entries, got {inv_freq.shape[0]}"
+        )
+
+
 def check_rope_dim(rope_dim: int | None, head_dim: int) -> int:
     """Resolves ``rope_dim`` (default: the head dim) and checks it is even and at most D."""
     if rope_dim is None:

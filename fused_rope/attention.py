@@ -39,6 +39,7 @@ import triton.language as tl
 from fused_rope._validation import (
     KERNEL_DTYPES,
     check_float_tensor,
+    check_inv_freq,
     check_kernel_device,
     check_layout,
     check_rope_dim,
@@ -1592,11 +1593,7 @@ def _check_inputs(
         if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
             raise ValueError(f"theta must be a positive finite number, got {theta!r}")
     else:
-        check_float_tensor(inv_freq, "inv_freq", ndim=1)
-        if inv_freq.shape[0] != rope_dim // 2:
-            raise ValueError(
-                f"inv_freq must have rope_dim // 2 = {rope_dim // 2} entries, got {inv_freq.shape[0]}"
-            )
+        check_inv_freq(inv_freq, rope_dim)
         check_same_device(q=q, inv_freq=inv_freq)
     _check_positions(positions, "positions", B, NK, device)
     _check_positions(q_positions, "q_positions", B, NQ, device)

@@ -21,6 +21,7 @@ from fused_rope._validation import (
     KERNEL_DTYPES,
     check_angles,
     check_float_tensor,
+    check_inv_freq,
     check_kernel_device,
     check_layout,
     check_rope_dim,
@@ -479,12 +480,7 @@ def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **
     if angles is not None:
         check_angles(angles, batch, seq_len, rope_dim)
     else:
-        check_float_tensor(inv_freq, "inv_freq", ndim=1)
-        if inv_freq.shape[0] != rope_dim // 2:
-            raise ValueError(
-                f"inv_freq must have rope_dim // 2 = {rope_dim // 2} entries, got "
-                f"{inv_freq.shape[0]}"
-            )
+        check_inv_freq(inv_freq, rope_dim)
     if t.dtype != torch.float32:
         raise TypeError(
             f"{name} must be float32 (in half precision, far positions are off by whole "
