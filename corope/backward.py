@@ -73,6 +73,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from corope.forward import rotary_pairs
 from corope.naive import check_corope_inputs
 from fused_rope._device import num_sms
 from fused_rope._trig import cos_sin
@@ -755,13 +756,7 @@ def corope_bwd(
     # The rotary pairs (x1, x2) of q and k side by side in fp32, [B, H, R/2, N] int64 views:
     # the frequency loops load a pair with one 8-byte load and convert nothing (their
     # instructions -8% at G = 4, for B * (HQ + HKV) * N * R * 4 bytes while the kernel runs).
-    qp, kp = (
-        torch.empty(x.shape[0], x.shape[1], half, N, 2, **f32)
-        .copy_(x[..., :R].unflatten(-1, (2, half)).permute(0, 1, 4, 2, 3))
-        .view(torch.int64)
-        .squeeze(-1)
-        for x in (q, k)
-    )
+    qp, kp = (rotary_pairs(x, R, N).view(torch.int64).squeeze(-1) for x in (q, k))
     dn = D - R
 
     def sweep(block_m, block_n, num_warps, heads):

@@ -63,26 +63,6 @@ def _prune(configs, named_args, **kwargs):
     return [triton.Config({"BLOCK_GM": g_pad, "BLOCK_N": 64}, num_warps=4)]
 
 
-@triton.jit
-def _frequency_operands(
-    W, kt_base, d, carry, two_pi, inv_two_pi, offs_j, key_ok, stride_tkd, stride_tkn,
-    HALF: tl.constexpr,
-):  # fmt: skip
-    """Frequency ``d``'s inputs to the per-pair rotation: ``w`` (scalar fp32), the carry's
-    phase ``carry * w`` reduced modulo 2 pi (``[BLOCK_M]`` fp32) and the key tile's rotary
-    pair ``k1, k2`` (``[BLOCK_N, 1]`` fp32; 0 for keys past N). ``d`` must be in ``[0, HALF)``.
-    """
-    w = tl.load(W + d)
-    # Reduced in fp64 (two_pi, inv_two_pi are fp64 tensors; a float literal would enter as
-    # fp32): the fp32 phase built from it stays below 2 pi + BLOCK_N * w, where the fast
-    # sin/cos is accurate, however large the carry.
-    ang = carry * w
-    ang = (ang - two_pi * tl.floor(ang * inv_two_pi)).to(tl.float32)
-    k1 = tl.load(kt_base + d * stride_tkd + offs_j * stride_tkn, mask=key_ok, other=0.0)
-    k2 = tl.load(kt_base + (d + HALF) * stride_tkd + offs_j * stride_tkn, mask=key_ok, other=0.0)
-    return w, ang, k1.to(tl.float32)[:, None], k2.to(tl.float32)[:, None]
-
-
 FWD_CONFIGS = _configs()
 
 
@@ -96,12 +76,13 @@ FWD_CONFIGS = _configs()
 )
 @triton.jit
 def _corope_fwd_kernel(
-    Q, K, V, QT, KT, W, O, LSE,
+    Q, K, V, QT, KT, W, ANG, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_tqb, stride_tqh, stride_tqd,  # QT: [B, HQ, R/2, N_PAD, 2] contiguous
-    stride_tkb, stride_tkh, stride_tkd, stride_tkn,
+    stride_tkb, stride_tkh, stride_tkd,  # KT: [B, HKV, R/2, N_PAD, 2] contiguous
+    stride_ab,  # ANG: [B * HKV, N_ROWS * HALF_PAD] contiguous
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     HKV, N, gate_scale, qk_scale,
@@ -110,6 +91,7 @@ def _corope_fwd_kernel(
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
     LEADER_MEAN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FAST_TRIG: tl.constexpr,
@@ -161,8 +143,16 @@ def _corope_fwd_kernel(
     acc = tl.zeros([HEAD_DIM, BLOCK_GM], tl.float32)  # o transposed
     # fp64: the carry reaches N, and its phase carry * w is reduced modulo 2 pi exactly.
     carry = tl.zeros([BLOCK_M], tl.float64)
-    two_pi = tl.full([BLOCK_M], 6.283185307179586, tl.float64)
-    inv_two_pi = tl.full([BLOCK_M], 0.15915494309189535, tl.float64)
+    # This program's rows of ANG: the carry's reduced angle of every (frequency, row) of the
+    # current key tile, [HALF_PAD, BLOCK_M]. Computed once a tile by the whole program, where
+    # every thread holding a row would otherwise repeat the fp64 chain each frequency.
+    offs_f = tl.arange(0, HALF_PAD)
+    w64 = tl.load(W + offs_f, mask=offs_f < HALF, other=0.0).to(tl.float64)[:, None]
+    ang_row = ANG + pid_bg * stride_ab + m0 * HALF_PAD + tl.arange(0, BLOCK_M)  # frequency 0
+    ang_ptrs = ang_row[None, :] + offs_f[:, None] * BLOCK_M
+    # fp64 tensors: a float literal would enter as fp32.
+    two_pi = tl.full([1, 1], 6.283185307179586, tl.float64)
+    inv_two_pi = tl.full([1, 1], 0.15915494309189535, tl.float64)
 
     # Key tiles from the one holding the last key any of these rows sees, down to tile 0.
     n_tiles = (tl.minimum(N, m0 + BLOCK_M) + BLOCK_N - 1) // BLOCK_N
@@ -191,33 +181,34 @@ def _corope_fwd_kernel(
         z = tl.where(causal, tl.sigmoid(u_lead * gate_scale), 0.0)
         local = tl.cumsum(z, axis=0, reverse=True) - z
 
+        # The reduced angles of this tile's carry. The barriers: no thread may overwrite the
+        # previous tile's angles while another still copies them, nor read before all are
+        # written.
+        ang = carry[None, :] * w64
+        ang = ang - two_pi * tl.floor(ang * inv_two_pi)
+        tl.debug_barrier()
+        tl.store(ang_ptrs, ang.to(tl.float32))
+        tl.debug_barrier()
+        offs_pair = offs_j[:, None] * 2 + tl.arange(0, 2)[None, :]
+
         s3 = tl.zeros([BLOCK_N, G_PAD, BLOCK_M], tl.float32)
-        # Software-pipelined by one frequency: each iteration's w load and serial fp64
-        # reduction are for the NEXT frequency, so they overlap this one's sin/cos and FMAs
-        # instead of stalling the start of every iteration (the loop is latency-bound).
-        w_nx, ang_nx, k1_nx, k2_nx = _frequency_operands(
-            W, kt_base, 0, carry, two_pi, inv_two_pi, offs_j, key_ok, stride_tkd, stride_tkn, HALF
-        )
-        # num_stages=3: Triton also streams the loop's loads (the query columns, which the
-        # hand pipelining leaves in place) into shared memory two frequencies ahead
-        # (cp.async). H100: 5-8% less time at the issue's shapes (time_corope_stages_h100.md;
-        # the backward's first frequency loop does the same, its second loses by it).
+        # num_stages=3: Triton streams the loop's loads (w, the angles, the query and key
+        # pairs) into shared memory two frequencies ahead (cp.async) and reads them in the
+        # layout each use needs, with no conversion (corope/PERF_NOTES.md, session 9).
         for d in tl.range(HALF, num_stages=3):
-            w, ang, k1, k2 = w_nx, ang_nx, k1_nx, k2_nx
-            # The last iteration wraps to frequency 0 (a wasted but in-bounds prefetch) rather
-            # than branching: indices stay in [0, HALF) and the keys keep their mask.
-            w_nx, ang_nx, k1_nx, k2_nx = _frequency_operands(
-                W, kt_base, (d + 1) % HALF, carry, two_pi, inv_two_pi, offs_j, key_ok,
-                stride_tkd, stride_tkn, HALF,
-            )  # fmt: skip
+            w = tl.load(W + d)
+            ang_d = tl.load(ang_row + d * BLOCK_M)
             # fp32 columns with the softmax scale and log2(e) already folded in (launcher).
             # No `other`: a masked-out column (padded head, position >= N) only feeds its own
             # scores, softmax statistics and o column, none of which is stored.
             q1, q2 = tl.split(tl.load(qt_base + d * stride_tqd, mask=qcol_ok))
-            cos_p, sin_p = cos_sin(ang[None, :] + local * w, FAST_TRIG)
+            k1, k2 = tl.split(
+                tl.load(kt_base + d * stride_tkd + offs_pair, mask=key_ok[:, None], other=0.0)
+            )
+            cos_p, sin_p = cos_sin(ang_d[None, :] + local * w, FAST_TRIG)
             # The key rotated by -delta * w: computed once, used by all G heads.
-            kr1 = k1 * cos_p + k2 * sin_p
-            kr2 = k2 * cos_p - k1 * sin_p
+            kr1 = k1[:, None] * cos_p + k2[:, None] * sin_p
+            kr2 = k2[:, None] * cos_p - k1[:, None] * sin_p
             # Two separate accumulations: each compiles to one FMA per element, where
             # `s3 += a * b + c * d` would cost a multiply, an FMA and an add.
             s3 += kr1[:, None, :] * q1[None, :, :]
@@ -267,6 +258,18 @@ def pinned_config(index: int):
         kernel.configs, kernel.cache = saved
 
 
+def rotary_pairs(x: torch.Tensor, rope_dim: int, n_pad: int) -> torch.Tensor:
+    """The rotary pairs ``(x1, x2)`` of ``x`` ``[B, H, N, D]`` side by side in fp32,
+    ``[B, H, R/2, n_pad, 2]`` (positions ``N:n_pad`` uninitialised): one frequency's pairs
+    over consecutive positions are contiguous, so a kernel loads a pair with one 8-byte load
+    and converts nothing."""
+    B, H, N, _ = x.shape
+    half = rope_dim // 2
+    pairs = torch.empty(B, H, half, n_pad, 2, device=x.device, dtype=torch.float32)
+    pairs[:, :, :, :N] = x[..., :rope_dim].unflatten(-1, (2, half)).permute(0, 1, 4, 2, 3)
+    return pairs
+
+
 def corope_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -291,26 +294,27 @@ def corope_fwd(
         ``o`` ``[B, HQ, N, D]`` in q's dtype and ``lse`` ``[B, HQ, N]`` fp32, the natural-log
         log-sum-exp of the scaled scores over ``j <= i``.
 
-    Besides o and lse, the launch allocates transposed copies of q (the rotary part, scaled,
-    fp32, ``[B, HQ, R/2, N_pad, 2]``: ``(q1, q2)`` of a frequency side by side, ``N_pad`` = N
-    rounded up to 8) and k (``[B, HKV, D, N]``), so that one frequency's column over
-    consecutive positions is a contiguous load.
+    Besides o and lse, the launch allocates the rotary pairs of q (scaled) and k in fp32
+    (``rotary_pairs``) and a scratch of ``B * HKV * N * next_power_of_2(R / 2)`` fp32 (N
+    rounded up to 128) where each program keeps its rows' reduced carry angles of the
+    current key tile.
     """
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     G = HQ // HKV
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    # fp32 and pre-scaled: the kernel loads each query column once per key tile and frequency,
-    # so the scale and the conversion would otherwise be paid ~N / BLOCK_N times per element.
     # Positions padded to a multiple of 8 so that every stride is a multiple of 16 elements,
-    # which lets the kernel's (q1, q2) loads be 8-byte vectors. The padding is never read.
-    qt = torch.empty(
-        B, HQ, rope_dim // 2, triton.cdiv(N, 8) * 8, 2, device=q.device, dtype=torch.float32
-    )
-    # converted by the copy and scaled in place: no second fp32 copy of q at the peak
-    qt[:, :, :, :N] = q[..., :rope_dim].unflatten(-1, (2, rope_dim // 2)).permute(0, 1, 4, 2, 3)
-    qt.mul_(softmax_scale * LOG2E)
-    kt = k.transpose(-1, -2).contiguous()
+    # which lets the kernel's pair loads be 8-byte vectors. The padding is never read.
+    n_pad = triton.cdiv(N, 8) * 8
+    # q pre-scaled: the kernel loads each query pair once per key tile and frequency, so the
+    # scale would otherwise be paid ~N / BLOCK_N times per element (in place: no second
+    # fp32 copy of q at the peak).
+    qt = rotary_pairs(q, rope_dim, n_pad).mul_(softmax_scale * LOG2E)
+    kt = rotary_pairs(k, rope_dim, n_pad)
+    half_pad = triton.next_power_of_2(rope_dim // 2)
+    # Rows rounded up to the largest BLOCK_M (128), which every tile's BLOCK_M divides.
+    ang = torch.empty(B * HKV, triton.cdiv(N, 128) * 128 * half_pad, device=q.device,
+                      dtype=torch.float32)  # fmt: skip
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
@@ -319,15 +323,16 @@ def corope_fwd(
     g_pad = triton.next_power_of_2(G)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_GM"] // g_pad), B * HKV)
     _corope_fwd_kernel[grid](
-        q, k, v, qt, kt, w, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *qt.stride()[:3], *kt.stride(), *o.stride(),
-        *lse.stride(),
+        q, k, v, qt, kt, w, ang, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *qt.stride()[:3], *kt.stride()[:3],
+        ang.stride(0), *o.stride(), *lse.stride(),
         HKV, N, softmax_scale, softmax_scale * LOG2E, max(512, triton.next_power_of_2(N)),
-        G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, LEADER_MEAN=leader == "mean",
+        G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, HALF_PAD=half_pad,
+        LEADER_MEAN=leader == "mean",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FAST_TRIG=not _INTERPRET,
     )  # fmt: skip
     return o, lse
 
 
-__all__ = ["FWD_CONFIGS", "SUPPORTED_HEAD_DIMS", "corope_fwd", "pinned_config"]
+__all__ = ["FWD_CONFIGS", "SUPPORTED_HEAD_DIMS", "corope_fwd", "pinned_config", "rotary_pairs"]

@@ -39,8 +39,8 @@ from corope import backward, forward  # noqa: E402
 
 # Pointer arguments of the kernels and their element types (inputs bf16).
 POINTERS = {
-    **dict.fromkeys(("Q", "K", "V", "O", "DO", "KT", "QL"), "*bf16"),
-    **dict.fromkeys(("QT", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"), "*fp32"),
+    **dict.fromkeys(("Q", "K", "V", "O", "DO", "QL"), "*bf16"),
+    **dict.fromkeys(("QT", "KT", "ANG", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"), "*fp32"),
     **dict.fromkeys(("QP", "KP"), "*i64"),
     **dict.fromkeys(("LOCK", "LOCK_T"), "*i32"),
 }
@@ -49,7 +49,7 @@ FLOATS = {"gate_scale", "qk_scale", "softmax_scale"}
 # constant 1; leaving that out makes ptxas report spills that a real launch does not have).
 # stride_lock is 1 outside the deterministic mode (one counter a group).
 UNIT_STRIDES = {
-    "stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_tkn", "stride_ln",
+    "stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_ln",
     "stride_qld", "stride_dqd", "stride_dkd", "stride_lock",
 }  # fmt: skip
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -111,7 +111,7 @@ def report(kernel, loops: bool) -> str:
 
 
 def loop_sizes(sass: str) -> list[str]:
-    """``instructions (spill loads and stores)`` of each loop of a ``cuobjdump -sass``
+    """``instructions (spill loads and stores, barriers)`` of each loop of a ``cuobjdump -sass``
     listing, in code order: a branch to a lower address closes a loop from its target."""
     code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     sizes = []
@@ -120,7 +120,8 @@ def loop_sizes(sass: str) -> list[str]:
         if branch and int(branch.group(1), 16) < at:  # not the closing self-loop (a trap)
             body = [t for a, t in code if int(branch.group(1), 16) <= a <= at]
             spills = sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))
-            sizes.append(f"{len(body)} ({spills})")
+            bars = sum(1 for t in body if re.search(r"\bBAR\b", t))
+            sizes.append(f"{len(body)} ({spills}, {bars})")
     return sizes
 
 
@@ -129,7 +130,8 @@ def forward_rows(loops: bool, leader: str):
         for block_gm, block_n, warps in FORWARD_CONFIGS:
             if block_gm < 8 * g and g <= 8:
                 continue  # pruned by the autotuner (fewer than 8 query rows)
-            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, LEADER_MEAN=leader == "mean",
+            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=r // 2,
+                          LEADER_MEAN=leader == "mean",
                           DOT_PRECISION="tf32", FAST_TRIG=True, BLOCK_GM=block_gm,
                           BLOCK_N=block_n)  # fmt: skip
             kernel = compile_sm90(forward._corope_fwd_kernel.fn, consts, warps)
@@ -166,7 +168,7 @@ def main() -> None:
     else:
         rows = backward_rows(args.loops, args.kernel == "gate_tail", args.leader)
         tile = "tile (BLOCK_M, BLOCK_N, warps)"
-    extra = " | loops: instructions (spill ld/st)" if args.loops else ""
+    extra = " | loops: instructions (spill ld/st, barriers)" if args.loops else ""
     print(f"| G, D, R | {tile} | registers | stack B | spill st / ld B | shared B{extra} |")
     print("|---|---|---|---|---|---" + ("|---|" if args.loops else "|"))
     for shape, config, row in rows:
