@@ -63,6 +63,28 @@ def _prune(configs, named_args, **kwargs):
     return [triton.Config({"BLOCK_GM": g_pad, "BLOCK_N": 64}, num_warps=4)]
 
 
+@triton.jit
+def store_carry_angles(ang_ptrs, carry, w64):
+    """Stores ``(carry * w) mod 2 pi`` at ``ang_ptrs`` ``[HALF_PAD, BLOCK_M]`` (fp32), for a
+    frequency loop to load: ``carry`` ``[BLOCK_M]`` fp64, ``w64`` ``[HALF_PAD, 1]`` fp64.
+
+    Reduced in fp64 (a float literal would enter as fp32, hence the fp64 constants): the
+    per-pair phase built from it stays below ``2 pi + BLOCK_N * w``, where the fast sin/cos is
+    accurate, however large the carry. Done once a key tile by the whole program, where each
+    thread holding a row would otherwise repeat the chain every frequency (the backward,
+    whose second frequency loop is not pipelined, lost 12-18% by the same change). The barriers: no
+    thread overwrites the previous tile's angles while another still reads them, and none
+    reads before all are written.
+    """
+    two_pi = tl.full([1, 1], 6.283185307179586, tl.float64)
+    inv_two_pi = tl.full([1, 1], 0.15915494309189535, tl.float64)
+    ang = carry[None, :] * w64
+    ang = ang - two_pi * tl.floor(ang * inv_two_pi)
+    tl.debug_barrier()
+    tl.store(ang_ptrs, ang.to(tl.float32))
+    tl.debug_barrier()
+
+
 FWD_CONFIGS = _configs()
 
 
@@ -144,15 +166,11 @@ def _corope_fwd_kernel(
     # fp64: the carry reaches N, and its phase carry * w is reduced modulo 2 pi exactly.
     carry = tl.zeros([BLOCK_M], tl.float64)
     # This program's rows of ANG: the carry's reduced angle of every (frequency, row) of the
-    # current key tile, [HALF_PAD, BLOCK_M]. Computed once a tile by the whole program, where
-    # every thread holding a row would otherwise repeat the fp64 chain each frequency.
+    # current key tile, [HALF_PAD, BLOCK_M] (store_carry_angles).
     offs_f = tl.arange(0, HALF_PAD)
     w64 = tl.load(W + offs_f, mask=offs_f < HALF, other=0.0).to(tl.float64)[:, None]
     ang_row = ANG + pid_bg * stride_ab + m0 * HALF_PAD + tl.arange(0, BLOCK_M)  # frequency 0
     ang_ptrs = ang_row[None, :] + offs_f[:, None] * BLOCK_M
-    # fp64 tensors: a float literal would enter as fp32.
-    two_pi = tl.full([1, 1], 6.283185307179586, tl.float64)
-    inv_two_pi = tl.full([1, 1], 0.15915494309189535, tl.float64)
 
     # Key tiles from the one holding the last key any of these rows sees, down to tile 0.
     n_tiles = (tl.minimum(N, m0 + BLOCK_M) + BLOCK_N - 1) // BLOCK_N
@@ -181,14 +199,7 @@ def _corope_fwd_kernel(
         z = tl.where(causal, tl.sigmoid(u_lead * gate_scale), 0.0)
         local = tl.cumsum(z, axis=0, reverse=True) - z
 
-        # The reduced angles of this tile's carry. The barriers: no thread may overwrite the
-        # previous tile's angles while another still copies them, nor read before all are
-        # written.
-        ang = carry[None, :] * w64
-        ang = ang - two_pi * tl.floor(ang * inv_two_pi)
-        tl.debug_barrier()
-        tl.store(ang_ptrs, ang.to(tl.float32))
-        tl.debug_barrier()
+        store_carry_angles(ang_ptrs, carry, w64)
         offs_pair = offs_j[:, None] * 2 + tl.arange(0, 2)[None, :]
 
         s3 = tl.zeros([BLOCK_N, G_PAD, BLOCK_M], tl.float32)
@@ -335,4 +346,11 @@ def corope_fwd(
     return o, lse
 
 
-__all__ = ["FWD_CONFIGS", "SUPPORTED_HEAD_DIMS", "corope_fwd", "pinned_config", "rotary_pairs"]
+__all__ = [
+    "FWD_CONFIGS",
+    "SUPPORTED_HEAD_DIMS",
+    "corope_fwd",
+    "pinned_config",
+    "rotary_pairs",
+    "store_carry_angles",
+]

@@ -40,7 +40,9 @@ from corope import backward, forward  # noqa: E402
 # Pointer arguments of the kernels and their element types (inputs bf16).
 POINTERS = {
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "QL"), "*bf16"),
-    **dict.fromkeys(("QT", "KT", "ANG", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"), "*fp32"),
+    **dict.fromkeys(
+        ("QT", "KT", "ANG", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"), "*fp32"
+    ),
     **dict.fromkeys(("QP", "KP"), "*i64"),
     **dict.fromkeys(("LOCK", "LOCK_T"), "*i32"),
 }
