@@ -222,7 +222,7 @@ def _corope_bwd_kernel(
     HALF: tl.constexpr, DN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MILEAGE: tl.constexpr, DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
-    FAST_TRIG: tl.constexpr, DK_PARTS: tl.constexpr,
+    FAST_TRIG: tl.constexpr, DK_PARTS: tl.constexpr, PASS1_STAGES: tl.constexpr,
 ):  # fmt: skip
     m, split, lo, hi, n_tiles = _program_range(
         N, key_tiles, n_splits, BLOCK_M, BLOCK_N, DETERMINISTIC
@@ -327,11 +327,9 @@ def _corope_bwd_kernel(
 
         # Pass 1: scores of the G heads.
         s3 = tl.zeros([BLOCK_M, GP, BLOCK_N], dtype=tl.float32)
-        # num_stages=3: the q, k and w loads stream into shared memory two frequencies ahead
-        # (cp.async), as in the forward. H100, (1, 32/8, 128): -4% at N = 1K, -8% at 16K
-        # (probably a few % slower at (1, 8/2, 64), N = 4K; not A/B'd there); the same option
-        # on pass 2 cost 7% at 1K and 5% at 16K (time_corope_stages_h100.md).
-        for d in tl.range(HALF, num_stages=3):
+        # PASS1_STAGES (_pass1_stages) > 1: the q, k and w loads stream into shared memory
+        # that many frequencies ahead, less one (cp.async), as in the forward.
+        for d in tl.range(HALF, num_stages=PASS1_STAGES):
             _w, q1, q2, _cs, _sn, kr1, kr2 = _frequency(
                 QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry_z, local, two_pi, inv_two_pi,
                 stride_pqh, stride_pqd, stride_pkd, G, GP, FAST_TRIG,
@@ -355,12 +353,9 @@ def _corope_bwd_kernel(
             s3 += tl.permute(tl.reshape(sn2, [GP, BLOCK_M, BLOCK_N]), (1, 0, 2))
         valid = qh_ok[:, :, None] & (offs_n[None, None, :] <= offs_m[:, None, None])
         p3 = tl.where(valid, tl.exp2(s3 * (scale * 1.4426950408889634) - lse2[:, :, None]), 0.0)
-        do2 = tl.load(
-            DO + h_r[:, None] * stride_doh + i_r[:, None] * stride_don
-            + offs_d[None, :] * stride_dod,
-            mask=rd_mask,
-            other=0.0,
-        )  # fmt: skip
+        do_ptrs = DO + h_r[:, None] * stride_doh + i_r[:, None] * stride_don
+        do_ptrs += offs_d[None, :] * stride_dod
+        do2 = tl.load(do_ptrs, mask=rd_mask, other=0.0)
         v2 = tl.load(
             V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
             mask=n_ok[:, None] & d_ok[None, :],
@@ -438,6 +433,11 @@ def _corope_bwd_kernel(
         nd_ptr = offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
         nd_mask = n_ok[:, None] & d_ok[None, :]
         p2 = tl.reshape(tl.permute(p3, (1, 0, 2)), [GP * BLOCK_M, BLOCK_N])
+        # dO loaded again (L2 hits): each product takes its operand through shared memory in
+        # a layout of its own, and a second use of the first load would keep both copies
+        # ([GP * BLOCK_M, D], 64 KB each at G = 4, D = 128) alive through pass 2, which held
+        # the kernel to one CTA per SM (corope/PERF_NOTES.md, session 9).
+        do2 = tl.load(do_ptrs, mask=rd_mask, other=0.0)
         tl.atomic_add(DV + nd_ptr, _dot_split(tl.trans(p2), do2, PREC), mask=nd_mask,
                       sem="relaxed")  # fmt: skip
 
@@ -589,10 +589,20 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
 def _dk_parts(block_m: int, num_warps: int, deterministic: bool) -> int:
     """Row groups whose dk partials the sweep adds separately: one a warp where the tile's
     rows are split over the warps 16 each (the 64-row tiles' warpgroup product; H100, bf16:
-    0.4-5% less backward time, 5% at the 16K target shape; PERF_NOTES.md), else 1. The narrower tiles' rows do not follow
-    the warps (their sum would be converted through shared memory anyway), and the
-    deterministic mode needs one add an element in a fixed order."""
+    0.4-5% less backward time, 5% at the 16K target shape; PERF_NOTES.md), else 1. The
+    narrower tiles' rows do not follow the warps (their sum would be converted through
+    shared memory anyway), and the deterministic mode needs one add an element in a fixed
+    order."""
     return num_warps if block_m == 16 * num_warps and not deterministic else 1
+
+
+def _pass1_stages(half: int) -> int:
+    """Software-pipelining stages of the first frequency loop (``half = R / 2`` frequencies).
+    H100, bf16, each A/B in one process (time_corope_stages_h100.md): at R = 128, 3 stages
+    take 2-8% less backward time than none ((1, 32/8, 128), N = 1K to 16K); at R = 64, 5-6%
+    more ((1, 8/2, 64), N = 4K). Other R follow the nearer measured one. The second loop
+    lost 5-7% with 3 stages at R = 128 and is not pipelined."""
+    return 3 if half >= 64 else 1
 
 
 @cache
@@ -797,6 +807,7 @@ def corope_bwd(
                 MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
                 FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
                 DK_PARTS=_dk_parts(block_m, num_warps, deterministic),
+                PASS1_STAGES=_pass1_stages(half),
                 num_warps=num_warps,
             )  # fmt: skip
         return tg, locks[1], per_program, n_splits
