@@ -72,7 +72,7 @@ def store_carry_angles(ang_ptrs, carry, w64):
     per-pair phase built from it stays below ``2 pi + BLOCK_N * w``, where the fast sin/cos is
     accurate, however large the carry. Done once a key tile by the whole program, where each
     thread holding a row would otherwise repeat the chain every frequency (the backward,
-    whose second frequency loop is not pipelined, lost 12-18% by the same change). The barriers: no
+    whose second frequency loop is not pipelined, lost 9-18% by the same change). The barriers: no
     thread overwrites the previous tile's angles while another still reads them, and none
     reads before all are written.
     """
