@@ -1,0 +1,51 @@
+"""experiments/ncu_stalls.py on a hand-written ncu source-page export (no GPU, no ncu)."""
+
+import csv
+
+import pytest
+
+from experiments.ncu_stalls import kernels, summary
+
+HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+          "stall_wait", "stall_selected", "stall_long_sb", "stall_wait (Not Issued)"]  # fmt: skip
+
+
+def _export(path):
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "other_kernel"])
+        w.writerow(HEADER)
+        w.writerow(["0x7f2a4d7a0010", "FADD R1, R2, R3", "5", "4", "5", "0", "0", "5"])
+        w.writerow(["Kernel Name", "_corope_fwd_kernel"])
+        w.writerow(HEADER)
+        w.writerow(["0x7f2a4d7a7f00", "  MUFU.SIN R1, R2", "30", "100", "20", "10", "0", "20"])
+        w.writerow(["0x7f2a4d7a7f10", "  @!P0 LDG.E.128 R4, desc[UR4][R6.64]", "70", "100", "0", "10",
+                    "60", "0"])  # fmt: skip
+        w.writerow(["0x7f2a4d7a7f20", "  FFMA R1, R1, R2, R3", "0", "200", "0", "0", "0", "0"])
+
+
+def test_summary_counts_reasons_mix_and_hot_instructions(tmp_path):
+    path = tmp_path / "source.csv"
+    _export(path)
+    found = kernels(path)
+    assert [name for name, _ in found] == ["other_kernel", "_corope_fwd_kernel"]
+    text = summary(*found[1], top=1)
+    # 100 samples: long_sb 60, wait 20, selected 20; the "(Not Issued)" column is not a reason.
+    assert "| long_sb | 60 | 60.0% |" in text and "| wait | 20 | 20.0% |" in text
+    assert "Not Issued" not in text
+    # Mix weighted by executions, the predicate stripped: FFMA 200 of 400.
+    assert "FFMA 50.0%, MUFU 25.0%, LDG 25.0%" in text
+    # Only the hottest instruction, with its largest reasons.
+    rows = [line for line in text.splitlines() if "`" in line]
+    assert len(rows) == 1 and "LDG.E.128" in rows[0] and "long_sb 60, selected 10" in rows[0]
+    assert rows[0].startswith("| a7f10 | 70 | 100 |")
+
+
+def test_unknown_kernel_is_an_error(tmp_path, monkeypatch):
+    from experiments import ncu_stalls
+
+    path = tmp_path / "source.csv"
+    _export(path)
+    monkeypatch.setattr("sys.argv", ["ncu_stalls.py", str(path), "--kernel", "_nope"])
+    with pytest.raises(SystemExit, match="no kernel whose name contains '_nope'"):
+        ncu_stalls.main()
