@@ -23,7 +23,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 
 from corope.backward import corope_bwd  # noqa: E402
 from corope.forward import corope_fwd  # noqa: E402
-from corope.naive import corope_inv_freq  # noqa: E402
+from experiments.time_corope import kernel_inputs  # noqa: E402
 
 
 def main() -> None:
@@ -34,13 +34,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_corope.py profiles GPU kernels; no CUDA device here")
     B, HQ, HKV, D, N = (int(x) for x in args.case.split(","))
-    dev = torch.device("cuda")
-    q = torch.randn(B, HQ, N, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16)
-    do = torch.randn_like(q)
-    w = corope_inv_freq(D, 10000.0, None, dev)
-    s = D**-0.5
+    q, k, v, do, w, s = kernel_inputs(B, HQ, HKV, D, N)
 
     def step() -> None:
         o, lse = corope_fwd(q, k, v, w, s, D, "first")

@@ -68,6 +68,17 @@ def load_version(root: Path, index: int) -> tuple[ModuleType, ModuleType]:
     return modules[0], modules[1]
 
 
+def kernel_inputs(B: int, HQ: int, HKV: int, D: int, N: int):
+    """Random bf16 ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]``, a cotangent ``do`` like q, the
+    default frequencies ``w [D/2]`` and the scale ``s = D^-1/2``, on the GPU: the arguments
+    ``corope_fwd`` and ``corope_bwd`` take (full rotation, first leader)."""
+    dev = torch.device("cuda")
+    q = torch.randn(B, HQ, N, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16)
+    return q, k, v, torch.randn_like(q), corope_inv_freq(D, 10000.0, None, dev), D**-0.5
+
+
 def rel_diff(xs, ys) -> float:
     """Largest ``max |x - y| / max |x|`` over pairs of tensors."""
     return max(
@@ -82,13 +93,8 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
     module pair of ``versions``, on the same inputs."""
     import triton.testing
 
-    dev = torch.device("cuda")
-    q = torch.randn(B, HQ, N, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16)
-    do = torch.randn_like(q)
-    w = corope_inv_freq(D, 10000.0, None, dev)
-    s = D**-0.5
+    q, k, v, do, w, s = kernel_inputs(B, HQ, HKV, D, N)
+    dev = q.device
     fl = floor_ms(B, HKV, N, D)
     rows, reference = [], None
     for label, fwd_mod, bwd_mod in (("checkout", corope.forward, corope.backward), *versions):
