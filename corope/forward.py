@@ -124,7 +124,7 @@ def _corope_fwd_kernel(
     HALF: tl.constexpr = ROPE_DIM // 2
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
-    b = pid_bg // HKV
+    b = (pid_bg // HKV).to(tl.int64)  # batch offsets can pass 2**31 elements
     g = pid_bg % HKV
     m0 = pid_m * BLOCK_M
 
@@ -165,11 +165,12 @@ def _corope_fwd_kernel(
     acc = tl.zeros([HEAD_DIM, BLOCK_GM], tl.float32)  # o transposed
     # fp64: the carry reaches N, and its phase carry * w is reduced modulo 2 pi exactly.
     carry = tl.zeros([BLOCK_M], tl.float64)
-    # This program's rows of ANG: the carry's reduced angle of every (frequency, row) of the
-    # current key tile, [HALF_PAD, BLOCK_M] (store_carry_angles).
+    # This program's slot of ANG: the carry's reduced angle of every (frequency, row) of the
+    # current key tile, [HALF_PAD, BLOCK_M] (store_carry_angles); ang_row points at frequency
+    # 0's row, frequency d is d * BLOCK_M further.
     offs_f = tl.arange(0, HALF_PAD)
     w64 = tl.load(W + offs_f, mask=offs_f < HALF, other=0.0).to(tl.float64)[:, None]
-    ang_row = ANG + pid_bg * stride_ab + m0 * HALF_PAD + tl.arange(0, BLOCK_M)  # frequency 0
+    ang_row = ANG + pid_bg.to(tl.int64) * stride_ab + m0 * HALF_PAD + tl.arange(0, BLOCK_M)
     ang_ptrs = ang_row[None, :] + offs_f[:, None] * BLOCK_M
 
     # Key tiles from the one holding the last key any of these rows sees, down to tile 0.
