@@ -571,8 +571,9 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     fully. ``GP * BLOCK_N <= 128`` columns bound the registers, and ``dO`` (``GP * BLOCK_M x
     D``, in shared memory for two products) is kept to 64 KB by fewer rows for large groups
     or head dims, and to 32 KB at D = 256 (where 64 KB took 240 KB of shared memory in
-    all, over sm_90's 227 KB). With fewer rows the products are not warpgroup ones and the
-    heads of a pair may be split over warps: correct, slower. On the GPU, fp32 inputs take
+    all, over sm_90's 227 KB; measured while both of dO's copies lived through pass 2, before
+    e7b60c8, so larger tiles may fit now). With fewer rows the products are not warpgroup
+    ones and the heads of a pair may be split over warps: correct, slower. On the GPU, fp32 inputs take
     exact fp32 products, which are FMA loops whose code grows with the tile: 16 x 16 tiles
     on 8 warps keep ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``, "Backward v2". The
     interpreter, whose cost is per tile, runs the half-precision rule for every dtype
@@ -599,9 +600,9 @@ def _dk_parts(block_m: int, num_warps: int, deterministic: bool) -> int:
 def _pass1_stages(half: int) -> int:
     """Software-pipelining stages of the first frequency loop (``half = R / 2`` frequencies).
     H100, bf16, each A/B in one process (time_corope_stages_h100.md): at R = 128, 3 stages
-    take 2-8% less backward time than none ((1, 32/8, 128), N = 1K to 16K); at R = 64, 5-6%
-    more ((1, 8/2, 64), N = 4K). Other R follow the nearer measured one. The second loop
-    lost 5-7% with 3 stages at R = 128 and is not pipelined."""
+    take 2-8% less backward time than none ((1, 32/8, 128), N = 1K to 16K); at R = 64, 6%
+    more ((1, 8/2, 64), N = 4K). Unmeasured R: pipelined from R = 128 on, not below. The
+    second loop lost 5-7% with 3 stages at R = 128 and is not pipelined."""
     return 3 if half >= 64 else 1
 
 
@@ -609,11 +610,12 @@ def _pass1_stages(half: int) -> int:
 def _key_tiles_per_program(
     groups: int, seq_len: int, block_m: int, block_n: int, device: torch.device
 ) -> int:
-    """Key tiles a program sweeps: enough programs for about 8 per SM (2 fit on an SM at
-    once, and chunks of equal length balance the causal triangle's unequal rows), at least
-    2 tiles each. ``groups`` = B * HKV. One program per query tile (all its key tiles) where
-    the query tiles alone give that many programs (long sequences), and in the interpreter,
-    whose cost is per program.
+    """Key tiles a program sweeps: enough programs for about 8 per SM (2 fit on an SM at once
+    where their shared memory allows: offline, every bf16 tile needs 80 KB or less since
+    e7b60c8, PERF_NOTES session 9; and chunks of equal length balance the causal triangle's
+    unequal rows), at least 2 tiles each. ``groups`` = B * HKV. One program per query tile
+    (all its key tiles) where the query tiles alone give that many programs (long sequences),
+    and in the interpreter, whose cost is per program.
 
     Short sequences have too few query tiles to fill the GPU (N = 1K, (1, 32/8, 128): 128
     programs of one 4-warp CTA for 132 SMs, the longest sweeping 32 key tiles); a split

@@ -64,9 +64,10 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def store_carry_angles(ang_ptrs, carry, w64):
+def store_carry_angles(ang_ptrs, carry, w64, f_ok):
     """Stores ``(carry * w) mod 2 pi`` at ``ang_ptrs`` ``[HALF_PAD, BLOCK_M]`` (fp32), for a
-    frequency loop to load: ``carry`` ``[BLOCK_M]`` fp64, ``w64`` ``[HALF_PAD, 1]`` fp64.
+    frequency loop to load: ``carry`` ``[BLOCK_M]`` fp64, ``w64`` ``[HALF_PAD, 1]`` fp64,
+    ``f_ok`` ``[HALF_PAD, 1]``: the frequencies that exist (the rest are not stored).
 
     Reduced in fp64 (a float literal would enter as fp32, hence the fp64 constants): the
     per-pair phase built from it stays below ``2 pi + BLOCK_N * w``, where the fast sin/cos is
@@ -81,7 +82,7 @@ def store_carry_angles(ang_ptrs, carry, w64):
     ang = carry[None, :] * w64
     ang = ang - two_pi * tl.floor(ang * inv_two_pi)
     tl.debug_barrier()
-    tl.store(ang_ptrs, ang.to(tl.float32))
+    tl.store(ang_ptrs, ang.to(tl.float32), mask=f_ok)
     tl.debug_barrier()
 
 
@@ -169,7 +170,8 @@ def _corope_fwd_kernel(
     # current key tile, [HALF_PAD, BLOCK_M] (store_carry_angles); ang_row points at frequency
     # 0's row, frequency d is d * BLOCK_M further.
     offs_f = tl.arange(0, HALF_PAD)
-    w64 = tl.load(W + offs_f, mask=offs_f < HALF, other=0.0).to(tl.float64)[:, None]
+    f_ok = (offs_f < HALF)[:, None]
+    w64 = tl.load(W + offs_f[:, None], mask=f_ok, other=0.0).to(tl.float64)
     ang_row = ANG + pid_bg.to(tl.int64) * stride_ab + m0 * HALF_PAD + tl.arange(0, BLOCK_M)
     ang_ptrs = ang_row[None, :] + offs_f[:, None] * BLOCK_M
 
@@ -200,7 +202,7 @@ def _corope_fwd_kernel(
         z = tl.where(causal, tl.sigmoid(u_lead * gate_scale), 0.0)
         local = tl.cumsum(z, axis=0, reverse=True) - z
 
-        store_carry_angles(ang_ptrs, carry, w64)
+        store_carry_angles(ang_ptrs, carry, w64, f_ok)
         offs_pair = offs_j[:, None] * 2 + tl.arange(0, 2)[None, :]
 
         s3 = tl.zeros([BLOCK_N, G_PAD, BLOCK_M], tl.float32)
@@ -275,7 +277,11 @@ def rotary_pairs(x: torch.Tensor, rope_dim: int, n_pad: int) -> torch.Tensor:
     ``[B, H, R/2, n_pad, 2]`` (positions ``N:n_pad`` uninitialised): one frequency's pairs
     over consecutive positions are contiguous, so a kernel loads a pair with one 8-byte load
     and converts nothing."""
-    B, H, N, _ = x.shape
+    B, H, N, D = x.shape
+    if rope_dim % 2 or not 0 < rope_dim <= D:
+        raise ValueError(f"rope_dim must be even and in (0, {D}], got {rope_dim}")
+    if n_pad < N:
+        raise ValueError(f"n_pad must be at least N = {N}, got {n_pad}")
     half = rope_dim // 2
     pairs = torch.empty(B, H, half, n_pad, 2, device=x.device, dtype=torch.float32)
     pairs[:, :, :, :N] = x[..., :rope_dim].unflatten(-1, (2, half)).permute(0, 1, 4, 2, 3)
@@ -323,16 +329,18 @@ def corope_fwd(
     # fp32 copy of q at the peak).
     qt = rotary_pairs(q, rope_dim, n_pad).mul_(softmax_scale * LOG2E)
     kt = rotary_pairs(k, rope_dim, n_pad)
+    g_pad = triton.next_power_of_2(G)
     half_pad = triton.next_power_of_2(rope_dim // 2)
-    # Rows rounded up to the largest BLOCK_M (128), which every tile's BLOCK_M divides.
-    ang = torch.empty(B * HKV, triton.cdiv(N, 128) * 128 * half_pad, device=q.device,
+    # Rows rounded up to the largest BLOCK_M = BLOCK_GM / G_PAD any config can take (powers of
+    # two, so every other BLOCK_M divides it; _prune's fallback has BLOCK_M = 1).
+    m_max = max(1, max(c.kwargs["BLOCK_GM"] for c in _corope_fwd_kernel.configs) // g_pad)
+    ang = torch.empty(B * HKV, triton.cdiv(N, m_max) * m_max * half_pad, device=q.device,
                       dtype=torch.float32)  # fmt: skip
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
     if N == 0 or B == 0 or HQ == 0:
         return o, lse
-    g_pad = triton.next_power_of_2(G)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_GM"] // g_pad), B * HKV)
     _corope_fwd_kernel[grid](
         q, k, v, qt, kt, w, ang, o, lse,
@@ -347,11 +355,4 @@ def corope_fwd(
     return o, lse
 
 
-__all__ = [
-    "FWD_CONFIGS",
-    "SUPPORTED_HEAD_DIMS",
-    "corope_fwd",
-    "pinned_config",
-    "rotary_pairs",
-    "store_carry_angles",
-]
+__all__ = ["FWD_CONFIGS", "SUPPORTED_HEAD_DIMS", "corope_fwd", "pinned_config", "rotary_pairs"]

@@ -1,8 +1,9 @@
 """One warmed-up Co-RoPE forward and backward between ``cudaProfilerStart``/``Stop``, for ncu.
 
 Autotuning and compilation run before the profiler starts, so ``ncu --profile-from-start off``
-sees exactly one launch of each kernel (the forward, the backward's sweep and its gate tail),
-at the configuration a real call uses:
+sees one launch of each Triton kernel (the forward, the backward's sweep and its gate tail) at
+the configuration a real call uses, besides PyTorch's small copy and fill kernels of the two
+launchers (``--kernel-name regex:_corope|_gate_tail`` leaves those out):
 
     ncu --profile-from-start off --clock-control none --set full --import-source yes \\
         -o /tmp/corope python experiments/profile_corope.py --case 1,32,8,128,4096

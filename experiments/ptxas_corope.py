@@ -132,7 +132,7 @@ def forward_rows(loops: bool, leader: str):
         for block_gm, block_n, warps in FORWARD_CONFIGS:
             if block_gm < 8 * g and g <= 8:
                 continue  # pruned by the autotuner (fewer than 8 query rows)
-            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=r // 2,
+            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=triton.next_power_of_2(r // 2),
                           LEADER_MEAN=leader == "mean",
                           DOT_PRECISION="tf32", FAST_TRIG=True, BLOCK_GM=block_gm,
                           BLOCK_N=block_n)  # fmt: skip

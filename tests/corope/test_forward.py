@@ -288,3 +288,19 @@ def test_backward_op_fake_matches_real_strides_for_transposed_inputs():
     o, lse = corope_fwd(q, k, v, w, D**-0.5, D, "first")
     args = (torch.randn_like(o), q, k, v, o, lse, w, D**-0.5, D, "first", False, False)
     torch.library.opcheck(_attention_backward_op, args, test_utils=("test_faketensor",))
+
+
+def test_rotary_pairs_layout_and_errors():
+    # [B, H, R/2, n_pad, 2]: (x1, x2) of frequency d at position n side by side, fp32;
+    # channels R: (pass-through) are not copied.
+    x = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16)
+    pairs = forward.rotary_pairs(x, 6, 8)
+    assert pairs.shape == (2, 3, 3, 8, 2) and pairs.dtype == torch.float32
+    expected = torch.stack((x[..., :3], x[..., 3:6]), dim=-1).float().transpose(2, 3)
+    assert torch.equal(pairs[:, :, :, :5], expected)
+    with pytest.raises(ValueError, match="rope_dim must be even"):
+        forward.rotary_pairs(x, 5, 8)
+    with pytest.raises(ValueError, match="rope_dim must be even and in"):
+        forward.rotary_pairs(x, 10, 8)
+    with pytest.raises(ValueError, match="n_pad must be at least N = 5, got 4"):
+        forward.rotary_pairs(x, 6, 4)
