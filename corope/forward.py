@@ -1,9 +1,9 @@
 """Co-RoPE-GQA forward in Triton: one streaming pass, O(N) memory (design: corope/README.md).
 
 One program owns ``BLOCK_M`` query positions of one KV group and ALL ``G`` query heads of
-that group, packed as ``BLOCK_GM = G_PAD * BLOCK_M`` columns (head-major) of key-major tiles
-``[BLOCK_N, BLOCK_GM]``, so that the gate logits (``k @ q^T``) and ``O^T += V^T @ P^T`` are
-single tensor-core products. It sweeps the key tiles from the diagonal DOWN to tile 0, so the
+that group, packed as ``COLS = G_PAD * BLOCK_M`` columns (head-major; the config's
+``BLOCK_GM`` unless the group is wider) of key-major tiles ``[BLOCK_N, COLS]``, so that the
+gate logits (``k @ q^T``) and ``O^T += V^T @ P^T`` are single tensor-core products. It sweeps the key tiles from the diagonal DOWN to tile 0, so the
 mileage of a key is a running suffix sum of the gates:
 
     delta[i, j] = carry[i] + local[i, j]
@@ -121,7 +121,10 @@ def _corope_fwd_kernel(
     BLOCK_GM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    BLOCK_M: tl.constexpr = BLOCK_GM // G_PAD
+    # _prune gives autotuned launches a tile at least G_PAD columns wide; a single config
+    # (pinned_config, the interpreter's) is not pruned, and a wider group takes one row.
+    BLOCK_M: tl.constexpr = max(1, BLOCK_GM // G_PAD)
+    COLS: tl.constexpr = G_PAD * BLOCK_M
     HALF: tl.constexpr = ROPE_DIM // 2
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -129,16 +132,16 @@ def _corope_fwd_kernel(
     g = pid_bg % HKV
     m0 = pid_m * BLOCK_M
 
-    # Tiles are key-major: [BLOCK_N keys, BLOCK_GM packed query columns], column
+    # Tiles are key-major: [BLOCK_N keys, COLS packed query columns], column
     # c = hh * BLOCK_M + ii is head g * G + hh at position m0 + ii. In the MMA accumulator
     # layout the high column bits (the head) sit in registers, so each thread holds every
     # head of its (key, query) pairs and the per-pair sin/cos is computed once for all G.
-    cols = tl.arange(0, BLOCK_GM)
+    cols = tl.arange(0, COLS)
     cols_h = cols // BLOCK_M
     cols_i = m0 + cols % BLOCK_M
     col_ok = (cols_h < G) & (cols_i < N)
     offs_d = tl.arange(0, HEAD_DIM)
-    # q_t: [D, BLOCK_GM], the columns of the tile
+    # q_t: [D, COLS], the columns of the tile
     q_t = tl.load(
         Q + b * stride_qb + (g * G + cols_h)[None, :] * stride_qh
         + cols_i[None, :] * stride_qn + offs_d[:, None] * stride_qd,
@@ -161,9 +164,9 @@ def _corope_fwd_kernel(
     v_base = V + b * stride_vb + g * stride_vh
     kt_base = KT + b * stride_tkb + g * stride_tkh
 
-    m_i = tl.full([BLOCK_GM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_GM], tl.float32)
-    acc = tl.zeros([HEAD_DIM, BLOCK_GM], tl.float32)  # o transposed
+    m_i = tl.full([COLS], float("-inf"), tl.float32)
+    l_i = tl.zeros([COLS], tl.float32)
+    acc = tl.zeros([HEAD_DIM, COLS], tl.float32)  # o transposed
     # fp64: the carry reaches N, and its phase carry * w is reduced modulo 2 pi exactly.
     carry = tl.zeros([BLOCK_M], tl.float64)
     # This program's slot of ANG: the carry's reduced angle of every (frequency, row) of the
@@ -227,7 +230,7 @@ def _corope_fwd_kernel(
             # `s3 += a * b + c * d` would cost a multiply, an FMA and an add.
             s3 += kr1[:, None, :] * q1[None, :, :]
             s3 += kr2[:, None, :] * q2[None, :, :]
-        s = tl.reshape(s3, [BLOCK_N, BLOCK_GM])
+        s = tl.reshape(s3, [BLOCK_N, COLS])
         if ROPE_DIM < HEAD_DIM:
             s += tl.dot(k, q_pass, input_precision=DOT_PRECISION) * qk_scale
         mask = (offs_j[:, None] <= cols_i[None, :]) & key_ok[:, None]
@@ -341,7 +344,7 @@ def corope_fwd(
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
     if N == 0 or B == 0 or HQ == 0:
         return o, lse
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_GM"] // g_pad), B * HKV)
+    grid = lambda meta: (triton.cdiv(N, max(1, meta["BLOCK_GM"] // g_pad)), B * HKV)
     _corope_fwd_kernel[grid](
         q, k, v, qt, kt, w, ang, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *qt.stride()[:3], *kt.stride()[:3],

@@ -51,6 +51,8 @@ CASES = [
     pytest.param(1, 4, 2, 63, 64, 32, "mean", torch.float16, id="G2-N63-D64-R32-mean-f16"),
     pytest.param(1, 6, 2, 37, 64, 48, "first", torch.float32, id="G3-N37-D64-R48-f32"),
     pytest.param(2, 4, 2, 33, 128, None, "first", torch.float32, id="B2-G2-N33-D128-f32"),
+    # A group wider than the interpreter's tile (G_PAD = 128 > BLOCK_GM = 64): one row a tile.
+    pytest.param(1, 128, 1, 5, 32, None, "mean", torch.float32, id="G128-N5-D32-mean-f32"),
     pytest.param(
         1, 2, 1, 500, 32, None, "first", torch.float32, id="G2-N500-D32-f32", marks=pytest.mark.slow
     ),
