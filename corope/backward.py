@@ -573,10 +573,10 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     or head dims, and to 32 KB at D = 256 (where 64 KB took 240 KB of shared memory in
     all, over sm_90's 227 KB; measured while both of dO's copies lived through pass 2, before
     e7b60c8, so larger tiles may fit now). With fewer rows the products are not warpgroup
-    ones and the heads of a pair may be split over warps: correct, slower. On the GPU, fp32 inputs take
-    exact fp32 products, which are FMA loops whose code grows with the tile: 16 x 16 tiles
-    on 8 warps keep ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``, "Backward v2". The
-    interpreter, whose cost is per tile, runs the half-precision rule for every dtype
+    ones and the heads of a pair may be split over warps: correct, slower. On the GPU, fp32
+    inputs take exact fp32 products, which are FMA loops whose code grows with the tile:
+    16 x 16 tiles on 8 warps keep ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``,
+    "Backward v2". The interpreter, whose cost is per tile, runs the half-precision rule for every dtype
     (which gives 16 x 16 tiles for its largest fp32 groups).
     """
     if dtype == torch.float32 and not _interpreted():

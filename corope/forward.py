@@ -3,8 +3,9 @@
 One program owns ``BLOCK_M`` query positions of one KV group and ALL ``G`` query heads of
 that group, packed as ``COLS = G_PAD * BLOCK_M`` columns (head-major; the config's
 ``BLOCK_GM`` unless the group is wider) of key-major tiles ``[BLOCK_N, COLS]``, so that the
-gate logits (``k @ q^T``) and ``O^T += V^T @ P^T`` are single tensor-core products. It sweeps the key tiles from the diagonal DOWN to tile 0, so the
-mileage of a key is a running suffix sum of the gates:
+gate logits (``k @ q^T``) and ``O^T += V^T @ P^T`` are single tensor-core products. It sweeps
+the key tiles from the diagonal DOWN to tile 0, so the mileage of a key is a running suffix
+sum of the gates:
 
     delta[i, j] = carry[i] + local[i, j]
     carry[i]    = sum of z[i, t] over the tiles already swept (t above the current tile), fp64
@@ -73,9 +74,9 @@ def store_carry_angles(ang_ptrs, carry, w64, f_ok):
     per-pair phase built from it stays below ``2 pi + BLOCK_N * w``, where the fast sin/cos is
     accurate, however large the carry. Done once a key tile by the whole program, where each
     thread holding a row would otherwise repeat the chain every frequency (the backward,
-    whose second frequency loop is not pipelined, lost 9-18% by the same change). The barriers: no
-    thread overwrites the previous tile's angles while another still reads them, and none
-    reads before all are written.
+    whose second frequency loop is not pipelined, lost 9-18% by the same change). The
+    barriers: no thread overwrites the previous tile's angles while another still reads them,
+    and none reads before all are written.
     """
     two_pi = tl.full([1, 1], 6.283185307179586, tl.float64)
     inv_two_pi = tl.full([1, 1], 0.15915494309189535, tl.float64)
@@ -317,8 +318,8 @@ def corope_fwd(
 
     Besides o and lse, the launch allocates the rotary pairs of q (scaled) and k in fp32
     (``rotary_pairs``) and a scratch of ``B * HKV * N * next_power_of_2(R / 2)`` fp32 (N
-    rounded up to 128) where each program keeps its rows' reduced carry angles of the
-    current key tile.
+    rounded up to the largest tile's rows) where each program keeps its rows' reduced carry
+    angles of the current key tile.
     """
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
