@@ -576,8 +576,8 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     ones and the heads of a pair may be split over warps: correct, slower. On the GPU, fp32
     inputs take exact fp32 products, which are FMA loops whose code grows with the tile:
     16 x 16 tiles on 8 warps keep ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``,
-    "Backward v2". The interpreter, whose cost is per tile, runs the half-precision rule for every dtype
-    (which gives 16 x 16 tiles for its largest fp32 groups).
+    "Backward v2". The interpreter, whose cost is per tile, runs the half-precision rule for
+    every dtype (which gives 16 x 16 tiles for its largest fp32 groups).
     """
     if dtype == torch.float32 and not _interpreted():
         return 16, 16, 8
