@@ -230,8 +230,9 @@ def _corope_bwd_kernel(
     if lo == hi:
         return  # a split past the query tile's causal range (TG is zeroed by the launcher)
     bg = tl.program_id(1)
-    b = (bg // HKV).to(tl.int64)  # batch offsets can pass 2**31 elements
-    grp = bg % HKV
+    # int64: batch and head offsets can pass 2**31 elements (offsets within a group do not)
+    b = (bg // HKV).to(tl.int64)
+    grp = (bg % HKV).to(tl.int64)
     h0 = grp * group  # the program's G heads are the first of its group's in Q, O, DQ, ...
     scale = softmax_scale
     ROPE: tl.constexpr = 2 * HALF
@@ -497,7 +498,7 @@ def _gate_tail_kernel(
         return
     bg = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)
-    grp = bg % HKV
+    grp = (bg % HKV).to(tl.int64)
     QL += b * stride_qlb + grp * stride_qlh
     K += b * stride_kb + grp * stride_kh
     TG += bg.to(tl.int64) * stride_tgb

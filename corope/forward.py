@@ -129,8 +129,10 @@ def _corope_fwd_kernel(
     HALF: tl.constexpr = ROPE_DIM // 2
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
-    b = (pid_bg // HKV).to(tl.int64)  # batch offsets can pass 2**31 elements
-    g = pid_bg % HKV
+    # int64: batch and head offsets can pass 2**31 elements (offsets within a group do not)
+    b = (pid_bg // HKV).to(tl.int64)
+    g = (pid_bg % HKV).to(tl.int64)
+    h0 = g * G  # the group's first query head
     m0 = pid_m * BLOCK_M
 
     # Tiles are key-major: [BLOCK_N keys, COLS packed query columns], column
@@ -144,7 +146,7 @@ def _corope_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     # q_t: [D, COLS], the columns of the tile
     q_t = tl.load(
-        Q + b * stride_qb + (g * G + cols_h)[None, :] * stride_qh
+        Q + b * stride_qb + h0 * stride_qh + cols_h[None, :] * stride_qh
         + cols_i[None, :] * stride_qn + offs_d[:, None] * stride_qd,
         mask=col_ok[None, :], other=0.0,
     )  # fmt: skip
@@ -157,7 +159,7 @@ def _corope_fwd_kernel(
     qcol_ok = ((offs_h < G)[:, None] & (offs_i < N)[None, :])[:, :, None]
     # QT holds (q1, q2) of a frequency side by side: one 8-byte load per column and frequency.
     qt_base = (
-        QT + b * stride_tqb + (g * G + offs_h)[:, None, None] * stride_tqh
+        QT + b * stride_tqb + h0 * stride_tqh + offs_h[:, None, None] * stride_tqh
         + offs_i[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
     )  # fmt: skip
 
@@ -252,12 +254,12 @@ def _corope_fwd_kernel(
         carry += tl.sum(z.to(tl.float64), axis=0)
 
     o_ptrs = (
-        O + b * stride_ob + (g * G + cols_h)[None, :] * stride_oh
+        O + b * stride_ob + h0 * stride_oh + cols_h[None, :] * stride_oh
         + cols_i[None, :] * stride_on + offs_d[:, None] * stride_od
     )  # fmt: skip
     tl.store(o_ptrs, (acc / l_i[None, :]).to(O.dtype.element_ty), mask=col_ok[None, :])
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    lse_ptrs = LSE + b * stride_lb + (g * G + cols_h) * stride_lh + cols_i * stride_ln
+    lse_ptrs = LSE + b * stride_lb + h0 * stride_lh + cols_h * stride_lh + cols_i * stride_ln
     tl.store(lse_ptrs, lse, mask=col_ok)
 
 
