@@ -598,6 +598,13 @@ def _dk_parts(block_m: int, num_warps: int, deterministic: bool) -> int:
     return num_warps if block_m == 16 * num_warps and not deterministic else 1
 
 
+# Pipelining stages of the loops that set none themselves (Triton's default is 3): the key-tile
+# loop, whose tensor-core operands the pipeliner would otherwise stage through shared memory
+# (sm_90a, bf16: 80 -> 112 KiB a CTA at G = 4, D = 128, 72 -> 134 KiB at G = 16, where it
+# leaves room for one CTA an SM instead of two).
+SWEEP_NUM_STAGES = 1
+
+
 def _pass1_stages(half: int) -> int:
     """Software-pipelining stages of the first frequency loop (``half = R / 2`` frequencies).
     H100, bf16, each A/B in one process (time_corope_stages_h100.md): at R = 128, 3 stages
@@ -811,7 +818,7 @@ def corope_bwd(
                 FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
                 DK_PARTS=_dk_parts(block_m, num_warps, deterministic),
                 PASS1_STAGES=_pass1_stages(half),
-                num_warps=num_warps,
+                num_warps=num_warps, num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip
         return tg, locks[1], per_program, n_splits
 
@@ -831,6 +838,7 @@ def corope_bwd(
                 *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
                 D=D, D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
                 BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
+                num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip
 
         # Its own shared-memory fallback (fewer rows): the "mean" leader's fp32 qL at D = 256

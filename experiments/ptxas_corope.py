@@ -58,12 +58,13 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # (G, D, R) shapes
 SHAPES = [(4, 64, 64), (4, 128, 128), (1, 128, 128), (2, 128, 128), (8, 128, 128),
           (16, 128, 128), (4, 128, 64), (4, 256, 256)]  # fmt: skip
-FORWARD_CONFIGS = [(64, 64, 4), (64, 128, 4), (64, 128, 8)]  # (BLOCK_GM, BLOCK_N, warps)
 
 
-def compile_sm90(fn, consts: dict, warps: int, leader: str = "first"):
-    """``fn`` compiled for sm_90 with ``consts`` as its constexprs and the launch's
-    specialisation of the other arguments (the backward's ``QL`` is fp32 for the mean leader)."""
+def compile_sm90(fn, consts: dict, warps: int, stages: int, leader: str = "first"):
+    """``fn`` compiled for sm_90 with ``consts`` as its constexprs, the launch's ``warps`` and
+    ``stages`` (``num_stages``: it changes the shared memory and the registers), and the
+    launch's specialisation of the other arguments (the backward's ``QL`` is fp32 for the mean
+    leader)."""
     pointers = POINTERS | ({"QL": "*fp32"} if leader == "mean" else {})
     sig, attrs, consts = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
@@ -82,7 +83,7 @@ def compile_sm90(fn, consts: dict, warps: int, leader: str = "first"):
     return triton.compile(
         ASTSource(fn, sig, consts, attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": 1},
+        options={"num_warps": warps, "num_stages": stages},
     )
 
 
@@ -129,14 +130,16 @@ def loop_sizes(sass: str) -> list[str]:
 
 def forward_rows(loops: bool, leader: str):
     for g, d, r in SHAPES:
-        for block_gm, block_n, warps in FORWARD_CONFIGS:
+        for config in forward._configs():  # the autotuner's (not the interpreter's)
+            block_gm, block_n = config.kwargs["BLOCK_GM"], config.kwargs["BLOCK_N"]
+            warps, stages = config.num_warps, config.num_stages
             if block_gm < 8 * g and g <= 8:
                 continue  # pruned by the autotuner (fewer than 8 query rows)
             consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=triton.next_power_of_2(r // 2),
                           LEADER_MEAN=leader == "mean",
                           DOT_PRECISION="tf32", FAST_TRIG=True, BLOCK_GM=block_gm,
                           BLOCK_N=block_n)  # fmt: skip
-            kernel = compile_sm90(forward._corope_fwd_kernel.fn, consts, warps)
+            kernel = compile_sm90(forward._corope_fwd_kernel.fn, consts, warps, stages)
             yield f"{g}, {d}, {r}", (block_gm, block_n, warps), report(kernel, loops)
 
 
@@ -147,7 +150,9 @@ def backward_rows(loops: bool, tail: bool, leader: str):
         if tail:
             consts = dict(D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                           DETERMINISTIC=False, PREC="tf32x3")  # fmt: skip
-            kernel = compile_sm90(backward._gate_tail_kernel, consts, warps, leader)
+            kernel = compile_sm90(
+                backward._gate_tail_kernel, consts, warps, backward.SWEEP_NUM_STAGES, leader
+            )
         else:
             dn = d - r
             consts = dict(G=g, GP=triton.next_power_of_2(g), D=d, D_PAD=d_pad, HALF=r // 2,
@@ -156,7 +161,9 @@ def backward_rows(loops: bool, tail: bool, leader: str):
                           PREC="tf32x3", FAST_TRIG=True,
                           DK_PARTS=backward._dk_parts(block_m, warps, False),
                           PASS1_STAGES=backward._pass1_stages(r // 2))  # fmt: skip
-            kernel = compile_sm90(backward._corope_bwd_kernel, consts, warps, leader)
+            kernel = compile_sm90(
+                backward._corope_bwd_kernel, consts, warps, backward.SWEEP_NUM_STAGES, leader
+            )
         yield f"{g}, {d}, {r}", (block_m, block_n, warps), report(kernel, loops)
 
 
