@@ -619,9 +619,10 @@ def _key_tiles_per_program(
     groups: int, seq_len: int, block_m: int, block_n: int, device: torch.device
 ) -> int:
     """Key tiles a program sweeps: enough programs for about 8 per SM (2 fit on an SM at once
-    where their shared memory allows: offline, every bf16 tile needs 80 KB or less since
-    e7b60c8, PERF_NOTES session 9; and chunks of equal length balance the causal triangle's
-    unequal rows), at least 2 tiles each. ``groups`` = B * HKV. One program per query tile
+    where their shared memory allows: every bf16 tile needs 80 KiB or less, offline, since dO
+    is loaded once per product and the launch sets SWEEP_NUM_STAGES; checked on the GPU with
+    two CTAs an SM, PERF_NOTES session 10; and chunks of equal length balance the causal
+    triangle's unequal rows), at least 2 tiles each. ``groups`` = B * HKV. One program per query tile
     (all its key tiles) where the query tiles alone give that many programs (long sequences),
     and in the interpreter, whose cost is per program.
 
