@@ -564,21 +564,22 @@ def _interpreted() -> bool:
 
 
 def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): query rows and keys of a tile, warps.
+    """(BLOCK_M, BLOCK_N, num_warps): query rows and keys of a tile, warps, for programs that
+    take ``group`` heads (at most SLICE_HEADS: ``_launch_configs``).
 
     ``BLOCK_M = 64`` rows on 4 warps is one warpgroup of Hopper's tensor-core product, whose
     accumulator layout (``_gates``) gives each thread 2 rows and ``BLOCK_N / 4`` keys of
     every head: the dq reduction over keys is then mostly in-thread and the heads' sums
     fully. ``GP * BLOCK_N <= 128`` columns bound the registers, and ``dO`` (``GP * BLOCK_M x
-    D``, in shared memory for two products) is kept to 64 KB by fewer rows for large groups
-    or head dims, and to 32 KB at D = 256 (where 64 KB took 240 KB of shared memory in
-    all, over sm_90's 227 KB; measured while both of dO's copies lived through pass 2, before
-    e7b60c8, so larger tiles may fit now). With fewer rows the products are not warpgroup
+    D``, in shared memory for two products) is kept to 64 KB, and to 32 KB at D = 256 (where
+    64 KB took 240 KB of shared memory in all, over sm_90's 227 KB; measured while both of
+    dO's copies lived through pass 2, before e7b60c8, so larger tiles may fit now), by fewer
+    rows. With fewer rows the products are not warpgroup
     ones and the heads of a pair may be split over warps: correct, slower. On the GPU, fp32
     inputs take exact fp32 products, which are FMA loops whose code grows with the tile:
     16 x 16 tiles on 8 warps keep ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``,
     "Backward v2". The interpreter, whose cost is per tile, runs the half-precision rule for
-    every dtype (which gives 16 x 16 tiles for its largest fp32 groups).
+    every dtype.
     """
     if dtype == torch.float32 and not _interpreted():
         return 16, 16, 8
@@ -642,21 +643,34 @@ def _key_tiles_per_program(
     return min(key_tiles, max(2, triton.cdiv(work, target)))
 
 
+# The most heads of a group that one program takes; wider groups are swept in slices of this
+# many heads, one launch a slice. A program holding every head of a wider group needs a
+# narrower tile (dO, [GP * BLOCK_M, D], sits in shared memory): the (32, 16) tile of G = 8 and
+# the (16, 16) tile of G = 16 took 2.8x and 3.2x the backward time of G = 4's (64, 32) at the
+# same HQ = 32, D = 128, N = 4K (H100, session 10), while slices of 4 heads recompute the
+# sin/cos once a slice, which is G = 4's cost per head.
+SLICE_HEADS = 4
+
+
 def _launch_configs(group: int, head_dim: int, dtype: torch.dtype):
-    """``(BLOCK_M, BLOCK_N, num_warps, heads)`` to try in order: ``_block_config``'s tile,
-    then fewer query rows, then programs that take ``heads`` of the group's ``group`` heads
-    (a divisor; one launch per slice of heads, their contributions to dk, dv and the
-    leader's gate gradient summed by the same atomic adds, exact as those are linear in
-    the heads). What does not fit in shared memory fails at launch and the next is tried:
-    fp32 products (fp32 inputs; the ``"mean"`` leader's fp32 query) take twice the
-    shared memory of the half-precision rule's estimate (fp32 G = 16 at D = 128: 288 KB).
+    """``(BLOCK_M, BLOCK_N, num_warps, heads)`` to try in order: programs that take ``heads``
+    of the group's ``group`` heads (one launch a slice, the last slice the remainder; their
+    contributions to dk, dv and the leader's gate gradient summed by the same atomic adds,
+    exact as those are linear in the heads), ``heads`` at most SLICE_HEADS, with
+    ``_block_config``'s tile for that many heads, then fewer query rows, then slices half as
+    wide. What does not fit in shared memory fails at its first launch and the next is tried
+    (a remainder slice needs no more shared memory than the first): fp32 products (fp32
+    inputs; the ``"mean"`` leader's fp32 query) take twice the shared memory of the
+    half-precision rule's estimate.
     """
-    block_m, block_n, num_warps = _block_config(group, head_dim, dtype)
-    for heads in (h for h in range(group, 0, -1) if group % h == 0):
+    heads = min(group, SLICE_HEADS)
+    while heads:
+        block_m, block_n, num_warps = _block_config(heads, head_dim, dtype)
         rows = block_m
         while rows >= 16:
             yield rows, block_n, num_warps, heads
             rows //= 2
+        heads //= 2
 
 
 # (kernel, device kind, G, D, rope_dim, dtype, leader, detach_mileage, deterministic[, tile])
@@ -800,7 +814,8 @@ def corope_bwd(
         for h in range(0, G, heads):
             if h:
                 locks.zero_()
-            sl = slice(h, None)  # the kernel reads heads h .. h + heads - 1 of each group
+            sl = slice(h, None)  # the kernel reads heads h .. h + n - 1 of each group
+            n = min(heads, G - h)
             _corope_bwd_kernel[(num_m * n_splits, B * HKV)](
                 q[:, sl], k, v, o[:, sl], do[:, sl], lse[:, sl], qL, inv_freq, qp[:, sl], kp,
                 dq[:, sl], dql, dk, dk_g, dv, tg, locks[0],
@@ -808,7 +823,7 @@ def corope_bwd(
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
                 *dk.stride(), *tg.stride()[:2], locks.stride(1),
-                G=heads, GP=triton.next_power_of_2(heads), D=D,
+                G=n, GP=triton.next_power_of_2(n), D=D,
                 D_PAD=max(16, triton.next_power_of_2(D)), HALF=half,
                 # At least 64 pass-through channels: with 32, the [rows, 32] x [32, BLOCK_N]
                 # score product read out of range in shared memory on sm_90 (Triton 3.6,

@@ -144,8 +144,13 @@ def forward_rows(loops: bool, leader: str):
 
 
 def backward_rows(loops: bool, tail: bool, leader: str):
+    # The launches' first configurations; groups wider than backward.SLICE_HEADS run the same
+    # kernel as G = SLICE_HEADS (one launch a slice), so they share its row ("4/8/16, ...").
+    launches = {}
     for g, d, r in SHAPES:
-        block_m, block_n, warps = backward._block_config(g, d, torch.bfloat16)
+        config = next(backward._launch_configs(g, d, torch.bfloat16))
+        launches.setdefault((config, d, r), []).append(g)
+    for ((block_m, block_n, warps, heads), d, r), groups in launches.items():
         d_pad = max(16, triton.next_power_of_2(d))
         if tail:
             consts = dict(D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -155,7 +160,7 @@ def backward_rows(loops: bool, tail: bool, leader: str):
             )
         else:
             dn = d - r
-            consts = dict(G=g, GP=triton.next_power_of_2(g), D=d, D_PAD=d_pad, HALF=r // 2,
+            consts = dict(G=heads, GP=triton.next_power_of_2(heads), D=d, D_PAD=d_pad, HALF=r // 2,
                           DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
                           BLOCK_M=block_m, BLOCK_N=block_n, MILEAGE=True, DETERMINISTIC=False,
                           PREC="tf32x3", FAST_TRIG=True,
@@ -164,7 +169,11 @@ def backward_rows(loops: bool, tail: bool, leader: str):
             kernel = compile_sm90(
                 backward._corope_bwd_kernel, consts, warps, backward.SWEEP_NUM_STAGES, leader
             )
-        yield f"{g}, {d}, {r}", (block_m, block_n, warps), report(kernel, loops)
+        yield (
+            f"{'/'.join(map(str, groups))}, {d}, {r}",
+            (block_m, block_n, warps),
+            report(kernel, loops),
+        )
 
 
 def main() -> None:

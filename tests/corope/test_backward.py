@@ -77,6 +77,8 @@ CASES = [
     pytest.param(1, 8, 1, 47, 64, None, "mean", id="G8-N47-D64-mean"),
     pytest.param(1, 8, 1, 20, 64, 48, "first", id="G8-N20-D64-R48"),
     pytest.param(1, 16, 1, 35, 64, None, "mean", id="G16-N35-D64-mean"),
+    pytest.param(1, 7, 1, 30, 64, None, "first", id="G7-N30-D64"),
+    pytest.param(2, 12, 2, 25, 64, 32, "mean", id="B2-G6-N25-D64-R32-mean"),
     pytest.param(1, 2, 1, 45, 96, None, "first", id="G2-N45-D96"),
 ]
 
@@ -236,22 +238,55 @@ def test_backward_split_needs_a_positive_int_and_no_deterministic():
 
 
 class _FailsAtFirstConfig:
-    """Stands in for a kernel: its first launch configuration (the values of the ``keys``
-    arguments) raises OutOfResources, as a tile too large for shared memory does on the GPU
-    (before it runs), the rest launch."""
+    """Stands in for a kernel and records each launch's configuration (the values of the
+    ``keys`` arguments). With ``fail_first``, its first configuration raises OutOfResources,
+    as a tile too large for shared memory does on the GPU (before it runs); the rest launch."""
 
-    def __init__(self, kernel, keys=("BLOCK_M", "BLOCK_N", "G")):
-        self.kernel, self.keys, self.configs = kernel, keys, []
+    def __init__(self, kernel, keys=("BLOCK_M", "BLOCK_N", "G"), fail_first=True):
+        self.kernel, self.keys, self.fail_first, self.configs = kernel, keys, fail_first, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             config = tuple(kwargs[key] for key in self.keys)
             self.configs.append(config)
-            if config == self.configs[0]:
+            if self.fail_first and config == self.configs[0]:
                 raise OutOfResources(300000, 232448, "shared memory")
             return self.kernel[grid](*args, **kwargs)
 
         return launch
+
+
+def test_launch_configs_take_at_most_four_heads_a_program():
+    """A group wider than SLICE_HEADS is swept in slices (the narrower tile that holds every
+    head costs more than the slices' extra sin/cos); the fallbacks are fewer rows, then
+    narrower slices."""
+    import corope.backward as backward
+
+    bf16 = torch.bfloat16
+    assert backward.SLICE_HEADS == 4
+    for group in (4, 5, 7, 8, 16):
+        assert next(backward._launch_configs(group, 128, bf16)) == (64, 32, 4, 4)
+    assert next(backward._launch_configs(3, 128, bf16)) == (64, 32, 4, 3)
+    assert next(backward._launch_configs(8, 256, bf16)) == (16, 32, 4, 4)
+    assert list(backward._launch_configs(8, 128, bf16)) == [
+        (64, 32, 4, 4), (32, 32, 4, 4), (16, 32, 4, 4),
+        (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2),
+        (64, 32, 4, 1), (32, 32, 4, 1), (16, 32, 4, 1),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
+def test_backward_sweeps_a_wide_group_in_slices(monkeypatch, leader):
+    """G = 7 at the default configurations: one launch for heads 0-3 of each group and one for
+    the remainder, heads 4-6, whose dk, dv and gate contributions add up to the reference's
+    gradients (``_check``)."""
+    import corope.backward as backward
+
+    fake = _FailsAtFirstConfig(backward._corope_bwd_kernel, keys=("G", "GP"), fail_first=False)
+    monkeypatch.setattr(backward, "_corope_bwd_kernel", fake)
+    monkeypatch.setattr(backward, "_FITTED", {})
+    _check(1, 14, 2, 40, 64, None, leader)
+    assert fake.configs == [(4, 4), (3, 4)]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -347,9 +382,9 @@ def test_backward_gpu(B, HQ, HKV, N, D, rope_dim, leader, dtype):
     _check(B, HQ, HKV, N, D, rope_dim, leader, dtype=dtype)
 
 
-# The kernel's other GPU tile configurations (corope.backward._block_config): query tiles
-# narrower than the 64-row warpgroup product (large groups or head dims: 32 rows and 16
-# keys at G = 8, D = 128; 32 x 32 at D = 256) and the smallest head dim.
+# The kernel's other GPU tile configurations (corope.backward._launch_configs): query tiles
+# narrower than the 64-row warpgroup product (large head dims: 16 rows at G = 4, D = 256),
+# a group swept in two slices of 4 heads (G = 8) and the smallest head dim.
 NARROW_GPU_CASES = [
     pytest.param(1, 8, 1, 1000, 128, None, "first", id="G8-N1000-D128"),
     pytest.param(1, 8, 2, 700, 256, None, "mean", id="G4-N700-D256-mean"),
