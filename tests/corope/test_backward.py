@@ -384,9 +384,11 @@ def test_backward_gpu(B, HQ, HKV, N, D, rope_dim, leader, dtype):
 
 # The kernel's other GPU tile configurations (corope.backward._launch_configs): query tiles
 # narrower than the 64-row warpgroup product (large head dims: 16 rows at G = 4, D = 256),
-# a group swept in two slices of 4 heads (G = 8) and the smallest head dim.
+# groups swept in slices of 4 heads (G = 8: two; G = 6: 4 heads, then the remaining 2) and
+# the smallest head dim.
 NARROW_GPU_CASES = [
     pytest.param(1, 8, 1, 1000, 128, None, "first", id="G8-N1000-D128"),
+    pytest.param(1, 12, 2, 513, 128, None, "mean", id="G6-N513-D128-mean"),
     pytest.param(1, 8, 2, 700, 256, None, "mean", id="G4-N700-D256-mean"),
     pytest.param(1, 4, 2, 333, 32, None, "first", id="G2-N333-D32"),
     # The sweep fits 64 rows, the gate tail (fp32 mean-leader qL) only fewer.
