@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from corope.forward import rotary_pairs
+from corope.forward import check_index_span, rotary_pairs
 from corope.naive import check_corope_inputs
 from fused_rope._device import num_sms
 from fused_rope._trig import cos_sin
@@ -230,10 +230,11 @@ def _corope_bwd_kernel(
     if lo == hi:
         return  # a split past the query tile's causal range (TG is zeroed by the launcher)
     bg = tl.program_id(1)
-    # int64: batch and head offsets can pass 2**31 elements (offsets within a group do not)
+    # int64: batch and head offsets can pass 2**31 elements (within a group: check_index_span)
     b = (bg // HKV).to(tl.int64)
     grp = (bg % HKV).to(tl.int64)
-    h0 = grp * group  # the program's G heads are the first of its group's in Q, O, DQ, ...
+    # The group's first head; Q, O, DQ, ... are views that start at the slice's first head.
+    h0 = grp * group
     scale = softmax_scale
     ROPE: tl.constexpr = 2 * HALF
 
@@ -570,7 +571,8 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     ``BLOCK_M = 64`` rows on 4 warps is one warpgroup of Hopper's tensor-core product, whose
     accumulator layout (``_gates``) gives each thread 2 rows and ``BLOCK_N / 4`` keys of
     every head: the dq reduction over keys is then mostly in-thread and the heads' sums
-    fully. ``GP * BLOCK_N <= 128`` columns bound the registers, and ``dO`` (``GP * BLOCK_M x
+    fully. ``BLOCK_N = 32`` keys of at most 4 heads (SLICE_HEADS), 128 columns, bound the
+    registers, and ``dO`` (``GP * BLOCK_M x
     D``, in shared memory for two products) is kept to 64 KB, and to 32 KB at D = 256 (where
     64 KB took 240 KB of shared memory in all, over sm_90's 227 KB; measured while both of
     dO's copies lived through pass 2, before e7b60c8, so larger tiles may fit now), by fewer
@@ -586,7 +588,7 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     gp = triton.next_power_of_2(group)
     row_bytes = gp * max(16, triton.next_power_of_2(head_dim)) * dtype.itemsize
     do_bytes = 65536 if head_dim <= 128 else 32768
-    return max(16, min(64, do_bytes // row_bytes)), max(16, min(32, 128 // gp)), 4
+    return max(16, min(64, do_bytes // row_bytes)), 32, 4
 
 
 def _dk_parts(block_m: int, num_warps: int, deterministic: bool) -> int:
@@ -601,8 +603,8 @@ def _dk_parts(block_m: int, num_warps: int, deterministic: bool) -> int:
 
 # Pipelining stages of the loops that set none themselves (Triton's default is 3): the key-tile
 # loop, whose tensor-core operands the pipeliner would otherwise stage through shared memory
-# (sm_90a, bf16: 80 -> 112 KiB a CTA at G = 4, D = 128, 72 -> 134 KiB at G = 16, where it
-# leaves room for one CTA an SM instead of two).
+# (sm_90a, bf16: 80 -> 112 KiB a CTA at G = 4, D = 128; 48 -> 136 KiB at G = 4, D = 256,
+# where it leaves room for one CTA an SM instead of two).
 SWEEP_NUM_STAGES = 1
 
 
@@ -645,10 +647,10 @@ def _key_tiles_per_program(
 
 # The most heads of a group that one program takes; wider groups are swept in slices of this
 # many heads, one launch a slice. A program holding every head of a wider group needs a
-# narrower tile (dO, [GP * BLOCK_M, D], sits in shared memory): the (32, 16) tile of G = 8 and
-# the (16, 16) tile of G = 16 took 2.8x and 3.2x the backward time of G = 4's (64, 32) at the
-# same HQ = 32, D = 128, N = 4K (H100, session 10), while slices of 4 heads recompute the
-# sin/cos once a slice, which is G = 4's cost per head.
+# narrower tile (dO, [GP * BLOCK_M, D], sits in shared memory): with the (32, 16) tile of G = 8
+# and the (16, 16) tile of G = 16 the backward took 95 and 110 ms at HQ = 32, D = 128, N = 4K,
+# against 34 ms with G = 4's (64, 32) (H100, session 10; PERF_NOTES), while slices of 4 heads
+# recompute the sin/cos once a slice, which is G = 4's cost per head. Not yet timed itself.
 SLICE_HEADS = 4
 
 
@@ -658,10 +660,10 @@ def _launch_configs(group: int, head_dim: int, dtype: torch.dtype):
     contributions to dk, dv and the leader's gate gradient summed by the same atomic adds,
     exact as those are linear in the heads), ``heads`` at most SLICE_HEADS, with
     ``_block_config``'s tile for that many heads, then fewer query rows, then slices half as
-    wide. What does not fit in shared memory fails at its first launch and the next is tried
-    (a remainder slice needs no more shared memory than the first): fp32 products (fp32
-    inputs; the ``"mean"`` leader's fp32 query) take twice the shared memory of the
-    half-precision rule's estimate.
+    wide. What does not fit in shared memory fails at launch, before it writes, and the next
+    is tried (the sweep zeroes its accumulators at each attempt: a remainder slice could fail
+    after the first slice's adds): fp32 products (fp32 inputs; the ``"mean"`` leader's fp32
+    query) take twice the shared memory of the half-precision rule's estimate.
     """
     heads = min(group, SLICE_HEADS)
     while heads:
@@ -765,6 +767,7 @@ def corope_bwd(
             raise ValueError(f"key_tiles_per_program must be >= 1, got {key_tiles_per_program}")
         if deterministic:
             raise ValueError("key_tiles_per_program cannot be set with deterministic=True")
+    check_index_span(G, dict(q=q, o=o, do=do), dict(k=k, v=v))
 
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)  # no launch to make
@@ -775,19 +778,25 @@ def corope_bwd(
     inv_freq = inv_freq.contiguous()
     half = R // 2
     f32 = dict(dtype=torch.float32, device=device)
-    # Accumulated with atomic adds, hence zeroed; every other output is fully written.
-    dq = torch.zeros(B, HQ, N, D, **f32)
-    dk = torch.zeros(B, HKV, N, D, **f32)
-    dv = torch.zeros(B, HKV, N, D, **f32)
+    # Accumulated with atomic adds, so zeroed, by each attempt of the sweep: a launch that does
+    # not fit fails before it writes, but a later slice's failure (a fallback) comes after the
+    # earlier slices' adds. Every other output is fully written.
+    dq = torch.empty(B, HQ, N, D, **f32)
+    dk = torch.empty(B, HKV, N, D, **f32)
+    dv = torch.empty(B, HKV, N, D, **f32)
+    accumulators = [dq, dk, dv]
     # The leader rows' gate gradient dqL: its -Sg part added per key tile during the sweep,
     # its Gtot part after it (unused without the mileage).
-    dql = torch.zeros(B, HKV, N, D, **f32) if not detach_mileage else dv
+    dql = dv
+    if not detach_mileage:
+        dql = torch.empty(B, HKV, N, D, **f32)
+        accumulators.append(dql)
+    dk_g = dk_t = dk
     if deterministic:
         # One buffer per kind of add, so that each element gets one add per (query
         # tile, key tile) and per buffer, in query-tile order; summed in a fixed order.
-        dk_g, dk_t = torch.zeros_like(dk), torch.zeros_like(dk)
-    else:
-        dk_g = dk_t = dk
+        dk_g, dk_t = torch.empty_like(dk), torch.empty_like(dk)
+        accumulators += [dk_g, dk_t]
     # The rotary pairs (x1, x2) of q and k side by side in fp32, [B, H, R/2, N] int64 views:
     # the frequency loops load a pair with one 8-byte load and convert nothing (their
     # instructions -8% at G = 4, for B * (HQ + HKV) * N * R * 4 bytes while the kernel runs).
@@ -796,6 +805,8 @@ def corope_bwd(
 
     def sweep(block_m, block_n, num_warps, heads):
         """Launches the sweep; returns what the gate tail needs."""
+        for t in accumulators:
+            t.zero_()
         num_m, key_tiles = triton.cdiv(N, block_m), triton.cdiv(N, block_n)
         if deterministic:
             per_program = key_tiles

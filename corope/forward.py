@@ -129,7 +129,7 @@ def _corope_fwd_kernel(
     HALF: tl.constexpr = ROPE_DIM // 2
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
-    # int64: batch and head offsets can pass 2**31 elements (offsets within a group do not)
+    # int64: batch and head offsets can pass 2**31 elements (within a group: check_index_span)
     b = (pid_bg // HKV).to(tl.int64)
     g = (pid_bg % HKV).to(tl.int64)
     h0 = g * G  # the group's first query head
@@ -294,6 +294,33 @@ def rotary_pairs(x: torch.Tensor, rope_dim: int, n_pad: int) -> torch.Tensor:
     return pairs
 
 
+def check_index_span(G: int, queries: dict, keys: dict) -> None:
+    """Raises ``ValueError`` where the kernels' int32 offsets would overflow. They add batch and
+    head-group offsets in int64 but index within one KV group in int32 (fewer registers in the
+    loops): a query-shaped ``[B, HQ, N, D]`` tensor spans ``G`` heads there, a key-shaped
+    ``[B, HKV, N, D]`` one a single head, and the launchers' own buffers (contiguous fp32, N
+    padded to 8) ``G * N * D`` elements. ``queries``, ``keys``: name -> tensor."""
+    limit = 2**31
+    for heads, tensors in ((G, queries), (1, keys)):
+        for name, x in tensors.items():
+            _, _, N, D = x.shape
+            span = 1 + sum(
+                (n - 1) * st for n, st in zip((heads, N, D), x.stride()[1:], strict=True)
+            )
+            if span >= limit:
+                raise ValueError(
+                    f"{name} spans {span} elements within one KV group (heads {heads}, N={N}, "
+                    f"D={D}, strides {tuple(x.stride())}), past the kernels' int32 indexing "
+                    f"(2**31): make it contiguous, or use a shorter sequence or smaller groups"
+                )
+    _, _, N, D = next(iter(queries.values())).shape
+    if G * triton.cdiv(N, 8) * 8 * D >= limit:
+        raise ValueError(
+            f"a KV group's G * N * D = {G} * {N} * {D} elements pass the kernels' int32 indexing "
+            f"(2**31): use a shorter sequence or smaller groups"
+        )
+
+
 def corope_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -327,6 +354,7 @@ def corope_fwd(
     HKV = k.shape[1]
     G = HQ // HKV
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    check_index_span(G, dict(q=q), dict(k=k, v=v))
     # Positions padded to a multiple of 8 so that every stride is a multiple of 16 elements,
     # which lets the kernel's pair loads be 8-byte vectors. The padding is never read.
     n_pad = triton.cdiv(N, 8) * 8
@@ -361,4 +389,11 @@ def corope_fwd(
     return o, lse
 
 
-__all__ = ["FWD_CONFIGS", "SUPPORTED_HEAD_DIMS", "corope_fwd", "pinned_config", "rotary_pairs"]
+__all__ = [
+    "FWD_CONFIGS",
+    "SUPPORTED_HEAD_DIMS",
+    "check_index_span",
+    "corope_fwd",
+    "pinned_config",
+    "rotary_pairs",
+]

@@ -130,11 +130,10 @@ def loop_sizes(sass: str) -> list[str]:
 
 def forward_rows(loops: bool, leader: str):
     for g, d, r in SHAPES:
-        for config in forward._configs():  # the autotuner's (not the interpreter's)
+        # the autotuner's configs (not the interpreter's), pruned as it prunes them
+        for config in forward._prune(forward._configs(), {}, G_PAD=g):
             block_gm, block_n = config.kwargs["BLOCK_GM"], config.kwargs["BLOCK_N"]
             warps, stages = config.num_warps, config.num_stages
-            if block_gm < 8 * g and g <= 8:
-                continue  # pruned by the autotuner (fewer than 8 query rows)
             consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=triton.next_power_of_2(r // 2),
                           LEADER_MEAN=leader == "mean",
                           DOT_PRECISION="tf32", FAST_TRIG=True, BLOCK_GM=block_gm,
@@ -146,10 +145,12 @@ def forward_rows(loops: bool, leader: str):
 def backward_rows(loops: bool, tail: bool, leader: str):
     # The launches' first configurations; groups wider than backward.SLICE_HEADS run the same
     # kernel as G = SLICE_HEADS (one launch a slice), so they share its row ("4/8/16, ...").
+    # The gate tail depends on neither the heads nor R: one row per tile and D.
     launches = {}
     for g, d, r in SHAPES:
         config = next(backward._launch_configs(g, d, torch.bfloat16))
-        launches.setdefault((config, d, r), []).append(g)
+        key = (config, d, r) if not tail else ((*config[:3], 1), d, d)
+        launches.setdefault(key, []).append(g)
     for ((block_m, block_n, warps, heads), d, r), groups in launches.items():
         d_pad = max(16, triton.next_power_of_2(d))
         if tail:
@@ -170,7 +171,7 @@ def backward_rows(loops: bool, tail: bool, leader: str):
                 backward._corope_bwd_kernel, consts, warps, backward.SWEEP_NUM_STAGES, leader
             )
         yield (
-            f"{'/'.join(map(str, groups))}, {d}, {r}",
+            f"{'/'.join(map(str, sorted(set(groups))))}, {d}, {r}",
             (block_m, block_n, warps),
             report(kernel, loops),
         )

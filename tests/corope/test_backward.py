@@ -237,19 +237,23 @@ def test_backward_split_needs_a_positive_int_and_no_deterministic():
         corope_bwd(*args, True, key_tiles_per_program=2)
 
 
-class _FailsAtFirstConfig:
-    """Stands in for a kernel and records each launch's configuration (the values of the
-    ``keys`` arguments). With ``fail_first``, its first configuration raises OutOfResources,
-    as a tile too large for shared memory does on the GPU (before it runs); the rest launch."""
+_FIRST = object()
 
-    def __init__(self, kernel, keys=("BLOCK_M", "BLOCK_N", "G"), fail_first=True):
-        self.kernel, self.keys, self.fail_first, self.configs = kernel, keys, fail_first, []
+
+class _RecordsLaunches:
+    """Stands in for a kernel and records each launch's configuration (the values of the
+    ``keys`` arguments). Launches of the configuration ``fails`` (by default the first one
+    seen; None: none) raise OutOfResources, as a tile too large for shared memory does on the
+    GPU (before it runs); the rest launch."""
+
+    def __init__(self, kernel, keys=("BLOCK_M", "BLOCK_N", "G"), fails=_FIRST):
+        self.kernel, self.keys, self.fails, self.configs = kernel, keys, fails, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             config = tuple(kwargs[key] for key in self.keys)
             self.configs.append(config)
-            if self.fail_first and config == self.configs[0]:
+            if config == (self.configs[0] if self.fails is _FIRST else self.fails):
                 raise OutOfResources(300000, 232448, "shared memory")
             return self.kernel[grid](*args, **kwargs)
 
@@ -282,7 +286,7 @@ def test_backward_sweeps_a_wide_group_in_slices(monkeypatch, leader):
     gradients (``_check``)."""
     import corope.backward as backward
 
-    fake = _FailsAtFirstConfig(backward._corope_bwd_kernel, keys=("G", "GP"), fail_first=False)
+    fake = _RecordsLaunches(backward._corope_bwd_kernel, keys=("G", "GP"), fails=None)
     monkeypatch.setattr(backward, "_corope_bwd_kernel", fake)
     monkeypatch.setattr(backward, "_FITTED", {})
     _check(1, 14, 2, 40, 64, None, leader)
@@ -297,7 +301,7 @@ def test_backward_falls_back_to_a_tile_that_fits(monkeypatch, deterministic):
     import corope.backward as backward
 
     for configs in ([(16, 16, 4, 6), (16, 16, 4, 3)], [(16, 16, 4, 6), (16, 16, 4, 2)]):
-        fake = _FailsAtFirstConfig(backward._corope_bwd_kernel)
+        fake = _RecordsLaunches(backward._corope_bwd_kernel)
         monkeypatch.setattr(backward, "_corope_bwd_kernel", fake)
         monkeypatch.setattr(backward, "_launch_configs", lambda *a, c=configs: iter(c))
         monkeypatch.setattr(backward, "_FITTED", {})
@@ -314,13 +318,27 @@ def test_backward_falls_back_to_a_tile_that_fits(monkeypatch, deterministic):
                 assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_falls_back_when_a_remainder_slice_does_not_fit(monkeypatch, deterministic):
+    """G = 6: the 64-row slice of 4 heads launches and adds its gradients, then the remainder
+    slice (2 heads) does not fit. The next configuration (32 rows) must start from zeroed
+    accumulators, or the first slice's adds would count twice."""
+    import corope.backward as backward
+
+    fake = _RecordsLaunches(backward._corope_bwd_kernel, keys=("BLOCK_M", "G"), fails=(64, 2))
+    monkeypatch.setattr(backward, "_corope_bwd_kernel", fake)
+    monkeypatch.setattr(backward, "_FITTED", {})
+    _check(1, 12, 2, 70, 64, None, "first", deterministic=deterministic)
+    assert fake.configs == [(64, 4), (64, 2), (32, 4), (32, 2)]
+
+
 def test_gate_tail_falls_back_to_fewer_rows(monkeypatch):
     # The gate tail has its own shared-memory fallback (the "mean" leader's fp32 qL at D = 256
     # fitted the sweep's 64-row tile but not the tail's on an H100): 64 rows fail, 32 serve,
     # and are then reused.
     import corope.backward as backward
 
-    fake = _FailsAtFirstConfig(backward._gate_tail_kernel, keys=("BLOCK_M",))
+    fake = _RecordsLaunches(backward._gate_tail_kernel, keys=("BLOCK_M",))
     monkeypatch.setattr(backward, "_gate_tail_kernel", fake)
     monkeypatch.setattr(backward, "_launch_configs", lambda *a: iter([(64, 32, 4, 2)]))
     monkeypatch.setattr(backward, "_FITTED", {})

@@ -306,3 +306,23 @@ def test_rotary_pairs_layout_and_errors():
         forward.rotary_pairs(x, 10, 8)
     with pytest.raises(ValueError, match="n_pad must be at least N = 5, got 4"):
         forward.rotary_pairs(x, 6, 4)
+
+
+def test_index_span_past_int32_is_refused():
+    # The kernels index within one KV group in int32 (batch and group offsets are int64): a
+    # group of 32 query heads at N = 2**19, D = 128 spans 2**31 elements, as does a [B, N, H,
+    # D] view of one head's keys just past that length. Meta tensors: shapes and strides only.
+    G, N, D = 32, 2**19, 128
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    k_ok = torch.empty(1, 1, N, D, **meta)
+    forward.check_index_span(G - 1, dict(q=torch.empty(1, G - 1, N, D, **meta)), dict(k=k_ok))
+    with pytest.raises(ValueError, match=r"^q spans 2147483648 elements within one KV group"):
+        forward.check_index_span(G, dict(q=torch.empty(1, G, N, D, **meta)), dict(k=k_ok))
+    # one head of a [B, N + 1, 32, D] key tensor: its rows are G * D apart
+    k_wide = torch.empty(1, N + 1, G, D, **meta).transpose(1, 2)[:, :1]
+    q_small = torch.empty(1, 1, N + 1, D, **meta)
+    with pytest.raises(ValueError, match=r"^k spans \d+ elements within one KV group"):
+        forward.check_index_span(1, dict(q=q_small), dict(k=k_wide))
+    # the launchers' own buffers: G * N * D with N padded to 8
+    with pytest.raises(ValueError, match=r"G \* N \* D = 32 \* 524281 \* 128"):
+        forward.check_index_span(G, dict(q=torch.empty(1, G, N - 7, D, **meta)), dict(k=k_ok))
