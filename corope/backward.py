@@ -572,16 +572,15 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     accumulator layout (``_gates``) gives each thread 2 rows and ``BLOCK_N / 4`` keys of
     every head: the dq reduction over keys is then mostly in-thread and the heads' sums
     fully. ``BLOCK_N = 32`` keys of at most 4 heads (SLICE_HEADS), 128 columns, bound the
-    registers, and ``dO`` (``GP * BLOCK_M x
-    D``, in shared memory for two products) is kept to 64 KB, and to 32 KB at D = 256 (where
-    64 KB took 240 KB of shared memory in all, over sm_90's 227 KB; measured while both of
-    dO's copies lived through pass 2, before e7b60c8, so larger tiles may fit now), by fewer
-    rows. With fewer rows the products are not warpgroup
-    ones and the heads of a pair may be split over warps: correct, slower. On the GPU, fp32
-    inputs take exact fp32 products, which are FMA loops whose code grows with the tile:
-    16 x 16 tiles on 8 warps keep ptxas' stack small. ptxas, sm_90: ``corope/PERF_NOTES.md``,
-    "Backward v2". The interpreter, whose cost is per tile, runs the half-precision rule for
-    every dtype.
+    registers, and ``dO`` (``GP * BLOCK_M x D``, in shared memory for two products) is kept
+    to 64 KB, and to 32 KB at D = 256 (where 64 KB took 240 KB of shared memory in all, over
+    sm_90's 227 KB; measured while both of dO's copies lived through pass 2, before e7b60c8,
+    so larger tiles may fit now), by fewer rows. With fewer rows the products are not
+    warpgroup ones and the heads of a pair may be split over warps: correct, slower. On the
+    GPU, fp32 inputs take exact fp32 products, which are FMA loops whose code grows with the
+    tile: 16 x 16 tiles on 8 warps keep ptxas' stack small. ptxas, sm_90:
+    ``corope/PERF_NOTES.md``, "Backward v2". The interpreter, whose cost is per tile, runs the
+    half-precision rule for every dtype.
     """
     if dtype == torch.float32 and not _interpreted():
         return 16, 16, 8
@@ -625,9 +624,9 @@ def _key_tiles_per_program(
     where their shared memory allows: every bf16 tile needs 80 KiB or less, offline, since dO
     is loaded once per product and the launch sets SWEEP_NUM_STAGES; checked on the GPU with
     two CTAs an SM, PERF_NOTES session 10; and chunks of equal length balance the causal
-    triangle's unequal rows), at least 2 tiles each. ``groups`` = B * HKV. One program per query tile
-    (all its key tiles) where the query tiles alone give that many programs (long sequences),
-    and in the interpreter, whose cost is per program.
+    triangle's unequal rows), at least 2 tiles each. ``groups`` = B * HKV. One program per
+    query tile (all its key tiles) where the query tiles alone give that many programs (long
+    sequences), and in the interpreter, whose cost is per program.
 
     Short sequences have too few query tiles to fill the GPU (N = 1K, (1, 32/8, 128): 128
     programs of one 4-warp CTA for 132 SMs, the longest sweeping 32 key tiles); a split
