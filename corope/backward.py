@@ -648,8 +648,9 @@ def _key_tiles_per_program(
 # many heads, one launch a slice. A program holding every head of a wider group needs a
 # narrower tile (dO, [GP * BLOCK_M, D], sits in shared memory): with the (32, 16) tile of G = 8
 # and the (16, 16) tile of G = 16 the backward took 95 and 110 ms at HQ = 32, D = 128, N = 4K,
-# against 34 ms with G = 4's (64, 32) (H100, session 10; PERF_NOTES), while slices of 4 heads
-# recompute the sin/cos once a slice, which is G = 4's cost per head. Not yet timed itself.
+# against 34 ms with G = 4's (64, 32), while slices of 4 heads recompute the sin/cos once a
+# slice, which is G = 4's cost per head: sliced, 32.9 and 32.3 ms (H100, bf16; PERF_NOTES,
+# session 11).
 SLICE_HEADS = 4
 
 

@@ -4,7 +4,8 @@ Two measures for every comparison: the max-abs error and the relative RMSE
 (``||out - ref|| / ||ref||``), after flash-linear-attention's ``assert_close``.
 For attention outputs and gradients, flash-attention's rule: the kernel's error
 against a float64 reference is at most ``factor`` (2) times the error that plain
-PyTorch, run in the kernel's dtype, makes against the same reference.
+PyTorch, run in the kernel's dtype, makes against the same reference, plus (on the
+max-abs error) flash-attention's margin of twice the dtype's rounding noise.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, atol: float, r
     assert max_abs <= atol and rel_rmse <= rtol, msg
 
 
+def rounding_noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Largest error of one rounding to ``dtype`` at ``ref``'s magnitudes (flash-attention's
+    ``(ref + 0.3 - 0.3 - ref).abs().max()``, in ``dtype``)."""
+    r = ref.detach().to(dtype)
+    return (r + 0.3 - 0.3 - r).abs().max().item() if r.numel() else 0.0
+
+
 def assert_close_to_baseline(
     name: str,
     out: torch.Tensor,
@@ -48,13 +56,23 @@ def assert_close_to_baseline(
 
     ``ref`` is the float64 reference; ``baseline`` is the same math run in PyTorch in
     the kernel's dtype. Both error measures of ``out`` must stay within ``factor``
-    times those of ``baseline`` (plus a small floor for results that are exact).
+    times those of ``baseline``, plus, for the max-abs error, flash-attention's margin of
+    twice the rounding noise of ``out``'s dtype at ``ref``'s magnitudes (at least
+    ``atol_floor``, for results that are exact), and for the relative RMSE ``atol_floor``.
+
+    The margin matters in half precision, where this project's baselines compute in fp32
+    and round once (their error is that rounding), while a kernel also rounds its
+    tensor-core operands: on a row with few keys one element can then reach 2.4 times the
+    baseline's max-abs error (Co-RoPE backward, fp16, a row of 2 keys) with the RMSE at
+    1.1 times.
     """
     k_abs, k_rmse = errors(out, ref)
     b_abs, b_rmse = errors(baseline, ref)
+    margin = max(atol_floor, 2 * rounding_noise(ref, out.dtype))
     msg = (
         f"{name}: kernel max-abs {k_abs:.3e} rel-RMSE {k_rmse:.3e}; "
-        f"PyTorch same dtype max-abs {b_abs:.3e} rel-RMSE {b_rmse:.3e} (factor {factor})"
+        f"PyTorch same dtype max-abs {b_abs:.3e} rel-RMSE {b_rmse:.3e} "
+        f"(factor {factor}, max-abs margin {margin:.1e})"
     )
-    assert k_abs <= factor * b_abs + atol_floor, msg
-    assert k_rmse <= factor * b_rmse + atol_floor, msg
+    assert k_abs <= factor * b_abs + margin, f"max-abs over the bound; {msg}"
+    assert k_rmse <= factor * b_rmse + atol_floor, f"rel-RMSE over the bound; {msg}"

@@ -1,0 +1,43 @@
+"""The shared tolerance helper fails what it must (tests/helpers.py)."""
+
+import pytest
+import torch
+
+from tests.helpers import assert_close_to_baseline, rounding_noise
+
+
+def _case(dtype):
+    ref = torch.randn(4096, dtype=torch.float64)
+    return ref, ref.to(dtype)  # the baseline: exact math, rounded once
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rounded_result_passes(dtype):
+    ref, baseline = _case(dtype)
+    assert_close_to_baseline("x", baseline.clone(), ref, baseline)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_element_off_by_eight_roundings_fails(dtype):
+    ref, baseline = _case(dtype)
+    out = baseline.clone()
+    out[123] += 8 * rounding_noise(ref, dtype)
+    with pytest.raises(AssertionError, match="max-abs over"):
+        assert_close_to_baseline("x", out, ref, baseline)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_element_one_step_off_fails_on_rmse(dtype):
+    # Within the max-abs bound everywhere, but a systematic error.
+    ref, baseline = _case(dtype)
+    out = torch.nextafter(baseline, 2 * baseline)
+    with pytest.raises(AssertionError, match="rel-RMSE over"):
+        assert_close_to_baseline("x", out, ref, baseline)
+
+
+def test_fp32_margin_is_the_floor():
+    ref, baseline = _case(torch.float32)
+    out = baseline.clone()
+    out[7] += 2e-5
+    with pytest.raises(AssertionError):
+        assert_close_to_baseline("x", out, ref, baseline)
