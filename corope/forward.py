@@ -127,8 +127,13 @@ def _corope_fwd_kernel(
     BLOCK_M: tl.constexpr = max(1, BLOCK_GM // G_PAD)
     COLS: tl.constexpr = G_PAD * BLOCK_M
     HALF: tl.constexpr = ROPE_DIM // 2
-    pid_m = tl.program_id(0)
-    pid_bg = tl.program_id(1)
+    # Longest key sweeps first, over all groups (the grid is 1-D, groups fastest): launched
+    # in program order, the short sweeps then fill the last wave's gaps, where query tiles in
+    # ascending order left the longest sweeps for the end.
+    num_m = tl.cdiv(N, BLOCK_M)
+    n_bg = tl.num_programs(0) // num_m  # B * HKV
+    pid_bg = tl.program_id(0) % n_bg
+    pid_m = num_m - 1 - tl.program_id(0) // n_bg
     # int64: batch and head offsets can pass 2**31 elements (within a group: check_index_span)
     b = (pid_bg // HKV).to(tl.int64)
     g = (pid_bg % HKV).to(tl.int64)
@@ -375,7 +380,7 @@ def corope_fwd(
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
     if N == 0 or B == 0 or HQ == 0:
         return o, lse
-    grid = lambda meta: (triton.cdiv(N, max(1, meta["BLOCK_GM"] // g_pad)), B * HKV)
+    grid = lambda meta: (triton.cdiv(N, max(1, meta["BLOCK_GM"] // g_pad)) * B * HKV,)
     _corope_fwd_kernel[grid](
         q, k, v, qt, kt, w, ang, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *qt.stride()[:3], *kt.stride()[:3],
