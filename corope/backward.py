@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from corope.forward import check_index_span, rotary_pairs
+from corope.forward import check_index_span
 from corope.naive import check_corope_inputs
 from fused_rope._device import num_sms
 from fused_rope._trig import cos_sin
@@ -84,6 +84,22 @@ from fused_rope._validation import (
     check_kernel_device,
     check_same_device,
 )
+
+
+def rotary_pairs(x: torch.Tensor, rope_dim: int, n_pad: int) -> torch.Tensor:
+    """The rotary pairs ``(x1, x2)`` of ``x`` ``[B, H, N, D]`` side by side in fp32,
+    ``[B, H, R/2, n_pad, 2]`` (positions ``N:n_pad`` uninitialised): one frequency's pairs
+    over consecutive positions are contiguous, so a kernel loads a pair with one 8-byte load
+    and converts nothing."""
+    B, H, N, D = x.shape
+    if rope_dim % 2 or not 0 < rope_dim <= D:
+        raise ValueError(f"rope_dim must be even and in (0, {D}], got {rope_dim}")
+    if n_pad < N:
+        raise ValueError(f"n_pad must be at least N = {N}, got {n_pad}")
+    half = rope_dim // 2
+    pairs = torch.empty(B, H, half, n_pad, 2, device=x.device, dtype=torch.float32)
+    pairs[:, :, :, :N] = x[..., :rope_dim].unflatten(-1, (2, half)).permute(0, 1, 4, 2, 3)
+    return pairs
 
 
 @triton.jit

@@ -1,11 +1,10 @@
 """Co-RoPE-GQA forward in Triton: one streaming pass, O(N) memory (design: corope/README.md).
 
 One program owns ``BLOCK_M`` query positions of one KV group and ALL ``G`` query heads of
-that group, packed as ``COLS = G_PAD * BLOCK_M`` columns (head-major; the config's
-``BLOCK_GM`` unless the group is wider) of key-major tiles ``[BLOCK_N, COLS]``, so that the
-gate logits (``k @ q^T``) and ``O^T += V^T @ P^T`` are single tensor-core products. It sweeps
-the key tiles from the diagonal DOWN to tile 0, so the mileage of a key is a running suffix
-sum of the gates:
+that group, packed as ``COLS = G_PAD * BLOCK_M`` rows (head-major) of the softmax tiles
+``[COLS, BLOCK_N]``, so that the gate logits (``q @ k^T``) and ``O += P @ V`` are single
+tensor-core products. It sweeps the key tiles from the diagonal DOWN to tile 0, so the mileage
+of a key is a running suffix sum of the gates:
 
     delta[i, j] = carry[i] + local[i, j]
     carry[i]    = sum of z[i, t] over the tiles already swept (t above the current tile), fp64
@@ -15,7 +14,11 @@ The phase ``delta * w`` is formed as ``(carry * w mod 2 pi) + local * w``: the l
 reduced in fp64 once per (query, frequency) and tile, so the per-pair fast sin/cos (one per
 (query, key, frequency), shared by the G heads) only sees arguments below ``2 pi + BLOCK_N w``
 and the phase error does not grow with N.
-"""
+
+The rotary scores are tensor-core products too: for each query row and chunk of
+``FREQ_CHUNK`` frequencies, the tile's keys rotated by ``-delta w`` (``[BLOCK_N, 2 * 8]``,
+computed once for the group, rounded to q's dtype) times the row's queries of all heads
+(``[2 * 8, G]``). The CUDA cores are left with the phase, the sin/cos and the rotation."""
 
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ from fused_rope._trig import cos_sin
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 LOG2E = 1.4426950408889634
+# Frequencies per tensor-core product in the forward (its K axis is their 2 * 8 channels).
+FREQ_CHUNK = tl.constexpr(8)
+# Least head axis of that product (a 1-column one came out wrong on the GPU).
+MIN_PRODUCT_HEADS = tl.constexpr(2)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -38,30 +45,21 @@ def _configs() -> list[triton.Config]:
     if _INTERPRET:
         # The interpreter runs every config it is given; one small one keeps the CPU tests quick.
         return [triton.Config({"BLOCK_GM": 64, "BLOCK_N": 32}, num_warps=4)]
+    # BLOCK_GM = max(2, G_PAD) * BLOCK_M: the (head, row) columns of the score product, which
+    # bound its accumulators ([BLOCK_M, BLOCK_N, max(2, G_PAD)]) for every group size.
+    # maxnreg: the kernel waits on latency at two CTAs an SM (255 registers); at G = 4,
+    # (16, 64) fits 168 registers without spilling (offline, sm_90a): three CTAs an SM.
     return [
-        triton.Config({"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=nw, num_stages=1)
-        # Few configs: each is compiled per (G_PAD, D, R, dtype) key. With 8 warps, a 64-key
-        # tile puts the MMA layout's warps as [4, 2] and splits the heads over two warps (each
-        # computes the pairs' sin/cos: twice the special-function work); 128 keys give [8, 1]
-        # and no duplication (ptxas, sm_90, bf16, G = 4, D = 64 or 128: 252-254 registers, no
-        # spill). Autotune chose (64, 128, 8) on an H200 at G = 4, D = 64 and 128 without the
-        # frequency-loop pipelining (corope/PERF_NOTES.md, v1). (64, 128, 4): 4 keys a thread
-        # share each frequency's per-thread work; timed alone on an H100 it was the fastest at
-        # 3 of issue 3's 4 shapes (-5.6% at (1, 32/8, 128), N = 16K; PERF_NOTES, session 6).
-        for gm, bn, nw in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (64, 128, 4))
+        triton.Config({"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=4, num_stages=1, maxnreg=regs)
+        for gm, bn, regs in (
+            (16, 64, 168),
+            (16, 64, 128),
+            (32, 64, None),
+            (32, 64, 168),
+            (32, 128, None),
+            (64, 64, None),
+        )
     ]
-
-
-def _prune(configs, named_args, **kwargs):
-    # BLOCK_M = BLOCK_GM / G_PAD >= 8 puts the head bits of a column index in the registers of
-    # the MMA layout: a thread holds all G heads of its (key, query) pairs, so no thread
-    # recomputes another's sin/cos. BLOCK_M >= 1 is required.
-    g_pad = kwargs.get("G_PAD", named_args.get("G_PAD"))
-    for min_rows in (8, 1):
-        kept = [c for c in configs if c.kwargs["BLOCK_GM"] >= min_rows * g_pad]
-        if kept:
-            return kept
-    return [triton.Config({"BLOCK_GM": g_pad, "BLOCK_N": 64}, num_warps=4)]
 
 
 @triton.jit
@@ -92,20 +90,16 @@ FWD_CONFIGS = _configs()
 
 @triton.autotune(
     configs=FWD_CONFIGS,
-    # and the tensors' dtypes, which autotune adds. N_BUCKET: the best tile changes with N
-    # (H100, (1, 8/2, 64): (64, 128, 8 warps) at N = 4K, (64, 64, 4 warps) 15% less time at 16K),
-    # and a choice made at the first N seen was kept for every other.
     key=["G_PAD", "HEAD_DIM", "ROPE_DIM", "N_BUCKET"],
-    prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
 def _corope_fwd_kernel(
-    Q, K, V, QT, KT, W, ANG, O, LSE,
+    Q, K, V, QC, KC, W, ANG, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_tqb, stride_tqh, stride_tqd,  # QT: [B, HQ, R/2, N_PAD, 2] contiguous
-    stride_tkb, stride_tkh, stride_tkd,  # KT: [B, HKV, R/2, N_PAD, 2] contiguous
+    stride_cqb, stride_cqh,  # QC: [B, HKV, N_PAD, R_PAD, G_PAD] contiguous, q's dtype
+    stride_ckb, stride_ckh,  # KC: [B, HKV, N_PAD, R_PAD] contiguous, fp32
     stride_ab,  # ANG: [B * HKV, N_ROWS * HALF_PAD] contiguous
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
@@ -122,14 +116,16 @@ def _corope_fwd_kernel(
     BLOCK_GM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # _prune gives autotuned launches a tile at least G_PAD columns wide; a single config
-    # (pinned_config, the interpreter's) is not pruned, and a wider group takes one row.
-    BLOCK_M: tl.constexpr = max(1, BLOCK_GM // G_PAD)
+    # The score product's head axis, the padded heads' queries zero: Triton 3.6 computed a
+    # 1-column product (G = 1) wrongly on an H100, where 2 and 4 columns were right.
+    HP: tl.constexpr = max(MIN_PRODUCT_HEADS, G_PAD)
+    BLOCK_M: tl.constexpr = max(1, BLOCK_GM // HP)
     COLS: tl.constexpr = G_PAD * BLOCK_M
     HALF: tl.constexpr = ROPE_DIM // 2
-    # Longest key sweeps first, over all groups (the grid is 1-D, groups fastest): launched
-    # in program order, the short sweeps then fill the last wave's gaps, where query tiles in
-    # ascending order left the longest sweeps for the end.
+    R_PAD: tl.constexpr = 2 * HALF_PAD
+    # Frequencies per tensor-core product: their rotated key pairs are its K = 16 axis.
+    DC: tl.constexpr = FREQ_CHUNK
+    # Longest key sweeps first, over all groups (the grid is 1-D, groups fastest).
     num_m = tl.cdiv(N, BLOCK_M)
     n_bg = tl.num_programs(0) // num_m  # B * HKV
     pid_bg = tl.program_id(0) % n_bg
@@ -140,53 +136,56 @@ def _corope_fwd_kernel(
     h0 = g * G  # the group's first query head
     m0 = pid_m * BLOCK_M
 
-    # Tiles are key-major: [BLOCK_N keys, COLS packed query columns], column
-    # c = hh * BLOCK_M + ii is head g * G + hh at position m0 + ii. In the MMA accumulator
-    # layout the high column bits (the head) sit in registers, so each thread holds every
-    # head of its (key, query) pairs and the per-pair sin/cos is computed once for all G.
+    # Rows of the softmax tiles: c = hh * BLOCK_M + ii is head g * G + hh at position m0 + ii.
     cols = tl.arange(0, COLS)
     cols_h = cols // BLOCK_M
     cols_i = m0 + cols % BLOCK_M
     col_ok = (cols_h < G) & (cols_i < N)
     offs_d = tl.arange(0, HEAD_DIM)
-    # q_t: [D, COLS], the columns of the tile
-    q_t = tl.load(
-        Q + b * stride_qb + h0 * stride_qh + cols_h[None, :] * stride_qh
-        + cols_i[None, :] * stride_qn + offs_d[:, None] * stride_qd,
-        mask=col_ok[None, :], other=0.0,
-    )  # fmt: skip
+    q_rows = tl.load(
+        Q
+        + b * stride_qb
+        + h0 * stride_qh
+        + cols_h[:, None] * stride_qh
+        + cols_i[:, None] * stride_qn
+        + offs_d[None, :] * stride_qd,
+        mask=col_ok[:, None],
+        other=0.0,
+    )  # fmt: skip  [COLS, D]
     if ROPE_DIM < HEAD_DIM:
-        q_pass = tl.where(offs_d[:, None] >= ROPE_DIM, q_t, tl.zeros_like(q_t))
+        q_pass = tl.where(offs_d[None, :] >= ROPE_DIM, q_rows, tl.zeros_like(q_rows))
 
-    # The same columns as [G_PAD, BLOCK_M], for the per-frequency loads of the query.
-    offs_h = tl.arange(0, G_PAD)
     offs_i = m0 + tl.arange(0, BLOCK_M)
-    qcol_ok = ((offs_h < G)[:, None] & (offs_i < N)[None, :])[:, :, None]
-    # QT holds (q1, q2) of a frequency side by side: one 8-byte load per column and frequency.
-    qt_base = (
-        QT + b * stride_tqb + h0 * stride_tqh + offs_h[:, None, None] * stride_tqh
-        + offs_i[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    offs_h = tl.arange(0, G_PAD)
+    offs_hp = tl.arange(0, HP)
+    offs_c = tl.arange(0, DC)
+    offs_k2 = tl.arange(0, 2 * DC)
+    # QC rows of this program, [BLOCK_M, 2 * DC, HP] at chunk 0: (q1, q2) of a frequency
+    # side by side along the product's K axis, the heads last.
+    qc_ptrs = (
+        QC + b * stride_cqb + g * stride_cqh
+        + (offs_i[:, None, None] * R_PAD + offs_k2[None, :, None]) * HP
+        + offs_hp[None, None, :]
     )  # fmt: skip
+    qc_ok = (offs_i < N)[:, None, None]
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
-    kt_base = KT + b * stride_tkb + g * stride_tkh
+    kc_base = KC + b * stride_ckb + g * stride_ckh
 
     m_i = tl.full([COLS], float("-inf"), tl.float32)
     l_i = tl.zeros([COLS], tl.float32)
-    acc = tl.zeros([HEAD_DIM, COLS], tl.float32)  # o transposed
+    acc = tl.zeros([COLS, HEAD_DIM], tl.float32)
     # fp64: the carry reaches N, and its phase carry * w is reduced modulo 2 pi exactly.
     carry = tl.zeros([BLOCK_M], tl.float64)
     # This program's slot of ANG: the carry's reduced angle of every (frequency, row) of the
-    # current key tile, [HALF_PAD, BLOCK_M] (store_carry_angles); ang_row points at frequency
-    # 0's row, frequency d is d * BLOCK_M further.
+    # current key tile, [HALF_PAD, BLOCK_M] (store_carry_angles).
     offs_f = tl.arange(0, HALF_PAD)
     f_ok = (offs_f < HALF)[:, None]
     w64 = tl.load(W + offs_f[:, None], mask=f_ok, other=0.0).to(tl.float64)
     ang_row = ANG + pid_bg.to(tl.int64) * stride_ab + m0 * HALF_PAD + tl.arange(0, BLOCK_M)
     ang_ptrs = ang_row[None, :] + offs_f[:, None] * BLOCK_M
 
-    # Key tiles from the one holding the last key any of these rows sees, down to tile 0.
     n_tiles = (tl.minimum(N, m0 + BLOCK_M) + BLOCK_N - 1) // BLOCK_N
     for step in range(0, n_tiles):
         offs_j = (n_tiles - 1 - step) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,65 +203,69 @@ def _corope_fwd_kernel(
 
         # Gate logits of every head; the leader's are the first head's or the heads' mean
         # (a sum of exact products, so "mean" needs no separate averaged query).
-        u = tl.reshape(tl.dot(k, q_t, input_precision=DOT_PRECISION), [BLOCK_N, G_PAD, BLOCK_M])
+        u = tl.reshape(
+            tl.dot(q_rows, tl.trans(k), input_precision=DOT_PRECISION), [G_PAD, BLOCK_M, BLOCK_N]
+        )
         if LEADER_MEAN:
-            u_lead = tl.sum(u, axis=1) / G
+            u_lead = tl.sum(u, axis=0) / G
         else:
-            u_lead = tl.sum(tl.where(offs_h[None, :, None] == 0, u, 0.0), axis=1)
-        causal = (offs_j[:, None] <= offs_i[None, :]) & key_ok[:, None]  # [BLOCK_N, BLOCK_M]
+            u_lead = tl.sum(tl.where(offs_h[:, None, None] == 0, u, 0.0), axis=0)
+        causal = (offs_j[None, :] <= offs_i[:, None]) & key_ok[None, :]  # [BLOCK_M, BLOCK_N]
         z = tl.where(causal, tl.sigmoid(u_lead * gate_scale), 0.0)
-        local = tl.cumsum(z, axis=0, reverse=True) - z
+        local = tl.cumsum(z, axis=1, reverse=True) - z
 
         store_carry_angles(ang_ptrs, carry, w64, f_ok)
-        offs_pair = offs_j[:, None] * 2 + tl.arange(0, 2)[None, :]
+        kc_ptrs = kc_base + offs_j[:, None] * R_PAD + offs_k2[None, :]  # [BLOCK_N, 2 * DC]
 
-        s3 = tl.zeros([BLOCK_N, G_PAD, BLOCK_M], tl.float32)
-        # num_stages=3: Triton streams the loop's loads (w, the angles, the query and key
-        # pairs) into shared memory two frequencies ahead (cp.async) and reads them in the
-        # layout each use needs, with no conversion (corope/PERF_NOTES.md, session 9).
-        for d in tl.range(HALF, num_stages=3):
-            w = tl.load(W + d)
-            ang_d = tl.load(ang_row + d * BLOCK_M)
-            # fp32 columns with the softmax scale and log2(e) already folded in (launcher).
-            # No `other`: a masked-out column (padded head, position >= N) only feeds its own
-            # scores, softmax statistics and o column, none of which is stored.
-            q1, q2 = tl.split(tl.load(qt_base + d * stride_tqd, mask=qcol_ok))
+        # Scores of the rotary channels, one tensor-core product per query row and chunk of
+        # DC frequencies: [BLOCK_N keys, 2 DC] (the key rotated by -delta w, computed once for
+        # the group) @ [2 DC, HP heads] (the row's queries).
+        s3 = tl.zeros([BLOCK_M, BLOCK_N, HP], tl.float32)
+        for c in tl.range(0, tl.cdiv(HALF, DC), num_stages=3):
+            d = c * DC + offs_c
+            w = tl.load(W + d, mask=d < HALF, other=0.0)
+            ang = tl.load(
+                ang_row[:, None] + d[None, :] * BLOCK_M, mask=(d < HALF)[None, :], other=0.0
+            )  # fmt: skip  [BLOCK_M, DC]
             k1, k2 = tl.split(
-                tl.load(kt_base + d * stride_tkd + offs_pair, mask=key_ok[:, None], other=0.0)
+                tl.reshape(
+                    tl.load(kc_ptrs + c * 2 * DC, mask=key_ok[:, None], other=0.0),
+                    [BLOCK_N, DC, 2],
+                )
             )
-            cos_p, sin_p = cos_sin(ang_d[None, :] + local * w, FAST_TRIG)
-            # The key rotated by -delta * w: computed once, used by all G heads.
-            kr1 = k1[:, None] * cos_p + k2[:, None] * sin_p
-            kr2 = k2[:, None] * cos_p - k1[:, None] * sin_p
-            # Two separate accumulations: each compiles to one FMA per element, where
-            # `s3 += a * b + c * d` would cost a multiply, an FMA and an add.
-            s3 += kr1[:, None, :] * q1[None, :, :]
-            s3 += kr2[:, None, :] * q2[None, :, :]
-        s = tl.reshape(s3, [BLOCK_N, COLS])
+            cos_p, sin_p = cos_sin(
+                ang[:, None, :] + local[:, :, None] * w[None, None, :], FAST_TRIG
+            )
+            kr1 = k1[None, :, :] * cos_p + k2[None, :, :] * sin_p
+            kr2 = k2[None, :, :] * cos_p - k1[None, :, :] * sin_p
+            kr = tl.reshape(tl.join(kr1, kr2), [BLOCK_M, BLOCK_N, 2 * DC]).to(QC.dtype.element_ty)
+            qc = tl.load(qc_ptrs + c * 2 * DC * HP, mask=qc_ok, other=0.0)
+            s3 = tl.dot(kr, qc, s3, input_precision=DOT_PRECISION)
+        # [COLS, BLOCK_N]: the head blocks past G_PAD are zeros, so their sum is exact.
+        s = tl.sum(tl.reshape(tl.permute(s3, (2, 0, 1)), [HP // G_PAD, COLS, BLOCK_N]), axis=0)
         if ROPE_DIM < HEAD_DIM:
-            s += tl.dot(k, q_pass, input_precision=DOT_PRECISION) * qk_scale
-        mask = (offs_j[:, None] <= cols_i[None, :]) & key_ok[:, None]
+            s += tl.dot(q_pass, tl.trans(k), input_precision=DOT_PRECISION)
+        s = s * qk_scale
+        mask = (offs_j[None, :] <= cols_i[:, None]) & key_ok[None, :]
         s = tl.where(mask, s, float("-inf"))
 
-        # Online softmax in base 2 along the keys (axis 0). A column can be fully masked in
-        # the first tile when BLOCK_M > BLOCK_N; its max stays -inf and is replaced by 0.
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        # Online softmax in base 2 along the keys. A row can be fully masked in the first
+        # tile when BLOCK_M > BLOCK_N; its max stays -inf and is replaced by 0.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha[None, :] + tl.dot(
-            tl.trans(v), p.to(v.dtype), input_precision=DOT_PRECISION
-        )
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
         # Summed in fp64: fp32 tile sums would each round, a random walk of ~1e-4 at N = 64K.
-        carry += tl.sum(z.to(tl.float64), axis=0)
+        carry += tl.sum(z.to(tl.float64), axis=1)
 
     o_ptrs = (
-        O + b * stride_ob + h0 * stride_oh + cols_h[None, :] * stride_oh
-        + cols_i[None, :] * stride_on + offs_d[:, None] * stride_od
+        O + b * stride_ob + h0 * stride_oh + cols_h[:, None] * stride_oh
+        + cols_i[:, None] * stride_on + offs_d[None, :] * stride_od
     )  # fmt: skip
-    tl.store(o_ptrs, (acc / l_i[None, :]).to(O.dtype.element_ty), mask=col_ok[None, :])
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=col_ok[:, None])
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     lse_ptrs = LSE + b * stride_lb + h0 * stride_lh + cols_h * stride_lh + cols_i * stride_ln
     tl.store(lse_ptrs, lse, mask=col_ok)
@@ -271,9 +274,8 @@ def _corope_fwd_kernel(
 @contextlib.contextmanager
 def pinned_config(index: int):
     """Within the block the forward runs config ``index`` of ``FWD_CONFIGS`` with no tuning
-    (a test of each config: autotune only ever runs the fastest). A single config skips
-    ``_prune``, so at large groups it may run a tile the autotuner never would. Not
-    thread-safe: it swaps the kernel's config list."""
+    (a test of each config: autotune only ever runs the fastest). Not thread-safe: it swaps
+    the kernel's config list."""
     kernel = _corope_fwd_kernel
     saved = kernel.configs, kernel.cache
     try:
@@ -283,20 +285,28 @@ def pinned_config(index: int):
         kernel.configs, kernel.cache = saved
 
 
-def rotary_pairs(x: torch.Tensor, rope_dim: int, n_pad: int) -> torch.Tensor:
-    """The rotary pairs ``(x1, x2)`` of ``x`` ``[B, H, N, D]`` side by side in fp32,
-    ``[B, H, R/2, n_pad, 2]`` (positions ``N:n_pad`` uninitialised): one frequency's pairs
-    over consecutive positions are contiguous, so a kernel loads a pair with one 8-byte load
-    and converts nothing."""
-    B, H, N, D = x.shape
+def interleaved_pairs(
+    x: torch.Tensor, rope_dim: int, n_pad: int, r_pad: int, g_pad: int, dtype=None
+) -> torch.Tensor:
+    """The rotary channels of ``x`` ``[B, HKV, G, N, D]`` as ``[B, HKV, n_pad, r_pad, g_pad]``
+    (``[B, HKV, n_pad, r_pad]`` when ``g_pad`` is 1), in ``dtype`` (default x's), zero-padded:
+    channel ``2 d + h`` holds ``x[..., h * R/2 + d]``, so a frequency's pair is adjacent along
+    the forward's tensor-core K axis, and the heads of a group are the last axis."""
+    B, HKV, G, N, D = x.shape
     if rope_dim % 2 or not 0 < rope_dim <= D:
         raise ValueError(f"rope_dim must be even and in (0, {D}], got {rope_dim}")
-    if n_pad < N:
-        raise ValueError(f"n_pad must be at least N = {N}, got {n_pad}")
+    for name, value, least in (
+        ("n_pad", n_pad, N),
+        ("r_pad", r_pad, rope_dim),
+        ("g_pad", g_pad, G),
+    ):
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
     half = rope_dim // 2
-    pairs = torch.empty(B, H, half, n_pad, 2, device=x.device, dtype=torch.float32)
-    pairs[:, :, :, :N] = x[..., :rope_dim].unflatten(-1, (2, half)).permute(0, 1, 4, 2, 3)
-    return pairs
+    out = torch.zeros(B, HKV, n_pad, r_pad, g_pad, device=x.device, dtype=dtype or x.dtype)
+    pairs = x[..., :rope_dim].unflatten(-1, (2, half)).transpose(-1, -2).flatten(-2)
+    out[:, :, :N, :rope_dim, :G] = pairs.permute(0, 1, 3, 4, 2)
+    return out.squeeze(-1) if g_pad == 1 else out
 
 
 def check_index_span(G: int, queries: dict, keys: dict) -> None:
@@ -319,10 +329,12 @@ def check_index_span(G: int, queries: dict, keys: dict) -> None:
                     f"(2**31): make it contiguous, or use a shorter sequence or smaller groups"
                 )
     _, _, N, D = next(iter(queries.values())).shape
-    if G * triton.cdiv(N, 8) * 8 * D >= limit:
+    # The forward's query copy pads the group to a power of two of at least 2 heads.
+    heads = max(MIN_PRODUCT_HEADS.value, triton.next_power_of_2(G))
+    if heads * triton.cdiv(N, 8) * 8 * D >= limit:
         raise ValueError(
-            f"a KV group's G * N * D = {G} * {N} * {D} elements pass the kernels' int32 indexing "
-            f"(2**31): use a shorter sequence or smaller groups"
+            f"a KV group's G * N * D = {heads} * {N} * {D} elements (G padded from {G}) pass "
+            f"the kernels' int32 indexing (2**31): use a shorter sequence or smaller groups"
         )
 
 
@@ -350,8 +362,9 @@ def corope_fwd(
         ``o`` ``[B, HQ, N, D]`` in q's dtype and ``lse`` ``[B, HQ, N]`` fp32, the natural-log
         log-sum-exp of the scaled scores over ``j <= i``.
 
-    Besides o and lse, the launch allocates the rotary pairs of q (scaled) and k in fp32
-    (``rotary_pairs``) and a scratch of ``B * HKV * N * next_power_of_2(R / 2)`` fp32 (N
+    Besides o and lse, the launch allocates the rotary channels of q (in q's dtype, the group
+    padded to ``max(2, next_power_of_2(G))`` heads) and of k (fp32), interleaved by
+    ``interleaved_pairs``, and a scratch of ``B * HKV * N * next_power_of_2(R / 2)`` fp32 (N
     rounded up to the largest tile's rows) where each program keeps its rows' reduced carry
     angles of the current key tile.
     """
@@ -360,19 +373,17 @@ def corope_fwd(
     G = HQ // HKV
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     check_index_span(G, dict(q=q), dict(k=k, v=v))
-    # Positions padded to a multiple of 8 so that every stride is a multiple of 16 elements,
-    # which lets the kernel's pair loads be 8-byte vectors. The padding is never read.
+    # Positions padded to a multiple of 8 and frequencies to a power of two of at least one
+    # product's chunk (zeros), so that no chunk reads past its row.
     n_pad = triton.cdiv(N, 8) * 8
-    # q pre-scaled: the kernel loads each query pair once per key tile and frequency, so the
-    # scale would otherwise be paid ~N / BLOCK_N times per element (in place: no second
-    # fp32 copy of q at the peak).
-    qt = rotary_pairs(q, rope_dim, n_pad).mul_(softmax_scale * LOG2E)
-    kt = rotary_pairs(k, rope_dim, n_pad)
     g_pad = triton.next_power_of_2(G)
-    half_pad = triton.next_power_of_2(rope_dim // 2)
-    # Rows rounded up to the largest BLOCK_M = BLOCK_GM / G_PAD any config can take (powers of
-    # two, so every other BLOCK_M divides it; _prune's fallback has BLOCK_M = 1).
-    m_max = max(1, max(c.kwargs["BLOCK_GM"] for c in _corope_fwd_kernel.configs) // g_pad)
+    hp = max(MIN_PRODUCT_HEADS.value, g_pad)
+    half_pad = max(FREQ_CHUNK.value, triton.next_power_of_2(rope_dim // 2))
+    qc = interleaved_pairs(q.unflatten(1, (HKV, G)), rope_dim, n_pad, 2 * half_pad, hp)
+    kc = interleaved_pairs(k.unsqueeze(2), rope_dim, n_pad, 2 * half_pad, 1, torch.float32)
+    # Rows rounded up to the largest BLOCK_M any config takes (powers of two, so every other
+    # BLOCK_M divides it).
+    m_max = max(1, max(c.kwargs["BLOCK_GM"] for c in _corope_fwd_kernel.configs) // hp)
     ang = torch.empty(B * HKV, triton.cdiv(N, m_max) * m_max * half_pad, device=q.device,
                       dtype=torch.float32)  # fmt: skip
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
@@ -380,10 +391,10 @@ def corope_fwd(
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
     if N == 0 or B == 0 or HQ == 0:
         return o, lse
-    grid = lambda meta: (triton.cdiv(N, max(1, meta["BLOCK_GM"] // g_pad)) * B * HKV,)
+    grid = lambda meta: (triton.cdiv(N, max(1, meta["BLOCK_GM"] // hp)) * B * HKV,)
     _corope_fwd_kernel[grid](
-        q, k, v, qt, kt, w, ang, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *qt.stride()[:3], *kt.stride()[:3],
+        q, k, v, qc, kc, w, ang, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *qc.stride()[:2], *kc.stride()[:2],
         ang.stride(0), *o.stride(), *lse.stride(),
         HKV, N, softmax_scale, softmax_scale * LOG2E, max(512, triton.next_power_of_2(N)),
         G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, HALF_PAD=half_pad,
@@ -399,6 +410,6 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "check_index_span",
     "corope_fwd",
+    "interleaved_pairs",
     "pinned_config",
-    "rotary_pairs",
 ]

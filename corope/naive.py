@@ -98,6 +98,7 @@ def _chunk_rows(
     R: int,
     detach_mileage: bool,
     unit_gates: bool,
+    rotated_key_dtype: torch.dtype | None = None,
 ):
     M, N = q.shape[-2], k.shape[-2]
     rows = torch.arange(i0, i0 + M, device=q.device)
@@ -114,6 +115,8 @@ def _chunk_rows(
     k1, k2 = k[..., None, :, : R // 2], k[..., None, :, R // 2 : R]  # [B, HKV, 1, N, R/2]
     kr1 = k1 * cos + k2 * sin  # the key rotated by -phi
     kr2 = k2 * cos - k1 * sin
+    if rotated_key_dtype is not None:
+        kr1, kr2 = (x.to(rotated_key_dtype).to(k.dtype) for x in (kr1, kr2))
     q1, q2 = q[..., : R // 2], q[..., R // 2 : R]  # [B, HKV, G, M, R/2]
     scores = torch.einsum("bghmd,bgmnd->bghmn", q1, kr1) + torch.einsum(
         "bghmd,bgmnd->bghmn", q2, kr2
@@ -141,6 +144,7 @@ def corope_attention_ref(
     unit_gates: bool = False,
     chunk_size: int | None = None,
     return_lse: bool = False,
+    rotated_key_dtype: torch.dtype | None = None,
 ):
     """Causal Co-RoPE-GQA attention, differentiable through q, k and v.
 
@@ -160,6 +164,9 @@ def corope_attention_ref(
         chunk_size: query rows per chunk (default: as many as keep the largest chunk tensor
             near 2**25 elements).
         return_lse: also return the per-row log-sum-exp of the scores.
+        rotated_key_dtype: round the rotated key ``Rot(-phi) k`` to this dtype before the
+            score products, as a half-precision kernel that feeds it to the tensor cores does
+            (the baseline of such a kernel's scores; default: no rounding).
 
     Returns:
         ``o`` ``[B, HQ, N, D]`` in q's dtype, and with ``return_lse`` the natural-log
@@ -196,6 +203,7 @@ def corope_attention_ref(
             R,
             detach_mileage,
             unit_gates,
+            rotated_key_dtype,
         )
         o, lse = (
             checkpoint(_chunk_rows, *args, use_reentrant=False) if recompute else _chunk_rows(*args)

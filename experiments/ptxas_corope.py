@@ -39,9 +39,10 @@ from corope import backward, forward  # noqa: E402
 
 # Pointer arguments of the kernels and their element types (inputs bf16).
 POINTERS = {
-    **dict.fromkeys(("Q", "K", "V", "O", "DO", "QL"), "*bf16"),
+    **dict.fromkeys(("Q", "K", "V", "O", "DO", "QL", "QC"), "*bf16"),
     **dict.fromkeys(
-        ("QT", "KT", "ANG", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"), "*fp32"
+        ("QT", "KT", "KC", "ANG", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"),
+        "*fp32",
     ),
     **dict.fromkeys(("QP", "KP"), "*i64"),
     **dict.fromkeys(("LOCK", "LOCK_T"), "*i32"),
@@ -60,11 +61,12 @@ SHAPES = [(4, 64, 64), (4, 128, 128), (1, 128, 128), (2, 128, 128), (8, 128, 128
           (16, 128, 128), (4, 128, 64), (4, 256, 256)]  # fmt: skip
 
 
-def compile_sm90(fn, consts: dict, warps: int, stages: int, leader: str = "first"):
-    """``fn`` compiled for sm_90 with ``consts`` as its constexprs, the launch's ``warps`` and
-    ``stages`` (``num_stages``: it changes the shared memory and the registers), and the
-    launch's specialisation of the other arguments (the backward's ``QL`` is fp32 for the mean
-    leader)."""
+def compile_sm90(fn, consts: dict, warps: int, stages: int, leader: str = "first",
+                 maxnreg: int | None = None):  # fmt: skip
+    """``fn`` compiled for sm_90 with ``consts`` as its constexprs, the launch's ``warps``,
+    ``stages`` (``num_stages``: it changes the shared memory and the registers) and register
+    cap, and the launch's specialisation of the other arguments (the backward's ``QL`` is fp32
+    for the mean leader)."""
     pointers = POINTERS | ({"QL": "*fp32"} if leader == "mean" else {})
     sig, attrs, consts = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
@@ -83,7 +85,7 @@ def compile_sm90(fn, consts: dict, warps: int, stages: int, leader: str = "first
     return triton.compile(
         ASTSource(fn, sig, consts, attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": stages},
+        options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg},
     )
 
 
@@ -130,16 +132,16 @@ def loop_sizes(sass: str) -> list[str]:
 
 def forward_rows(loops: bool, leader: str):
     for g, d, r in SHAPES:
-        # the autotuner's configs (not the interpreter's), pruned as it prunes them
-        for config in forward._prune(forward._configs(), {}, G_PAD=g):
+        for config in forward._configs():  # the autotuner's (not the interpreter's)
             block_gm, block_n = config.kwargs["BLOCK_GM"], config.kwargs["BLOCK_N"]
-            warps, stages = config.num_warps, config.num_stages
-            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=triton.next_power_of_2(r // 2),
-                          LEADER_MEAN=leader == "mean",
-                          DOT_PRECISION="tf32", FAST_TRIG=True, BLOCK_GM=block_gm,
-                          BLOCK_N=block_n)  # fmt: skip
-            kernel = compile_sm90(forward._corope_fwd_kernel.fn, consts, warps, stages)
-            yield f"{g}, {d}, {r}", (block_gm, block_n, warps), report(kernel, loops)
+            half_pad = max(forward.FREQ_CHUNK.value, triton.next_power_of_2(r // 2))
+            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=half_pad,
+                          LEADER_MEAN=leader == "mean", DOT_PRECISION="tf32", FAST_TRIG=True,
+                          BLOCK_GM=block_gm, BLOCK_N=block_n)  # fmt: skip
+            kernel = compile_sm90(forward._corope_fwd_kernel.fn, consts, config.num_warps,
+                                  config.num_stages, maxnreg=config.maxnreg)  # fmt: skip
+            tile = (block_gm, block_n, config.num_warps, config.maxnreg or 255)
+            yield f"{g}, {d}, {r}", tile, report(kernel, loops)
 
 
 def backward_rows(loops: bool, tail: bool, leader: str):
@@ -184,7 +186,8 @@ def main() -> None:
     ap.add_argument("--leader", choices=("first", "mean"), default="first")
     args = ap.parse_args()
     if args.kernel == "forward":
-        rows, tile = forward_rows(args.loops, args.leader), "config (BLOCK_GM, BLOCK_N, warps)"
+        rows = forward_rows(args.loops, args.leader)
+        tile = "config (BLOCK_GM, BLOCK_N, warps, register cap)"
     else:
         rows = backward_rows(args.loops, args.kernel == "gate_tail", args.leader)
         tile = "tile (BLOCK_M, BLOCK_N, warps)"

@@ -131,7 +131,8 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
         config = "-"
         if best is not None:
             config = (
-                f"({best.kwargs['BLOCK_GM']}, {best.kwargs['BLOCK_N']}, {best.num_warps} warps)"
+                f"({best.kwargs['BLOCK_GM']}, {best.kwargs['BLOCK_N']}, {best.num_warps} warps, "
+                f"{best.maxnreg or 255} registers)"
             )
         rows.append(
             {

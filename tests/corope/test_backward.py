@@ -17,7 +17,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from corope import corope_attention
+from corope import backward, corope_attention
 from corope.backward import corope_bwd
 from corope.naive import corope_attention_ref, corope_inv_freq
 from tests.helpers import DEVICE, assert_close_to_baseline
@@ -435,3 +435,45 @@ def test_backward_deterministic_gpu(detach_mileage):
         )
         for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
             assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
+def _check_end_to_end(B, HQ, HKV, N, D, dtype, leader):
+    """Both kernels through the public function: the backward runs on the forward kernel's
+    own o and lse (whose scores take the rotated key in the input dtype), not the reference's."""
+    q, k, v, do = _inputs(B, HQ, HKV, N, D, dtype)
+    truth = _ref_grads(q, k, v, do, torch.float64, leader=leader)
+    baseline = _ref_grads(q, k, v, do, dtype, leader=leader)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grads = torch.autograd.grad(corope_attention(q, k, v, leader=leader), (q, k, v), do)
+    for name, out, ref, base in zip(
+        ("dq", "dk", "dv"), grads, truth[2:], baseline[2:], strict=True
+    ):
+        assert_close_to_baseline(name, out, ref, base)
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
+def test_end_to_end_fp16(leader):
+    _check_end_to_end(1, 4, 1, 63, 64, torch.float16, leader)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("G, N, D", [(4, 1000, 128), (1, 777, 64), (8, 2048, 128)])
+def test_end_to_end_gpu(G, N, D, dtype):
+    _check_end_to_end(1, 2 * G, 2, N, D, dtype, "first")
+
+
+def test_rotary_pairs_layout_and_errors():
+    # [B, H, R/2, n_pad, 2]: (x1, x2) of frequency d at position n side by side, fp32;
+    # channels R: (pass-through) are not copied.
+    x = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16)
+    pairs = backward.rotary_pairs(x, 6, 8)
+    assert pairs.shape == (2, 3, 3, 8, 2) and pairs.dtype == torch.float32
+    expected = torch.stack((x[..., :3], x[..., 3:6]), dim=-1).float().transpose(2, 3)
+    assert torch.equal(pairs[:, :, :, :5], expected)
+    with pytest.raises(ValueError, match="rope_dim must be even"):
+        backward.rotary_pairs(x, 5, 8)
+    with pytest.raises(ValueError, match="rope_dim must be even and in"):
+        backward.rotary_pairs(x, 10, 8)
+    with pytest.raises(ValueError, match="n_pad must be at least N = 5, got 4"):
+        backward.rotary_pairs(x, 6, 4)

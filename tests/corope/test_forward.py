@@ -37,6 +37,10 @@ def _check_forward(B, HQ, HKV, N, D, rope_dim=None, leader="first", dtype=torch.
     kw = dict(rope_dim=rope_dim, leader=leader, return_lse=True)
     o64, lse64 = corope_attention_ref(q.double(), k.double(), v.double(), **kw)
     o_base, lse_base = corope_attention_ref(q, k, v, **kw)
+    if dtype != torch.float32:
+        # The kernel's tensor-core score product takes the rotated key in the input dtype (as a
+        # RoPE attention takes its rotated q and k): lse, fp32, is held to that rounding.
+        _, lse_base = corope_attention_ref(q, k, v, rotated_key_dtype=dtype, **kw)
     assert o.dtype == dtype and o.shape == q.shape and lse.shape == (B, HQ, N)
     assert_close_to_baseline("o", o, o64, o_base)
     assert_close_to_baseline("lse", lse, lse64, lse_base)
@@ -292,22 +296,6 @@ def test_backward_op_fake_matches_real_strides_for_transposed_inputs():
     torch.library.opcheck(_attention_backward_op, args, test_utils=("test_faketensor",))
 
 
-def test_rotary_pairs_layout_and_errors():
-    # [B, H, R/2, n_pad, 2]: (x1, x2) of frequency d at position n side by side, fp32;
-    # channels R: (pass-through) are not copied.
-    x = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16)
-    pairs = forward.rotary_pairs(x, 6, 8)
-    assert pairs.shape == (2, 3, 3, 8, 2) and pairs.dtype == torch.float32
-    expected = torch.stack((x[..., :3], x[..., 3:6]), dim=-1).float().transpose(2, 3)
-    assert torch.equal(pairs[:, :, :, :5], expected)
-    with pytest.raises(ValueError, match="rope_dim must be even"):
-        forward.rotary_pairs(x, 5, 8)
-    with pytest.raises(ValueError, match="rope_dim must be even and in"):
-        forward.rotary_pairs(x, 10, 8)
-    with pytest.raises(ValueError, match="n_pad must be at least N = 5, got 4"):
-        forward.rotary_pairs(x, 6, 4)
-
-
 def test_index_span_past_int32_is_refused():
     # The kernels index within one KV group in int32 (batch and group offsets are int64): a
     # group of 32 query heads at N = 2**19, D = 128 spans 2**31 elements, as does a [B, N, H,
@@ -315,7 +303,7 @@ def test_index_span_past_int32_is_refused():
     G, N, D = 32, 2**19, 128
     meta = dict(device="meta", dtype=torch.bfloat16)
     k_ok = torch.empty(1, 1, N, D, **meta)
-    forward.check_index_span(G - 1, dict(q=torch.empty(1, G - 1, N, D, **meta)), dict(k=k_ok))
+    forward.check_index_span(G, dict(q=torch.empty(1, G, N - 8, D, **meta)), dict(k=k_ok))
     with pytest.raises(ValueError, match=r"^q spans 2147483648 elements within one KV group"):
         forward.check_index_span(G, dict(q=torch.empty(1, G, N, D, **meta)), dict(k=k_ok))
     # one head of a [B, N + 1, 32, D] key tensor: its rows are G * D apart
@@ -323,6 +311,28 @@ def test_index_span_past_int32_is_refused():
     q_small = torch.empty(1, 1, N + 1, D, **meta)
     with pytest.raises(ValueError, match=r"^k spans \d+ elements within one KV group"):
         forward.check_index_span(1, dict(q=q_small), dict(k=k_wide))
-    # the launchers' own buffers: G * N * D with N padded to 8
-    with pytest.raises(ValueError, match=r"G \* N \* D = 32 \* 524281 \* 128"):
-        forward.check_index_span(G, dict(q=torch.empty(1, G, N - 7, D, **meta)), dict(k=k_ok))
+    # the launchers' own buffers: G * N * D with N padded to 8 and the group of 17 heads to 32
+    q_17 = torch.empty(1, 17, N - 7, D, **meta)
+    with pytest.raises(ValueError, match=r"G \* N \* D = 32 \* 524281 \* 128 .*padded from 17"):
+        forward.check_index_span(17, dict(q=q_17), dict(k=k_ok))
+
+
+def test_interleaved_pairs_layout():
+    """The forward's operand copies: channel 2 d + h holds x[..., h R/2 + d], heads last, and
+    the padding (positions, channels, heads) is zero, which the kernel's chunks rely on."""
+    x = torch.randn(2, 3, 2, 5, 8)  # [B, HKV, G, N, D]
+    out = forward.interleaved_pairs(x, 6, 8, 16, 4)
+    assert out.shape == (2, 3, 8, 16, 4)
+    for d in range(3):
+        for h in range(2):
+            assert torch.equal(out[:, :, :5, 2 * d + h, :2], x[..., h * 3 + d].permute(0, 1, 3, 2))
+    assert not out[:, :, 5:].any() and not out[:, :, :, 6:].any() and not out[..., 2:].any()
+    k = forward.interleaved_pairs(x[:, :, :1], 6, 8, 16, 1, torch.float32)
+    assert k.shape == (2, 3, 8, 16) and torch.equal(k[:, :, :5, :6], out[:, :, :5, :6, 0])
+    with pytest.raises(ValueError, match="rope_dim must be even and in"):
+        forward.interleaved_pairs(x, 5, 8, 16, 4)
+    for args, name in (((4, 16, 4), "n_pad must be at least 5"),
+                       ((8, 4, 4), "r_pad must be at least 6"),
+                       ((8, 16, 1), "g_pad must be at least 2")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            forward.interleaved_pairs(x, 6, *args)

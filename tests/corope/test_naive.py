@@ -53,6 +53,21 @@ def test_unit_gates_is_rope_attention(B, HQ, HKV, N, D, rope_dim):
     assert_close("unit gates vs RoPE attention", out, ref, atol=1e-10, rtol=1e-12)
 
 
+def test_rotated_key_dtype_rounds_only_the_rotated_key():
+    q, k, v = _qkv(1, 4, 2, 23, 16)
+    o, lse = corope_attention_ref(q, k, v, return_lse=True)
+    same = corope_attention_ref(q, k, v, return_lse=True, rotated_key_dtype=q.dtype)
+    assert all(torch.equal(a, b) for a, b in zip((o, lse), same, strict=True))
+    # fp16 keeps 11 bits of each rotated key: scores move by a few 1e-4 at these magnitudes.
+    _, lse16 = corope_attention_ref(q, k, v, return_lse=True, rotated_key_dtype=torch.float16)
+    assert 0 < (lse16 - lse).abs().max() < 5e-3
+    # Row 0 sees only key 0, which no phase rotates: its scores round k itself.
+    k16 = k.clone()
+    k16[:, :, 0] = k[:, :, 0].half().double()
+    _, lse_k16 = corope_attention_ref(q, k16, v, return_lse=True)
+    assert torch.equal(lse16[..., 0], lse_k16[..., 0])
+
+
 @pytest.mark.parametrize("leader", ["first", "mean"])
 def test_chunk_size_invariance(leader):
     q, k, v = _qkv(1, 4, 2, 23, 16)
