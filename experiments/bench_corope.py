@@ -213,10 +213,14 @@ def verdict(rows: list[dict]) -> list[str]:
 
 
 def write_markdown(path: Path, rows, env, lines) -> None:
-    cols = ["shape", "dtype", "mode", "provider", "ms", "ms_p20", "ms_p80", "peak_mem_mib", "note"]
+    # Rows come from the CSV, where runs split by --shape / --min-n / --max-n may be of
+    # different commits: each row names its own.
+    cols = ["shape", "dtype", "mode", "provider", "ms", "ms_p20", "ms_p80", "peak_mem_mib",
+            "commit", "note"]  # fmt: skip
     text = (
         f"# Co-RoPE-GQA benchmark\n\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
-        f"commit {env['commit']}, {env['date']}. Written by `experiments/bench_corope.py`.\n\n"
+        f"last run at commit {env['commit']}, {env['date']}. Written by "
+        f"`experiments/bench_corope.py`.\n\n"
         + markdown_table(rows, cols) + "\n```\n" + "\n".join(lines) + "\n```\n"
     )  # fmt: skip
     path.write_text(text)
