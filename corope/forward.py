@@ -18,7 +18,7 @@ and the phase error does not grow with N.
 The rotary scores are tensor-core products too: for each query row and chunk of
 ``FREQ_CHUNK`` frequencies, the tile's keys rotated by ``-delta w`` (``[BLOCK_N, 2 * 8]``,
 computed once for the group, rounded to q's dtype) times the row's queries of all heads
-(``[2 * 8, G]``). The CUDA cores are left with the phase, the sin/cos and the rotation."""
+(``[2 * 8, HP]``, the group padded to ``product_heads(G)``). The CUDA cores are left with the phase, the sin/cos and the rotation."""
 
 from __future__ import annotations
 
@@ -41,12 +41,25 @@ MIN_PRODUCT_HEADS = tl.constexpr(2)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
 
+def product_heads(G: int) -> int:
+    """The head axis of the forward's score product: the group padded to a power of two of at
+    least ``MIN_PRODUCT_HEADS`` (the padded heads' queries are zeros)."""
+    return max(MIN_PRODUCT_HEADS.value, triton.next_power_of_2(G))
+
+
+def freq_pad(rope_dim: int) -> int:
+    """The forward's rotary frequencies padded to a power of two of at least one
+    ``FREQ_CHUNK`` (the padded frequencies have zero pairs), so no chunk reads past a row."""
+    return max(FREQ_CHUNK.value, triton.next_power_of_2(rope_dim // 2))
+
+
 def _configs() -> list[triton.Config]:
     if _INTERPRET:
         # The interpreter runs every config it is given; one small one keeps the CPU tests quick.
         return [triton.Config({"BLOCK_GM": 64, "BLOCK_N": 32}, num_warps=4)]
-    # BLOCK_GM = max(2, G_PAD) * BLOCK_M: the (head, row) columns of the score product, which
-    # bound its accumulators ([BLOCK_M, BLOCK_N, max(2, G_PAD)]) for every group size.
+    # BLOCK_GM = HP * BLOCK_M (HP = product_heads(G)): the (row, head) columns of the score
+    # product, which bound its accumulators ([BLOCK_M, BLOCK_N, HP]) while HP <= BLOCK_GM; a
+    # wider group takes one row a program.
     # maxnreg: the kernel waits on latency at two CTAs an SM (255 registers); at G = 4,
     # (16, 64) fits 168 registers without spilling (offline, sm_90a): three CTAs an SM.
     return [
@@ -116,8 +129,8 @@ def _corope_fwd_kernel(
     BLOCK_GM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # The score product's head axis, the padded heads' queries zero: Triton 3.6 computed a
-    # 1-column product (G = 1) wrongly on an H100, where 2 and 4 columns were right.
+    # The score product's head axis (product_heads): Triton 3.6 computes a 1-column product
+    # (G = 1) wrongly on an H100, where 2 and 4 columns are right.
     HP: tl.constexpr = max(MIN_PRODUCT_HEADS, G_PAD)
     BLOCK_M: tl.constexpr = max(1, BLOCK_GM // HP)
     COLS: tl.constexpr = G_PAD * BLOCK_M
@@ -315,8 +328,9 @@ def check_index_span(G: int, queries: dict, keys: dict) -> None:
     """Raises ``ValueError`` where the kernels' int32 offsets would overflow. They add batch and
     head-group offsets in int64 but index within one KV group in int32 (fewer registers in the
     loops): a query-shaped ``[B, HQ, N, D]`` tensor spans ``G`` heads there, a key-shaped
-    ``[B, HKV, N, D]`` one a single head, and the launchers' own buffers (contiguous fp32, N
-    padded to 8) ``G * N * D`` elements. ``queries``, ``keys``: name -> tensor."""
+    ``[B, HKV, N, D]`` one a single head, and the launchers' own contiguous buffers at most
+    ``product_heads(G) * N * D`` elements (N padded to 8; the forward's query copy pads the
+    group's heads). ``queries``, ``keys``: name -> tensor."""
     limit = 2**31
     for heads, tensors in ((G, queries), (1, keys)):
         for name, x in tensors.items():
@@ -331,12 +345,12 @@ def check_index_span(G: int, queries: dict, keys: dict) -> None:
                     f"(2**31): make it contiguous, or use a shorter sequence or smaller groups"
                 )
     _, _, N, D = next(iter(queries.values())).shape
-    # The forward's query copy pads the group to a power of two of at least 2 heads.
-    heads = max(MIN_PRODUCT_HEADS.value, triton.next_power_of_2(G))
+    heads = product_heads(G)
     if heads * triton.cdiv(N, 8) * 8 * D >= limit:
+        padded = f" (G padded from {G})" if heads != G else ""
         raise ValueError(
-            f"a KV group's G * N * D = {heads} * {N} * {D} elements (G padded from {G}) pass "
-            f"the kernels' int32 indexing (2**31): use a shorter sequence or smaller groups"
+            f"a KV group's G * N * D = {heads} * {N} * {D} elements{padded} pass the kernels' "
+            f"int32 indexing (2**31): use a shorter sequence or smaller groups"
         )
 
 
@@ -365,22 +379,25 @@ def corope_fwd(
         log-sum-exp of the scaled scores over ``j <= i``.
 
     Besides o and lse, the launch allocates the rotary channels of q (in q's dtype, the group
-    padded to ``max(2, next_power_of_2(G))`` heads) and of k (fp32), interleaved by
-    ``interleaved_pairs``, and a scratch of ``B * HKV * N * next_power_of_2(R / 2)`` fp32 (N
+    padded to ``product_heads(G)`` heads) and of k (fp32), interleaved by
+    ``interleaved_pairs``, and a scratch of ``B * HKV * N * freq_pad(R)`` fp32 (N
     rounded up to the largest tile's rows) where each program keeps its rows' reduced carry
     angles of the current key tile.
     """
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     G = HQ // HKV
+    if inv_freq.numel() != rope_dim // 2:
+        # the kernel reads R/2 frequencies: a shorter tensor would be read past its end
+        raise ValueError(
+            f"inv_freq must have rope_dim / 2 = {rope_dim // 2} elements, got {inv_freq.numel()}"
+        )
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     check_index_span(G, dict(q=q), dict(k=k, v=v))
-    # Positions padded to a multiple of 8 and frequencies to a power of two of at least one
-    # product's chunk (zeros), so that no chunk reads past its row.
-    n_pad = triton.cdiv(N, 8) * 8
+    n_pad = triton.cdiv(N, 8) * 8  # positions padded to a multiple of 8 (zeros)
     g_pad = triton.next_power_of_2(G)
-    hp = max(MIN_PRODUCT_HEADS.value, g_pad)
-    half_pad = max(FREQ_CHUNK.value, triton.next_power_of_2(rope_dim // 2))
+    hp = product_heads(G)
+    half_pad = freq_pad(rope_dim)
     qc = interleaved_pairs(q.unflatten(1, (HKV, G)), rope_dim, n_pad, 2 * half_pad, hp)
     kc = interleaved_pairs(k.unsqueeze(2), rope_dim, n_pad, 2 * half_pad, 1, torch.float32)
     # Rows rounded up to the largest BLOCK_M any config takes (powers of two, so every other
@@ -412,6 +429,8 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "check_index_span",
     "corope_fwd",
+    "freq_pad",
     "interleaved_pairs",
     "pinned_config",
+    "product_heads",
 ]

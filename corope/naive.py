@@ -178,6 +178,12 @@ def corope_attention_ref(
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if rotated_key_dtype is not None and (
+        not isinstance(rotated_key_dtype, torch.dtype) or not rotated_key_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"rotated_key_dtype must be a floating torch.dtype or None, got {rotated_key_dtype!r}"
+        )
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     G = HQ // HKV

@@ -134,7 +134,7 @@ def forward_rows(loops: bool, leader: str):
     for g, d, r in SHAPES:
         for config in forward._configs():  # the autotuner's (not the interpreter's)
             block_gm, block_n = config.kwargs["BLOCK_GM"], config.kwargs["BLOCK_N"]
-            half_pad = max(forward.FREQ_CHUNK.value, triton.next_power_of_2(r // 2))
+            half_pad = forward.freq_pad(r)
             consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=half_pad,
                           LEADER_MEAN=leader == "mean", DOT_PRECISION="tf32", FAST_TRIG=True,
                           BLOCK_GM=block_gm, BLOCK_N=block_n)  # fmt: skip

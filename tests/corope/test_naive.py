@@ -66,6 +66,9 @@ def test_rotated_key_dtype_rounds_only_the_rotated_key():
     k16[:, :, 0] = k[:, :, 0].half().double()
     _, lse_k16 = corope_attention_ref(q, k16, v, return_lse=True)
     assert torch.equal(lse16[..., 0], lse_k16[..., 0])
+    for bad in (torch.int32, "float16"):
+        with pytest.raises(TypeError, match="rotated_key_dtype must be a floating torch.dtype"):
+            corope_attention_ref(q, k, v, rotated_key_dtype=bad)
 
 
 @pytest.mark.parametrize("leader", ["first", "mean"])
