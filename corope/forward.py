@@ -18,7 +18,8 @@ and the phase error does not grow with N.
 The rotary scores are tensor-core products too: for each query row and chunk of
 ``FREQ_CHUNK`` frequencies, the tile's keys rotated by ``-delta w`` (``[BLOCK_N, 2 * 8]``,
 computed once for the group, rounded to q's dtype) times the row's queries of all heads
-(``[2 * 8, HP]``, the group padded to ``product_heads(G)``). The CUDA cores are left with the phase, the sin/cos and the rotation."""
+(``[2 * 8, HP]``, the group padded to ``product_heads(G)``). The CUDA cores are left with the
+phase, the sin/cos and the rotation."""
 
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def _corope_fwd_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_cqb, stride_cqh,  # QC: [B, HKV, N_PAD, R_PAD, G_PAD] contiguous, q's dtype
+    stride_cqb, stride_cqh,  # QC: [B, HKV, N_PAD, R_PAD, HP] contiguous, q's dtype
     stride_ckb, stride_ckh,  # KC: [B, HKV, N_PAD, R_PAD] contiguous, fp32
     stride_ab,  # ANG: [B * HKV, N_ROWS * HALF_PAD] contiguous
     stride_ob, stride_oh, stride_on, stride_od,
@@ -155,16 +156,12 @@ def _corope_fwd_kernel(
     cols_i = m0 + cols % BLOCK_M
     col_ok = (cols_h < G) & (cols_i < N)
     offs_d = tl.arange(0, HEAD_DIM)
+    # [COLS, D]: the queries of the tile's rows
     q_rows = tl.load(
-        Q
-        + b * stride_qb
-        + h0 * stride_qh
-        + cols_h[:, None] * stride_qh
-        + cols_i[:, None] * stride_qn
-        + offs_d[None, :] * stride_qd,
-        mask=col_ok[:, None],
-        other=0.0,
-    )  # fmt: skip  [COLS, D]
+        Q + b * stride_qb + h0 * stride_qh + cols_h[:, None] * stride_qh
+        + cols_i[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=col_ok[:, None], other=0.0,
+    )  # fmt: skip
     if ROPE_DIM < HEAD_DIM:
         q_pass = tl.where(offs_d[None, :] >= ROPE_DIM, q_rows, tl.zeros_like(q_rows))
 
@@ -239,9 +236,10 @@ def _corope_fwd_kernel(
         for c in tl.range(0, tl.cdiv(HALF, DC), num_stages=3, loop_unroll_factor=2):
             d = c * DC + offs_c
             w = tl.load(W + d, mask=d < HALF, other=0.0)
+            # [BLOCK_M, DC]: the rows' reduced carry angles of the chunk's frequencies
             ang = tl.load(
                 ang_row[:, None] + d[None, :] * BLOCK_M, mask=(d < HALF)[None, :], other=0.0
-            )  # fmt: skip  [BLOCK_M, DC]
+            )
             k1, k2 = tl.split(
                 tl.reshape(
                     tl.load(kc_ptrs + c * 2 * DC, mask=key_ok[:, None], other=0.0),
