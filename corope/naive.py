@@ -145,6 +145,7 @@ def corope_attention_ref(
     chunk_size: int | None = None,
     return_lse: bool = False,
     rotated_key_dtype: torch.dtype | None = None,
+    rows: range | None = None,
 ):
     """Causal Co-RoPE-GQA attention, differentiable through q, k and v.
 
@@ -167,11 +168,13 @@ def corope_attention_ref(
         rotated_key_dtype: round the rotated key ``Rot(-phi) k`` to this dtype before the
             score products, as a half-precision kernel that feeds it to the tensor cores does
             (the baseline of such a kernel's scores; default: no rounding).
+        rows: compute only these query rows (a ``range`` of step 1 within ``0..N``), in
+            O(len(rows) * N) memory: how long sequences are checked on sampled rows.
 
     Returns:
-        ``o`` ``[B, HQ, N, D]`` in q's dtype, and with ``return_lse`` the natural-log
-        log-sum-exp ``[B, HQ, N]`` in fp32 (fp64 for fp64 inputs). Computed in fp32
-        (fp64 for fp64 inputs).
+        ``o`` ``[B, HQ, M, D]`` in q's dtype, and with ``return_lse`` the natural-log
+        log-sum-exp ``[B, HQ, M]`` in fp32 (fp64 for fp64 inputs), where ``M`` is ``N`` or
+        ``len(rows)``. Computed in fp32 (fp64 for fp64 inputs).
     """
     R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale)
     if chunk_size is not None and (
@@ -185,6 +188,10 @@ def corope_attention_ref(
             f"rotated_key_dtype must be a floating torch.dtype or None, got {rotated_key_dtype!r}"
         )
     B, HQ, N, D = q.shape
+    if rows is None:
+        rows = range(N)
+    elif not isinstance(rows, range) or rows.step != 1 or not 0 <= rows.start < rows.stop <= N:
+        raise ValueError(f"rows must be a non-empty range of step 1 within 0..{N}, got {rows!r}")
     HKV = k.shape[1]
     G = HQ // HKV
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -196,8 +203,8 @@ def corope_attention_ref(
         chunk_size = max(1, _CHUNK_ELEMENTS // max(1, B * HKV * N * max(R // 2, 1)))
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     outs, lses = [], []
-    for i0 in range(0, N, chunk_size):
-        i1 = min(N, i0 + chunk_size)
+    for i0 in range(rows.start, rows.stop, chunk_size):
+        i1 = min(rows.stop, i0 + chunk_size)
         args = (
             qg[:, :, :, i0:i1],
             qL[:, :, i0:i1],
@@ -216,7 +223,8 @@ def corope_attention_ref(
         )
         outs.append(o)
         lses.append(lse)
-    o = torch.cat(outs, dim=-2).reshape(B, HQ, N, D).to(q.dtype)
+    M = len(rows)
+    o = torch.cat(outs, dim=-2).reshape(B, HQ, M, D).to(q.dtype)
     if return_lse:
-        return o, torch.cat(lses, dim=-1).reshape(B, HQ, N)
+        return o, torch.cat(lses, dim=-1).reshape(B, HQ, M)
     return o

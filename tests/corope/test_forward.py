@@ -20,7 +20,7 @@ import torch
 
 from corope import corope_attention, corope_attention_ref, forward
 from corope.forward import corope_fwd
-from corope.naive import _chunk_rows, corope_inv_freq
+from corope.naive import corope_inv_freq
 from fused_rope.frequencies import rope_frequencies
 from tests.helpers import DEVICE, ON_GPU, assert_close, assert_close_to_baseline, errors
 
@@ -117,15 +117,9 @@ def test_every_config_gpu(index):
         _check_forward(1, 2, 2, 300, 64, 48, "mean", torch.float16)
 
 
-def _reference_rows(q, k, v, rows, R, s, dtype=torch.float64):
-    """The reference's o for query rows ``rows`` (a range) only, computed in ``dtype``:
-    O(rows * N) memory instead of O(N^2)."""
-    B, HQ, N, D = q.shape
-    HKV = k.shape[1]
-    qg = q.to(dtype).view(B, HKV, HQ // HKV, N, D)[:, :, :, rows]
-    w = corope_inv_freq(R, 10000.0, None, q.device).to(dtype)
-    o, _ = _chunk_rows(qg, qg[:, :, 0], k.to(dtype), v.to(dtype), w, rows.start, s, R, False, False)
-    return o.reshape(B, HQ, len(rows), D)
+def _reference_rows(q, k, v, rows, dtype=torch.float64):
+    """The reference's o for query rows ``rows`` only, computed in ``dtype``."""
+    return corope_attention_ref(q.to(dtype), k.to(dtype), v.to(dtype), rows=rows)
 
 
 def _check_sampled_rows(N, HQ, HKV, D, dtype, row_blocks):
@@ -133,9 +127,9 @@ def _check_sampled_rows(N, HQ, HKV, D, dtype, row_blocks):
     o = corope_attention(q, k, v)
     for i0 in row_blocks:
         rows = range(i0, min(N, i0 + 8))
-        o64 = _reference_rows(q, k, v, rows, D, D**-0.5)
+        o64 = _reference_rows(q, k, v, rows)
         # Baseline: the same reference rows in fp32 on the same inputs, rounded to the dtype.
-        base = _reference_rows(q, k, v, rows, D, D**-0.5, torch.float32).to(dtype)
+        base = _reference_rows(q, k, v, rows, torch.float32).to(dtype)
         assert_close_to_baseline(f"rows {i0}+", o[:, :, rows.start : rows.stop], o64, base)
 
 
@@ -156,8 +150,8 @@ def test_phase_precision_64k_gpu(capsys):
     measured = []
     for i0 in (1024, 32768, N - 8):
         rows = range(i0, i0 + 8)
-        o64 = _reference_rows(q, k, v, rows, D, D**-0.5)
-        base = _reference_rows(q, k, v, rows, D, D**-0.5, torch.float32)
+        o64 = _reference_rows(q, k, v, rows)
+        base = _reference_rows(q, k, v, rows, torch.float32)
         out = o[:, :, rows.start : rows.stop]
         measured.append((i0, errors(out, o64), errors(base, o64)))
         assert_close_to_baseline(f"rows {i0}+", out, o64, base)

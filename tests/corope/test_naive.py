@@ -81,6 +81,20 @@ def test_chunk_size_invariance(leader):
         assert_close(f"lse, chunk {chunk}", lse, lse_full, atol=1e-12, rtol=1e-13)
 
 
+def test_rows_are_the_full_references_rows():
+    q, k, v = _qkv(1, 4, 2, 23, 16)
+    full, lse_full = corope_attention_ref(q, k, v, leader="mean", return_lse=True)
+    for rows in (range(23), range(0, 1), range(7, 19), range(20, 23)):
+        out, lse = corope_attention_ref(
+            q, k, v, leader="mean", rows=rows, chunk_size=5, return_lse=True
+        )
+        assert_close(f"o, rows {rows}", out, full[:, :, rows.start : rows.stop], 1e-12, 1e-13)
+        assert_close(f"lse, rows {rows}", lse, lse_full[:, :, rows.start : rows.stop], 1e-12, 1e-13)
+    for bad in (range(5, 5), range(0, 24), range(0, 10, 2), slice(0, 4)):
+        with pytest.raises(ValueError, match="rows must be a non-empty range"):
+            corope_attention_ref(q, k, v, rows=bad)
+
+
 @pytest.mark.parametrize("leader", ["first", "mean"])
 def test_gradcheck(leader):
     q, k, v = (x.requires_grad_() for x in _qkv(1, 4, 2, 6, 4))
