@@ -55,16 +55,23 @@ def floor_ms(B: int, HKV: int, N: int, R: int) -> float:
 
 def load_version(root: Path, index: int) -> tuple[ModuleType, ModuleType]:
     """``corope/forward.py`` and ``corope/backward.py`` of the copy at ``root``, as modules of
-    their own (their imports of the rest of the package resolve to the checkout's)."""
+    their own. The copy's backward imports ``corope.forward`` as the copy's forward (what it
+    shares with it may differ from the checkout's); every other import of the package resolves
+    to the checkout's."""
     modules = []
-    for name in ("forward", "backward"):
-        path = root / "corope" / f"{name}.py"
-        if not path.is_file():
-            raise SystemExit(f"--versions: {path} does not exist")
-        spec = importlib.util.spec_from_file_location(f"corope_{name}_v{index}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        modules.append(module)
+    saved = sys.modules["corope.forward"]
+    try:
+        for name in ("forward", "backward"):
+            path = root / "corope" / f"{name}.py"
+            if not path.is_file():
+                raise SystemExit(f"--versions: {path} does not exist")
+            spec = importlib.util.spec_from_file_location(f"corope_{name}_v{index}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            modules.append(module)
+            sys.modules["corope.forward"] = module  # for the backward's imports
+    finally:
+        sys.modules["corope.forward"] = saved
     return modules[0], modules[1]
 
 
