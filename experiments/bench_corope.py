@@ -241,15 +241,14 @@ def main() -> None:
     quick = args.quick or device.type == "cpu"
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # interpreter: no bf16
     env = environment()
-    rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out / "benchmarks.csv"
     shapes = {"all": SHAPES, "small": SHAPES[:1], "large": SHAPES[1:]}[args.shape]
     for shape in QUICK_SHAPES if quick else shapes:
         for N in QUICK_NS if quick else [n for n in NS if args.min_n <= n <= args.max_n]:
             print(f"{shape_id(shape[0], shape[1], shape[2], N, shape[3])} ...", flush=True)
-            rows += run_case(shape, N, dtype, env, device, quick)
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = args.out / "benchmarks.csv"
-    upsert_rows(rows, csv_path)
+            # Written case by case: a run cut short (a time limit at 32K) keeps its rows.
+            upsert_rows(run_case(shape, N, dtype, env, device, quick), csv_path)
     # Verdict and markdown over every row of this op and GPU in the CSV, so that runs split
     # by --shape / --min-n / --max-n add up to one table.
     with csv_path.open(newline="") as f:

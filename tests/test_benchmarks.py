@@ -1,0 +1,40 @@
+"""The benchmark scripts' ``--quick`` smoke runs (CPU: the Triton interpreter), so that a change
+to a kernel's signature or to the results helpers cannot leave a benchmark broken until its
+next GPU run. Each must exit 0, write its CSV rows and markdown, and (Co-RoPE) pass its own
+accuracy check."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "script, op, markdown",
+    [
+        ("bench_corope.py", "corope", "bench_corope.md"),
+        ("bench_rope.py", "rope_qk", "bench_rope.md"),
+        ("bench_rope_attention.py", "rope_attention", "bench_rope_attention.md"),
+    ],
+)
+def test_benchmark_quick_run(script, op, markdown, tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", MPLBACKEND="Agg")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / script), "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    with (tmp_path / "benchmarks.csv").open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == op]
+    assert rows and all(r["ms"] or r["note"] for r in rows), rows
+    assert (tmp_path / markdown).read_text().strip()
+    if op == "corope":
+        forwards = [r for r in rows if (r["provider"], r["mode"]) == ("corope_triton", "fwd")]
+        assert forwards and all(r["note"] == "acc ok" for r in forwards), forwards
