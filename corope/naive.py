@@ -168,7 +168,7 @@ def corope_attention_ref(
         rotated_key_dtype: round the rotated key ``Rot(-phi) k`` to this dtype before the
             score products, as a half-precision kernel that feeds it to the tensor cores does
             (the baseline of such a kernel's scores; default: no rounding).
-        rows: compute only these query rows (a ``range`` of step 1 within ``0..N``), in
+        rows: compute only these query rows (a ``range`` of step 1, ``0 <= start < stop <= N``), in
             O(len(rows) * N) memory: how long sequences are checked on sampled rows.
 
     Returns:
@@ -190,8 +190,12 @@ def corope_attention_ref(
     B, HQ, N, D = q.shape
     if rows is None:
         rows = range(N)
-    elif not isinstance(rows, range) or rows.step != 1 or not 0 <= rows.start < rows.stop <= N:
-        raise ValueError(f"rows must be a non-empty range of step 1 within 0..{N}, got {rows!r}")
+    elif not isinstance(rows, range):
+        raise TypeError(f"rows must be a range or None, got {type(rows).__name__}")
+    elif rows.step != 1 or not 0 <= rows.start < rows.stop <= N:
+        raise ValueError(
+            f"rows must be a range of step 1 with 0 <= start < stop <= {N}, got {rows!r}"
+        )
     HKV = k.shape[1]
     G = HQ // HKV
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32

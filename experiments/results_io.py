@@ -76,11 +76,15 @@ def upsert_rows(rows: list[dict], path: Path = CSV_PATH) -> None:
             existing = list(csv.DictReader(f))
     new_keys = {tuple(str(r.get(k, "")) for k in KEY) for r in rows}
     kept = [r for r in existing if tuple(r.get(k, "") for k in KEY) not in new_keys]
-    with path.open("w", newline="") as f:
+    # Written beside the CSV and moved over it: a run killed mid-write (a time limit) leaves
+    # the previous file whole, not a truncated one.
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in kept + rows:
             writer.writerow({k: _fmt(r.get(k, "")) for k in FIELDS})
+    os.replace(tmp, path)
 
 
 def _fmt(value) -> str:

@@ -8,8 +8,9 @@ medians, for the shapes of issue 3, and prints one markdown table with the sin/c
 
 To compare versions of the kernels, copy the repository (or just its ``corope`` folder) once
 per version, edit the copies, and pass them with ``--versions``: their ``corope/forward.py``
-and ``corope/backward.py`` are loaded in this process next to the checkout's (the rest of the
-package, ``fused_rope`` included, is the checkout's), run on the same inputs, and each row
+and ``corope/backward.py`` are loaded in this process next to the checkout's (a version's
+backward imports ``corope.forward`` as the version's forward; the rest of the package,
+``fused_rope`` included, is the checkout's), run on the same inputs, and each row
 says how far the version's outputs and gradients are from the checkout's (the largest
 difference over the largest value of each tensor).
 
@@ -55,9 +56,10 @@ def floor_ms(B: int, HKV: int, N: int, R: int) -> float:
 
 def load_version(root: Path, index: int) -> tuple[ModuleType, ModuleType]:
     """``corope/forward.py`` and ``corope/backward.py`` of the copy at ``root``, as modules of
-    their own. The copy's backward imports ``corope.forward`` as the copy's forward (what it
-    shares with it may differ from the checkout's); every other import of the package resolves
-    to the checkout's."""
+    their own. While the copy's backward loads, ``sys.modules["corope.forward"]`` is the copy's
+    forward, so its ``import corope.forward`` / ``from corope.forward import ...`` get the copy's
+    (what it shares with it may differ from the checkout's); ``from corope import forward`` and
+    every other import of the package resolve to the checkout's."""
     modules = []
     saved = sys.modules["corope.forward"]
     try:

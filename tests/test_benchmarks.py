@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+import corope.forward
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, op, markdown",
     [
@@ -38,3 +41,22 @@ def test_benchmark_quick_run(script, op, markdown, tmp_path):
     if op == "corope":
         forwards = [r for r in rows if (r["provider"], r["mode"]) == ("corope_triton", "fwd")]
         assert forwards and all(r["note"] == "acc ok" for r in forwards), forwards
+
+
+def test_time_corope_loads_a_version_with_its_own_forward(tmp_path):
+    """``time_corope.py --versions``: a version's backward that imports a name only the
+    version's forward has must load, and the checkout's module must be back afterwards."""
+    from experiments.time_corope import load_version
+
+    (tmp_path / "corope").mkdir()
+    forward = (ROOT / "corope" / "forward.py").read_text() + "\nVERSION_ONLY = 1\n"
+    (tmp_path / "corope" / "forward.py").write_text(forward)
+    backward = (ROOT / "corope" / "backward.py").read_text()
+    line = "from corope.forward import check_index_span\n"
+    assert line in backward
+    backward = backward.replace(line, "from corope.forward import VERSION_ONLY, check_index_span\n")
+    (tmp_path / "corope" / "backward.py").write_text(backward)
+    fwd, bwd = load_version(tmp_path, 0)
+    assert bwd.VERSION_ONLY == 1 and bwd.check_index_span is fwd.check_index_span
+    assert sys.modules["corope.forward"] is corope.forward
+    assert not hasattr(corope.forward, "VERSION_ONLY")
