@@ -533,7 +533,12 @@ def _hf_rotary(module: str, config_name: str, rotary_name: str, rope_parameters:
         getattr(modeling, rotary_name, None),
     )
     if config_cls is None or rotary_cls is None:
-        pytest.skip(f"this transformers has no {config_name} / {rotary_name}")
+        import transformers
+
+        pytest.skip(
+            f"transformers {transformers.__version__} predates {config_name} / {rotary_name}, "
+            "the oracle of this case (pyproject allows transformers >= 4.45)"
+        )
     config = config_cls(
         hidden_size=2 * head_dim,
         num_attention_heads=2,
@@ -590,8 +595,14 @@ def test_mrope_angles_match_transformers(
     rotary = _hf_rotary(module, config_name, rotary_name, params, head_dim)
     positions = torch.randint(0, 20_000, (3, 2, 63))
     cos, sin = rotary(torch.zeros(1), positions)
-    if cos.dim() != 3:
-        pytest.skip("this transformers applies the M-RoPE sections outside the rotary module")
+    if cos.dim() == 4:
+        # transformers 4.x: the rotary module returns every axis, [3, B, N, R], and
+        # apply_multimodal_rotary_pos_emb picks each section's axis (contiguous sections)
+        assert not interleaved, "transformers interleaves inside its rotary module"
+        cos, sin = (
+            torch.cat([m[i % 3] for i, m in enumerate(x.split(sections * 2, dim=-1))], dim=-1)
+            for x in (cos, sin)
+        )
     inv = rotary.inv_freq
     assert_close("inv_freq", inv, rope_frequencies(2 * inv.shape[0], theta)[0], 1e-6, 1e-6)
     angles = mrope_angles(positions, inv, sections, interleaved=interleaved)
