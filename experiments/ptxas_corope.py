@@ -41,7 +41,7 @@ from corope import backward, forward  # noqa: E402
 POINTERS = {
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "QL", "QC"), "*bf16"),
     **dict.fromkeys(
-        ("QT", "KT", "KC", "ANG", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"),
+        ("KC", "ANG", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"),
         "*fp32",
     ),
     **dict.fromkeys(("QP", "KP"), "*i64"),
