@@ -10,14 +10,20 @@ Providers (causal, fp16 and bf16, forward and forward+backward):
 * ``triton_rope+sdpa``: ``impl="separate"``, this project's Triton RoPE over q and k
   (``fused_rope.rope.apply_rope_qk``) then PyTorch's SDPA.
 * ``sdpa_no_rope``: ``scaled_dot_product_attention`` without RoPE, the floor.
+
+The ``Prefill`` shapes continue a KV cache (``NQ < NK``, queries at the last NQ positions,
+the causal mask aligned at the bottom right: ``torch.nn.attention.bias.causal_lower_right``
+for SDPA). Liger's rotation and ``torch.compile`` (which cannot trace that mask) run on the
+square shapes only.
 * ``eager_rope+sdpa``: Hugging Face's rotation (``rotate_half``, cos/sin tables in the dtype,
   computed once outside the timing as HF models do) then SDPA.
 * ``liger_rope+sdpa``: Liger-Kernel's ``liger_rotary_pos_emb`` then SDPA (if installed; see
   ``bench_rope.py`` for its wheel).
 * ``compile(rope+sdpa)``: ``torch.compile`` of the eager provider.
 
-TFLOPS counts ``4*B*H*N^2*D/2`` for the causal forward (H = query heads) and 3.5 times that
-for forward+backward, as ``/work/shared/docs/anchors.md``. Targets, per shape, dtype and pass:
+TFLOPS counts ``4*B*H*N^2*D/2`` for the causal forward (H = query heads; ``4*B*H*D`` times
+the visible (query, key) pairs for a prefill) and 3.5 times that for forward+backward, as
+``/work/shared/docs/anchors.md``. Targets, per shape, dtype and pass:
 ``rope_attention <= 1.10 x sdpa_no_rope`` and ``<= 0.9 x min(liger, compile)``.
 
     python experiments/bench_rope_attention.py                      # GPU, results/ files
@@ -41,6 +47,7 @@ if not torch.cuda.is_available():  # must precede the import of any Triton kerne
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
 from experiments.timing import input_sets, peak_extra_mib, time_ms  # noqa: E402
@@ -48,24 +55,31 @@ from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.frequencies import rope_angles, rope_frequencies  # noqa: E402
 
 OP = "rope_attention"
-# name -> (B, HQ, HKV, N, D)
+# name -> (B, HQ, HKV, NQ, NK, D)
 SHAPES = {
-    "Small-1K": (4, 8, 8, 1024, 64),
-    "Llama7B-2K": (2, 32, 32, 2048, 128),
-    "Llama7B-4K": (2, 32, 32, 4096, 128),
-    "Long-16K": (1, 8, 8, 16384, 128),
-    "GQA-4K": (2, 32, 8, 4096, 128),
+    "Small-1K": (4, 8, 8, 1024, 1024, 64),
+    "Llama7B-2K": (2, 32, 32, 2048, 2048, 128),
+    "Llama7B-4K": (2, 32, 32, 4096, 4096, 128),
+    "Long-16K": (1, 8, 8, 16384, 16384, 128),
+    "GQA-4K": (2, 32, 8, 4096, 4096, 128),
+    "Prefill-4K": (2, 32, 8, 1024, 4096, 128),
+    "Prefill-16K": (1, 32, 8, 2048, 16384, 128),
 }
-QUICK_SHAPES = {"Tiny": (1, 2, 2, 64, 32), "Tiny-GQA": (1, 4, 2, 48, 32)}
+QUICK_SHAPES = {
+    "Tiny": (1, 2, 2, 64, 64, 32),
+    "Tiny-GQA": (1, 4, 2, 48, 48, 32),
+    "Tiny-Prefill": (1, 4, 2, 20, 48, 32),
+}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("fwd", "fwd+bwd")
 MAIN = "rope_attention"
 
 
 def shape_label(name: str, shape) -> str:
-    B, HQ, HKV, N, D = shape
+    B, HQ, HKV, NQ, NK, D = shape
     heads = f"{HQ}/{HKV}" if HQ != HKV else f"{HQ}"
-    return f"{name} ({B},{heads},{N},{D})"
+    lengths = f"{NK}" if NQ == NK else f"{NQ}x{NK}"
+    return f"{name} ({B},{heads},{lengths},{D})"
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -73,16 +87,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def eager_rope_sdpa(q, k, v, cos, sin):
-    """Hugging Face's apply_rotary_pos_emb (cos/sin ``[1, 1, N, D]`` in the dtype), then SDPA."""
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+def sdpa_causal(q, k, v):
+    """SDPA, causal with the mask at the bottom right (``is_causal`` when ``NQ == NK``)."""
+    NQ, NK = q.shape[2], k.shape[2]
+    mask = causal_lower_right(NQ, NK) if NQ != NK else None
     return F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
-def providers(cos, sin, device) -> dict:
+def eager_rope_sdpa(q, k, v, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb (cos/sin ``[1, 1, NK, D]`` in the dtype; the queries
+    take the last NQ positions), then SDPA."""
+    NQ = q.shape[2]
+    q = q * cos[..., -NQ:, :] + rotate_half(q) * sin[..., -NQ:, :]
+    k = k * cos + rotate_half(k) * sin
+    return sdpa_causal(q, k, v)
+
+
+def providers(cos, sin, device, square: bool) -> dict:
     """name -> fn(q, k, v) -> o, or a string saying why the provider cannot run."""
     N = cos.shape[-2]
     positions = torch.arange(N, device=device)
@@ -94,11 +117,12 @@ def providers(cos, sin, device) -> dict:
             q, k, v, positions=positions, impl="fused"
         ),
         "triton_rope+sdpa": lambda q, k, v: rope_attention(q, k, v, impl="separate"),
-        "sdpa_no_rope": lambda q, k, v: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        ),
+        "sdpa_no_rope": sdpa_causal,
         "eager_rope+sdpa": lambda q, k, v: eager_rope_sdpa(q, k, v, cos4, sin4),
     }
+    if not square:  # compile cannot trace the bottom-right mask; Liger rotates q, k alike
+        out["liger_rope+sdpa"] = out["compile(rope+sdpa)"] = "square shapes only"
+        return out
     if device.type != "cuda":
         out["liger_rope+sdpa"] = out["compile(rope+sdpa)"] = "needs CUDA"
         return out
@@ -107,9 +131,7 @@ def providers(cos, sin, device) -> dict:
 
         def liger(q, k, v):
             q, k = liger_rotary_pos_emb(q, k, cos[None], sin[None])
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-            )
+            return sdpa_causal(q, k, v)
 
         out["liger_rope+sdpa"] = liger
     except ImportError:
@@ -123,15 +145,15 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
     """Times every provider on ``shape``. ``ms`` is GPU time (``experiments.timing.time_ms``: a
     CUDA graph of many calls cycling through enough input copies to defeat L2); the note adds
     the eager time per call (``do_bench``: Python, autograd and launch overhead included)."""
-    B, HQ, HKV, N, D = shape
+    B, HQ, HKV, NQ, NK, D = shape
     dtype = DTYPES[dtype_name]
     torch._dynamo.reset()  # a fresh compile per case: no cache-size fallback to eager
-    make = lambda h: torch.randn(B, h, N, D, device=device, dtype=dtype, requires_grad=True)
-    n_sets = input_sets(N * D * (HQ + 2 * HKV) * dtype.itemsize, device)
-    sets = [(make(HQ), make(HKV), make(HKV)) for _ in range(n_sets)]
+    make = lambda h, n: torch.randn(B, h, n, D, device=device, dtype=dtype, requires_grad=True)
+    n_sets = input_sets((NQ * HQ + 2 * NK * HKV) * D * dtype.itemsize, device)
+    sets = [(make(HQ, NQ), make(HKV, NK), make(HKV, NK)) for _ in range(n_sets)]
     grads = [t for s in sets for t in s]
-    do = torch.randn(B, HQ, N, D, device=device, dtype=dtype)
-    angles = rope_angles(torch.arange(N, device=device), rope_frequencies(D)[0].to(device))
+    do = torch.randn(B, HQ, NQ, D, device=device, dtype=dtype)
+    angles = rope_angles(torch.arange(NK, device=device), rope_frequencies(D)[0].to(device))
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     q, k, v = sets[0]
@@ -139,10 +161,11 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
         ref = eager_rope_sdpa(
             q.float(), k.float(), v.float(), cos.float()[None, None], sin.float()[None, None]
         )
-    fwd_flops = 4 * B * HQ * N * N * D / 2
+    visible_pairs = NQ * NK - NQ * (NQ - 1) / 2 if NQ != NK else NQ * NQ / 2
+    fwd_flops = 4 * B * HQ * D * visible_pairs
     rep = 20 if quick else 100
     rows = []
-    for provider, fn in providers(cos, sin, device).items():
+    for provider, fn in providers(cos, sin, device, NQ == NK).items():
         if only and provider not in only:
             continue
         base = dict(
@@ -190,15 +213,15 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
 def _compile_job(job: tuple) -> str:
     """Compiles one fused-kernel autotune config (or the torch.compile provider) for one shape
     class in a worker process, filling the on-disk Triton and Inductor caches."""
-    kind, (B, HQ, HKV, N, D), dtype_name, arg = job
+    kind, (B, HQ, HKV, NQ, NK, D), dtype_name, arg = job
     device = torch.device("cuda")
     dtype = DTYPES[dtype_name]
     if kind == "inductor":
-        q, k, v = (torch.randn(B, h, N, D, device=device, dtype=dtype, requires_grad=True)
+        q, k, v = (torch.randn(B, h, NK, D, device=device, dtype=dtype, requires_grad=True)
                    for h in (HQ, HKV, HKV))  # fmt: skip
-        cos = sin = torch.randn(1, 1, N, D, device=device, dtype=dtype)
+        cos = sin = torch.randn(1, 1, NK, D, device=device, dtype=dtype)
         torch.compile(eager_rope_sdpa, dynamic=False)(q, k, v, cos, sin).sum().backward()
-        return f"inductor {dtype_name} N={N}"
+        return f"inductor {dtype_name} N={NK}"
     import fused_rope.attention as attention
 
     positions, index = arg
@@ -222,8 +245,9 @@ def precompile(shapes: dict, dtypes: list[str], workers: int) -> None:
 
     import fused_rope.attention as attention
 
-    classes = {(B, HQ, HKV, 128, D) for B, HQ, HKV, _, D in shapes.values()}
-    jobs = [("inductor", s, d, None) for s in shapes.values() for d in dtypes]
+    classes = {(B, HQ, HKV, 128, 128, D) for B, HQ, HKV, _, _, D in shapes.values()}
+    square = [s for s in shapes.values() if s[3] == s[4]]  # compile runs square shapes only
+    jobs = [("inductor", s, d, None) for s in square for d in dtypes]
     jobs += [
         ("config", s, d, (p, i))
         for s in sorted(classes)

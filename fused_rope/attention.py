@@ -1528,22 +1528,63 @@ def _as_rows(pos: torch.Tensor) -> torch.Tensor:
     return (pos[None] if pos.dim() == 1 else pos).contiguous()
 
 
-def _rope_then_sdpa(q, k, v, inv_freq, positions, causal, scale, layout, rope_dim):
-    """The unfused path: one Triton RoPE launch over q and k, then PyTorch's best SDPA backend
-    (square attention only: SDPA's causal mask is top-left aligned)."""
-    from fused_rope.rope import apply_rope_qk  # task B's kernel module, imported on use
+def _query_positions(positions, q_positions, nq: int, nk: int, device) -> torch.Tensor | None:
+    """The queries' positions as ``rope_attention`` defines them: ``q_positions``, else the last
+    NQ key positions (``NK-NQ..NK-1`` for the default ones); None for ``NQ == NK`` with the
+    default positions (the RoPE kernel then forms the angles itself)."""
+    if q_positions is not None:
+        return q_positions
+    if positions is not None:
+        return positions[..., nk - nq :]
+    return None if nq == nk else torch.arange(nk - nq, nk, device=device)
 
+
+def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
+    """Whether PyTorch's SDPA runs bottom-right causal attention on these inputs with a kernel
+    (FlashAttention-2's, whose causal mask is bottom-right, or the memory-efficient one), as
+    ``torch.nn.attention.bias.causal_lower_right`` dispatches it; otherwise SDPA would
+    materialize an ``NQ x NK`` mask and run in O(NQ NK) memory, which the fused kernel avoids.
+    False while ``torch.compile`` traces: dynamo cannot build the mask object in a graph."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    params = SDPAParams(q, k, v, None, 0.0, False, q.shape[1] != k.shape[1])
+    return can_use_flash_attention(params) or can_use_efficient_attention(params)
+
+
+def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim):
+    """The unfused path: this package's Triton RoPE over q and k, then PyTorch's best SDPA
+    backend. Causal with ``NQ < NK`` (a prefill that continues a KV cache) uses SDPA's
+    bottom-right mask (``causal_lower_right``), the fused kernel's alignment."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from fused_rope.rope import apply_rope, apply_rope_qk  # task B's kernel module, on use
+
+    NQ, NK = q.shape[2], k.shape[2]
     # As in the fused kernel: no gradient for positions or frequencies, any strides. Default
     # positions: the RoPE kernel forms the angles itself, where an angle table took three
     # more small launches (arange, cast, product).
-    if positions is None:
-        rope = dict(inv_freq=inv_freq.detach())
-    else:
-        rope = dict(angles=rope_angles(positions.detach(), inv_freq.detach()))
+    inv_freq = inv_freq.detach()
+    rope = lambda pos: dict(inv_freq=inv_freq) if pos is None else dict(
+        angles=rope_angles(pos.detach(), inv_freq)
+    )  # fmt: skip
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
-    q_rot, k_rot = apply_rope_qk(q, k, layout=layout, rope_dim=rope_dim, **rope)
+    if NQ == NK and q_positions is None:  # q and k share the angles: one launch
+        q_rot, k_rot = apply_rope_qk(q, k, layout=layout, rope_dim=rope_dim, **rope(positions))
+    else:
+        q_pos = _query_positions(positions, q_positions, NQ, NK, q.device)
+        q_rot = apply_rope(q, layout=layout, rope_dim=rope_dim, **rope(q_pos))
+        k_rot = apply_rope(k, layout=layout, rope_dim=rope_dim, **rope(positions))
+    mask = causal_lower_right(NQ, NK) if causal and NQ != NK else None
     return torch.nn.functional.scaled_dot_product_attention(
-        q_rot, k_rot, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q_rot,
+        k_rot,
+        v,
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
 
 
@@ -1603,15 +1644,24 @@ def _check_inputs(
         )
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    separate_applies = NQ == NK and q_positions is None and not return_lse
+    # SDPA returns no lse, and a causal query that sees no key (NQ > NK) has no SDPA kernel
+    # that returns the fused kernel's 0 for it.
+    separate_applies = not return_lse and (NQ <= NK or not causal)
     if impl == "auto":  # the faster path wherever it applies (README: measured on an H100)
-        impl = "separate" if separate_applies else "fused"
+        bottom_right = causal and NQ != NK
+        fast = separate_applies and (not bottom_right or _sdpa_has_lower_right_kernel(q, k, v))
+        impl = "separate" if fast else "fused"
+    if impl == "separate" and separate_applies and causal and NQ != NK:
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                "impl='separate' with causal NQ != NK needs SDPA's bottom-right mask object, "
+                "which torch.compile cannot trace; use impl='auto' or 'fused' under compile"
+            )
     if impl == "separate" and not separate_applies:
         raise ValueError(
-            f"impl='separate' rotates q and k with the same positions and SDPA returns no lse: it "
-            f"needs NQ == NK, no q_positions and return_lse=False, got NQ={NQ}, NK={NK}, "
-            f"q_positions {'given' if q_positions is not None else 'None'}, "
-            f"return_lse={return_lse}"
+            f"impl='separate' runs PyTorch's SDPA, which returns no lse and has no kernel for "
+            f"causal queries that see no key: it needs return_lse=False and NQ <= NK when "
+            f"causal, got return_lse={return_lse}, NQ={NQ}, NK={NK}, causal={causal}"
         )
     if impl == "fused":
         if D > MAX_HEAD_DIM:
@@ -1662,10 +1712,13 @@ def rope_attention(
         return_lse: also return the natural-log log-sum-exp ``[B, HQ, NQ]`` fp32
             (``-inf`` for a query that sees no key); it is differentiable.
         impl: ``"fused"``: the fused kernel. ``"separate"``: the Triton RoPE kernel over q and k
-            (``fused_rope.rope.apply_rope_qk``) then PyTorch's SDPA; needs ``NQ == NK``, no
-            ``q_positions`` and no ``return_lse``. ``"auto"``: "separate" where it applies (it
-            was the faster at every benchmarked shape, dtype and pass on an H100, see the
-            README), else the fused kernel.
+            (``fused_rope.rope``) then PyTorch's SDPA, with a bottom-right causal mask
+            (``causal_lower_right``) when ``NQ < NK``; needs ``return_lse=False`` and, when
+            causal, ``NQ <= NK``. ``"auto"``: "separate" where it applies and, for ``NQ < NK``
+            causal, where SDPA has a kernel for the bottom-right mask (FlashAttention-2's or the
+            memory-efficient one, not a materialized ``NQ x NK`` mask); else the fused kernel.
+            "separate" was the faster path at every benchmarked shape, dtype and pass on an
+            H100 (see the README).
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.
@@ -1690,17 +1743,16 @@ def rope_attention(
     if inv_freq is None:
         inv_freq = default_inv_freq(rope_dim, float(theta), q.device)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if impl == "separate":
+        return _rope_then_sdpa(
+            q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim
+        )
     if positions is None and q_positions is None:
         q_pos = k_pos = None  # the kernels generate 0..NK-1 and NK-NQ..NK-1 themselves
     else:
-        if positions is None:
-            positions = torch.arange(NK, device=q.device)
-        if q_positions is None:
-            q_positions = positions[..., NK - NQ :]
-        q_pos, k_pos = _as_rows(q_positions), _as_rows(positions)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
-    if impl == "separate":
-        return _rope_then_sdpa(q, k, v, inv_freq, positions, causal, scale, layout, rope_dim)
+        q_pos = _as_rows(_query_positions(positions, q_positions, NQ, NK, q.device))
+        k_pos = _as_rows(torch.arange(NK, device=q.device) if positions is None else positions)
     o, lse = _fwd_op(
         q, k, v, inv_freq, q_pos, k_pos, causal, scale, layout == "interleaved", rope_dim
     )

@@ -77,12 +77,14 @@ def _check_case(
     inv_freq=None,
     softmax_scale=None,
     transposed=False,
+    impl="fused",
 ):
     """Runs one configuration and checks o, lse, dq, dk, dv with the flash-attention rule.
 
     positions: "default" (None), "shared" ([NK], shuffled offsets) or "batch" ([B, NK]).
     q_positions: pass explicit (random) query positions.
     transposed: q, k, v are [B, N, H, D] tensors seen through .transpose(1, 2).
+    impl: rope_attention's; the fused kernel returns lse (checked), "separate" and "auto" not.
     """
 
     def make(h, n):
@@ -109,11 +111,13 @@ def _check_case(
     )
 
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    o, lse = rope_attention(*inputs, return_lse=True, impl="fused", **kw)
+    with_lse = impl == "fused"
+    out = rope_attention(*inputs, return_lse=with_lse, impl=impl, **kw)
+    o, lse = out if with_lse else (out, torch.zeros(B, HQ, NQ, device=DEVICE))
     assert o.shape == q.shape and o.dtype == dtype
     assert lse.shape == (B, HQ, NQ) and lse.dtype == torch.float32
     do = torch.randn(o.shape, device=DEVICE)
-    dlse = torch.randn(lse.shape, device=DEVICE)
+    dlse = torch.randn(lse.shape, device=DEVICE) if with_lse else torch.zeros_like(lse)
     grads = torch.autograd.grad(_loss(o, lse, do, dlse), inputs)
 
     inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
@@ -139,11 +143,12 @@ def _check_case(
     grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), inputs_b)
 
     empty = torch.isneginf(lse64)
-    assert torch.equal(torch.isneginf(lse), empty), "rows without a visible key must have lse=-inf"
     assert torch.all(o[empty] == 0), "rows without a visible key must output 0"
-    finite = lambda t: t.masked_fill(empty, 0.0)
     assert_close_to_baseline("o", o, o64, o_b)
-    assert_close_to_baseline("lse", finite(lse), finite(lse64), finite(lse_b.float()))
+    if with_lse:
+        assert torch.equal(torch.isneginf(lse), empty), "rows without a key must have lse=-inf"
+        finite = lambda t: t.masked_fill(empty, 0.0)
+        assert_close_to_baseline("lse", finite(lse), finite(lse64), finite(lse_b.float()))
     for name, g, g64, gb in zip(("dq", "dk", "dv"), grads, grads64, grads_b, strict=True):
         assert g.shape == g64.shape and g.dtype == dtype, name
         assert_close_to_baseline(name, g, g64, gb)
@@ -238,17 +243,33 @@ def test_default_positions_match_explicit():
         assert_close(name, a, b, atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("layout, rope_dim, hkv", [("half", None, 4), ("interleaved", 16, 1)])
-def test_separate_path(layout, rope_dim, hkv):
-    """impl='separate' (Triton RoPE + SDPA) against the reference, fp32."""
+SEPARATE_CASES = [  # (NQ, NK, options): square, prefill (bottom-right mask), query positions
+    pytest.param(50, 50, {"layout": "half", "positions": "batch"}, id="square-batch-positions"),
+    pytest.param(50, 50, {"layout": "interleaved", "rope_dim": 16}, id="square-interleaved"),
+    pytest.param(20, 50, {}, id="prefill"),
+    pytest.param(20, 50, {"layout": "interleaved", "positions": "shared"}, id="prefill-positions"),
+    pytest.param(50, 50, {"q_positions": True}, id="q-positions"),
+    pytest.param(50, 20, {"causal": False, "rope_dim": 16}, id="nomask-nq-gt-nk"),
+]
+
+
+@pytest.mark.parametrize("hkv", [4, 1])
+@pytest.mark.parametrize("NQ, NK, opts", SEPARATE_CASES)
+def test_separate_path(NQ, NK, opts, hkv):
+    """impl='separate' (Triton RoPE + SDPA) against the reference, fp32: the same positions,
+    query positions and bottom-right causal mask as the fused kernel."""
     pytest.importorskip("fused_rope.rope")
-    q = torch.randn(2, 4, 50, 32, device=DEVICE)
-    k, v = (torch.randn(2, hkv, 50, 32, device=DEVICE) for _ in range(2))
-    pos = torch.randint(0, 200, (2, 50), device=DEVICE)
-    o = rope_attention(q, k, v, impl="separate", layout=layout, rope_dim=rope_dim, positions=pos)
-    ref, _ = rope_attention_ref(
-        q.double(), k.double(), v.double(), layout=layout, rope_dim=rope_dim, positions=pos
-    )
+    q = torch.randn(2, 4, NQ, 32, device=DEVICE)
+    k, v = (torch.randn(2, hkv, NK, 32, device=DEVICE) for _ in range(2))
+    kw = dict(opts)
+    which = kw.pop("positions", None)
+    if which is not None:
+        shape = (2, NK) if which == "batch" else (NK,)
+        kw["positions"] = torch.randint(0, 200, shape, device=DEVICE)
+    if kw.pop("q_positions", False):
+        kw["q_positions"] = torch.randint(0, 200, (2, NQ), device=DEVICE)
+    o = rope_attention(q, k, v, impl="separate", **kw)
+    ref, _ = rope_attention_ref(q.double(), k.double(), v.double(), **kw)
     assert_close("o", o, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -272,8 +293,10 @@ AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the 
         "separate",
         id="positions-scale-separate",
     ),  # fmt: skip
-    pytest.param(4, 2, 20, 37, {}, "fused", id="prefill-fused"),
-    pytest.param(2, 1, 37, 37, {"q_positions": True}, "fused", id="q-positions-fused"),
+    pytest.param(4, 2, 20, 37, {}, "lower-right", id="prefill"),
+    pytest.param(4, 2, 37, 20, {}, "fused", id="causal-nq-gt-nk-fused"),
+    pytest.param(4, 2, 37, 20, {"causal": False}, "separate", id="nomask-nq-gt-nk-separate"),
+    pytest.param(2, 1, 37, 37, {"q_positions": True}, "separate", id="q-positions-separate"),
     pytest.param(2, 1, 37, 37, {"return_lse": True}, "fused", id="lse-fused"),
 ]
 
@@ -281,9 +304,14 @@ AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the 
 @pytest.mark.parametrize("HQ, HKV, NQ, NK, opts, path", AUTO_CASES)
 def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opts, path):
     """impl="auto" gives exactly the output and gradients of the path it should take, and the
-    fused kernel's numbers: one function, whatever the dispatch."""
+    fused kernel's numbers: one function, whatever the dispatch. "lower-right": the separate
+    path where SDPA has a kernel for the bottom-right causal mask (a GPU in half precision),
+    else the fused one (the interpreter, whose SDPA would materialize the mask)."""
     q = torch.randn(2, HQ, NQ, 32, device=DEVICE)
     k, v = (torch.randn(2, HKV, NK, 32, device=DEVICE) for _ in range(2))
+    if path == "lower-right":
+        fast = attention_module._sdpa_has_lower_right_kernel(q, k, v)
+        path = "separate" if fast else "fused"
     do = torch.randn_like(q)
     kw = dict(opts)
     if kw.pop("positions", None) == "batch":
@@ -420,16 +448,16 @@ BAD_INPUTS = [
     ),
     ("impl", lambda q, k, v: (q, k, v, {"impl": "cudnn"}), ValueError, "impl must be"),
     (
-        "separate NQ != NK",
-        lambda q, k, v: (q[:, :, :4], k, v, {"impl": "separate"}),
+        "separate causal NQ > NK",
+        lambda q, k, v: (q, k[:, :, :4], v[:, :, :4], {"impl": "separate"}),
         ValueError,
-        "needs NQ == NK",
+        "NQ <= NK when causal",
     ),
     (
         "separate lse",
         lambda q, k, v: (q, k, v, {"impl": "separate", "return_lse": True}),
         ValueError,
-        "SDPA returns no lse",
+        "returns no lse",
     ),
 ]
 
@@ -507,6 +535,23 @@ def test_gpu_other_head_dims(D, rope_dim, dtype):
     )
 
 
+PREFILLS = [(8, 2, 300, 1000, 128, {}), (4, 1, 1000, 4096, 64, {"positions": "shared"})]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("HQ, HKV, NQ, NK, D, opts", PREFILLS)
+def test_gpu_prefill_takes_sdpa_lower_right(HQ, HKV, NQ, NK, D, opts, dtype):
+    """A prefill that continues a KV cache (causal, NQ < NK) in half precision: "auto" takes the
+    separate path (SDPA's bottom-right kernel) and it passes the flash-attention rule."""
+    q = torch.empty(2, HQ, NQ, D, device=DEVICE, dtype=dtype)
+    k = torch.empty(2, HKV, NK, D, device=DEVICE, dtype=dtype)
+    assert attention_module._sdpa_has_lower_right_kernel(q, k, k)
+    _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="auto", **opts)
+    _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="separate", layout="interleaved",
+                q_positions=True, **opts)  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -536,7 +581,7 @@ def test_gpu_every_config(index, dtype):
         )
 
 
-def test_torch_compile_fullgraph_traces_the_custom_ops():
+def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch):
     """Fake-tensor and autograd registrations: fullgraph tracing (aot_eager, any device) gives
     the eager gradients, for default and for explicit positions."""
     q, k, v = (torch.randn(1, 4, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
@@ -546,14 +591,26 @@ def test_torch_compile_fullgraph_traces_the_custom_ops():
         o, lse = rope_attention(q, k[:, :2], v[:, :2], return_lse=True, layout="interleaved")
         o2 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16, impl="fused")
         o3 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16)  # the RoPE op
-        return (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum() + o3.square().sum()
+        # a prefill: "auto" takes the fused kernel under compile (no bottom-right SDPA mask)
+        o4 = rope_attention(q[:, :, :15], k[:, :2], v[:, :2])
+        o = (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum() + o3.square().sum()
+        return o + o4.square().sum()
 
+    # the prefill's eager dispatch as under compile (a GPU could take SDPA's kernel for it)
+    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
     eager = torch.autograd.grad(f(q, k, v), (q, k, v))
     traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
     for name, a, b in zip(
         ("dq", "dk", "dv"), eager, torch.autograd.grad(traced, (q, k, v)), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_separate_prefill_under_compile_is_refused():
+    q, k, v = _qkv(nq=4)
+    f = lambda q, k, v: rope_attention(q, k, v, impl="separate")
+    with pytest.raises(Exception, match="torch.compile cannot trace"):  # dynamo wraps it
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
 
 
 @pytest.mark.gpu
