@@ -236,10 +236,11 @@ def _compile_job(job: tuple) -> str:
     return f"config {index} {dtype_name} D={D} {positions}"
 
 
-def precompile(shapes: dict, dtypes: list[str], workers: int) -> None:
+def precompile(shapes: dict, dtypes: list[str], workers: int, only=None) -> None:
     """Compiles every autotune config of the fused kernels, and the torch.compile provider, in
     ``workers`` processes before the timing: autotuning in the timing process then only
-    benchmarks (compilation otherwise takes most of a run's time, one config after another)."""
+    benchmarks (compilation otherwise takes most of a run's time, one config after another).
+    ``only``: the providers to be timed (None: all); those not timed are not compiled."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -247,12 +248,14 @@ def precompile(shapes: dict, dtypes: list[str], workers: int) -> None:
 
     classes = {(B, HQ, HKV, 128, 128, D) for B, HQ, HKV, _, _, D in shapes.values()}
     square = [s for s in shapes.values() if s[3] == s[4]]  # compile runs square shapes only
-    jobs = [("inductor", s, d, None) for s in square for d in dtypes]
+    timed = lambda provider: only is None or provider in only
+    jobs = [("inductor", s, d, None) for s in square for d in dtypes if timed("compile(rope+sdpa)")]
+    modes = [m for m, p in (("default", "fused"), ("tensor", "fused_pos_tensor")) if timed(p)]
     jobs += [
         ("config", s, d, (p, i))
         for s in sorted(classes)
         for d in dtypes
-        for p in ("default", "tensor")
+        for p in modes
         for i in range(attention.N_CONFIGS)
     ]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
@@ -344,7 +347,7 @@ def main() -> None:
         shapes = {n: shapes[n] for n in args.shapes}
     dtypes = ["fp16"] if args.quick else args.dtypes
     if args.precompile and device.type == "cuda" and not args.report:
-        precompile(shapes, dtypes, args.precompile)
+        precompile(shapes, dtypes, args.precompile, args.providers)
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
     for name, shape in {} if args.report else shapes.items():
