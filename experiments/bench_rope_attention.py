@@ -279,6 +279,8 @@ def verdicts(rows: list[dict]) -> list[dict]:
         alts = [ms[p] for p in ("liger_rope+sdpa", "compile(rope+sdpa)") if p in ms]
         vs_alt = ms[MAIN] / min(alts) if alts else None
         ok = vs_floor <= 1.10 and (vs_alt is None or vs_alt <= 0.9)
+        # a prefill has no Liger or compile row (they run square shapes only): floor target only
+        met = "met" if vs_alt is not None else "met (floor; no alternative runs it)"
         out.append(
             dict(
                 shape=shape,
@@ -291,7 +293,7 @@ def verdicts(rows: list[dict]) -> list[dict]:
                 fused_vs_separate=round(ms["fused"] / ms["triton_rope+sdpa"], 3)
                 if "fused" in ms and "triton_rope+sdpa" in ms
                 else None,
-                target="met" if ok else "MISSED",
+                target=met if ok else "MISSED",
             )
         )
     return out
@@ -375,10 +377,10 @@ def main() -> None:
         "fused_vs_separate",
         "target",
     ]
-    met = sum(v["target"] == "met" for v in summary)
+    met = sum(v["target"].startswith("met") for v in summary)
     verdict = (
-        f"verdict: {met}/{len(summary)} (shape, dtype, pass) meet both targets "
-        f"(<= 1.10 x SDPA without RoPE, <= 0.9 x best of Liger and torch.compile)"
+        f"verdict: {met}/{len(summary)} (shape, dtype, pass) meet the targets that apply "
+        f"(<= 1.10 x SDPA without RoPE; <= 0.9 x best of Liger and torch.compile where they run)"
     )
     text = (
         f"# {OP} benchmark\n\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
