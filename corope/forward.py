@@ -37,7 +37,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 # Frequencies per tensor-core product in the forward (its K axis is their 2 * 8 channels).
 FREQ_CHUNK = tl.constexpr(8)
-# Least head axis of that product (a 1-column one came out wrong on the GPU).
+# Least head axis of that product: with one column Triton 3.6 computes it wrong on an H100
+# (experiments/triton_batched_dot_one_column.py reproduces it alone).
 MIN_PRODUCT_HEADS = tl.constexpr(2)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 

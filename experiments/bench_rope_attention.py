@@ -359,9 +359,10 @@ def main() -> None:
             print(f"done {name} {dtype_name}", flush=True)
 
     # the tables cover every row of this op on this GPU, so runs split by --shapes add up
-    rows = this_gpu_rows(args.out / "benchmarks.csv", args.report or env["gpu"])
+    gpu = args.report or env["gpu"]
+    rows = this_gpu_rows(args.out / "benchmarks.csv", gpu)
     if not rows:
-        raise SystemExit(f"no {OP} rows for GPU {args.report or env['gpu']!r} in {args.out}")
+        raise SystemExit(f"no {OP} rows for GPU {gpu!r} in {args.out}")
     # the header names the machine and versions of the rows (runs split by --shapes add up)
     env = {key: ", ".join(sorted({r[key] for r in rows})) for key in env}
     summary = verdicts(rows)
@@ -392,7 +393,7 @@ def main() -> None:
     try:
         from experiments.plot_benchmarks import plot_op
 
-        print("plot:", plot_op(OP, args.out / "benchmarks.csv", args.out / f"{OP}.png", "ms"))
+        print("plot:", plot_op(OP, args.out / "benchmarks.csv", args.out / f"{OP}.png", "ms", gpu))
     except Exception as e:  # matplotlib missing or no timed rows: the tables still stand
         print(f"no plot: {type(e).__name__}: {e}")
     print(markdown_table(summary, v_columns))

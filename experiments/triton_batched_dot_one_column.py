@@ -1,4 +1,4 @@
-"""Reproducer attempt: a batched ``tl.dot`` whose right operand has one column.
+"""Reproducer: a batched ``tl.dot`` whose right operand has one column comes out wrong.
 
 The Co-RoPE forward (``corope/forward.py``) computes its rotary scores as one batched
 tensor-core product per query row, ``[M, BLOCK_N, K] @ [M, K, HP] -> [M, BLOCK_N, HP]``
@@ -6,7 +6,9 @@ with ``HP`` the group's heads. With ``HP = 1`` (G = 1) it came out wrong on an H
 Triton 3.6 (o off by up to 2.6 where bf16 gives 1e-2; ``corope/PERF_NOTES.md``, session 12,
 item 4), hence ``MIN_PRODUCT_HEADS = 2``. This script runs the same product shape alone,
 accumulated over chunks of K as the forward does, for HP in 1, 2, 4, and prints each one's
-error against an fp64 product: if HP = 1 is off here too, this file is the bug report.
+error against an fp64 product. On the H100 (Triton 3.6) HP = 1 is off by ~1.6x the product's
+largest value and HP = 2, 4 are exact to fp32 rounding; the interpreter gets all three right
+(``experiments/results/triton_batched_dot_one_column_h100.md``).
 
     python experiments/triton_batched_dot_one_column.py        # GPU (or the interpreter)
 """
