@@ -103,9 +103,25 @@ def store_carry_angles(ang_ptrs, carry, w64, f_ok):
 FWD_CONFIGS = _configs()
 
 
+def distinct_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The autotuner's early prune: the first of the configs that launch the same tile for
+    this group. ``BLOCK_M = BLOCK_GM // HP`` is at least one row, so from HP = 32 on two
+    ``BLOCK_GM`` give one tile, which would be compiled and timed twice."""
+    hp = max(MIN_PRODUCT_HEADS.value, {**named_args, **kwargs}["G_PAD"])
+    kept, seen = [], set()
+    for config in configs:
+        tile = (max(1, config.kwargs["BLOCK_GM"] // hp), config.kwargs["BLOCK_N"],
+                config.num_warps, config.num_stages, config.maxnreg)  # fmt: skip
+        if tile not in seen:
+            seen.add(tile)
+            kept.append(config)
+    return kept
+
+
 @triton.autotune(
     configs=FWD_CONFIGS,
     key=["G_PAD", "HEAD_DIM", "ROPE_DIM", "N_BUCKET"],
+    prune_configs_by={"early_config_prune": distinct_tiles},
 )
 @triton.jit
 def _corope_fwd_kernel(

@@ -117,6 +117,21 @@ def test_every_config_gpu(index):
         _check_forward(1, 2, 2, 300, 64, 48, "mean", torch.float16)
 
 
+def test_distinct_tiles_prunes_configs_with_the_same_tile():
+    """From 32 heads a group's tile is one row whatever BLOCK_GM asks: the autotuner gets each
+    tile once (the first config that gives it). Narrower groups keep every config."""
+    import triton
+
+    def config(gm, bn, regs=None):
+        return triton.Config({"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=4, maxnreg=regs)
+
+    configs = [config(16, 64, 168), config(32, 64), config(32, 64, 168), config(64, 64)]
+    assert forward.distinct_tiles(configs, {}, G_PAD=4) == configs
+    assert forward.distinct_tiles(configs, {}, G_PAD=16) == configs
+    assert forward.distinct_tiles(configs, {"G_PAD": 32}) == [configs[0], configs[1], configs[3]]
+    assert forward.distinct_tiles(configs, {}, G_PAD=64) == configs[:2]
+
+
 def _reference_rows(q, k, v, rows, dtype=torch.float64):
     """The reference's o for query rows ``rows`` only, computed in ``dtype``."""
     return corope_attention_ref(q.to(dtype), k.to(dtype), v.to(dtype), rows=rows)
