@@ -60,3 +60,34 @@ def test_time_corope_loads_a_version_with_its_own_forward(tmp_path):
     assert bwd.VERSION_ONLY == 1 and bwd.check_index_span is fwd.check_index_span
     assert sys.modules["corope.forward"] is corope.forward
     assert not hasattr(corope.forward, "VERSION_ONLY")
+
+
+def test_rope_attention_verdicts_name_the_missed_target():
+    """bench_rope_attention's target column: met, or which of the two targets missed; a
+    prefill (no Liger or compile row) is judged on the floor alone."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        from bench_rope_attention import verdicts
+    finally:
+        sys.path.pop(0)
+
+    def rows(shape, main, floor, liger=None):
+        ms = {"rope_attention": main, "sdpa_no_rope": floor, "liger_rope+sdpa": liger}
+        return [dict(shape=shape, dtype="bf16", mode="fwd", provider=p, ms=t)
+                for p, t in ms.items() if t is not None]  # fmt: skip
+
+    cells = (
+        rows("a", 1.0, 0.95, liger=1.2)
+        + rows("b", 1.2, 1.0, liger=1.0)
+        + rows("c", 1.05, 1.0, liger=1.1)
+        + rows("d", 1.05, 1.0)
+        + rows("e", 1.2, 1.0)
+    )
+    targets = {v["shape"]: v["target"] for v in verdicts(cells)}
+    assert targets == {
+        "a": "met",
+        "b": "MISSED (floor and alternatives)",
+        "c": "MISSED (alternatives)",
+        "d": "met (floor; no alternative runs it)",
+        "e": "MISSED (floor)",
+    }
