@@ -1647,7 +1647,7 @@ def _check_inputs(
     # SDPA returns no lse, and a causal query that sees no key (NQ > NK) has no SDPA kernel
     # that returns the fused kernel's 0 for it.
     separate_applies = not return_lse and (NQ <= NK or not causal)
-    if impl == "auto":  # the faster path wherever it applies (README: measured on an H100)
+    if impl == "auto":  # the faster path wherever it applies (README: measured on H100 and H200)
         bottom_right = causal and NQ != NK
         fast = separate_applies and (not bottom_right or _sdpa_has_lower_right_kernel(q, k, v))
         impl = "separate" if fast else "fused"
@@ -1718,7 +1718,7 @@ def rope_attention(
             causal, where SDPA has a kernel for the bottom-right mask (FlashAttention-2's or the
             memory-efficient one, not a materialized ``NQ x NK`` mask); else the fused kernel.
             "separate" was the faster path at every benchmarked shape, dtype and pass on an
-            H100 (see the README).
+            H100 and an H200 (see the README).
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.
