@@ -396,7 +396,15 @@ def main() -> None:
     try:
         from experiments.plot_benchmarks import plot_op
 
-        print("plot:", plot_op(OP, args.out / "benchmarks.csv", args.out / f"{OP}.png", "ms", gpu))
+        csv_path = args.out / "benchmarks.csv"
+        order = [shape_label(n, s) for n, s in {**SHAPES, **QUICK_SHAPES}.items()]
+        figures = {
+            f"{OP}.png": {},
+            f"{OP}_vs_floor.png": dict(relative_to="sdpa_no_rope", target=1.1),
+        }
+        for name, relative in figures.items():  # vs_floor: the targets' ratio, 1.10x drawn
+            out = plot_op(OP, csv_path, args.out / name, "ms", gpu, shape_order=order, **relative)
+            print("plot:", out)
     except Exception as e:  # matplotlib missing or no timed rows: the tables still stand
         print(f"no plot: {type(e).__name__}: {e}")
     print(markdown_table(summary, v_columns))
