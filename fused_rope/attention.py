@@ -1539,18 +1539,26 @@ def _query_positions(positions, q_positions, nq: int, nk: int, device) -> torch.
     return None if nq == nk else torch.arange(nk - nq, nk, device=device)
 
 
-def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
-    """Whether PyTorch's SDPA runs bottom-right causal attention on these inputs with a kernel
-    (FlashAttention-2's, whose causal mask is bottom-right, or the memory-efficient one), as
-    ``torch.nn.attention.bias.causal_lower_right`` dispatches it; otherwise SDPA would
-    materialize an ``NQ x NK`` mask and run in O(NQ NK) memory, which the fused kernel avoids.
-    False while ``torch.compile`` traces: dynamo cannot build the mask object in a graph."""
-    if torch.compiler.is_compiling():
-        return False
+def _lower_right_backend(q, k, v) -> str:
+    """The SDPA kernel that ``torch.nn.attention.bias.causal_lower_right`` dispatches these
+    inputs to: ``"flash"`` (FlashAttention-2, whose causal mask is bottom-right),
+    ``"efficient"`` (the memory-efficient kernel) or ``"math"`` (a materialized ``NQ x NK``
+    mask, O(NQ NK) memory)."""
     from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 
     params = SDPAParams(q, k, v, None, 0.0, False, q.shape[1] != k.shape[1])
-    return can_use_flash_attention(params) or can_use_efficient_attention(params)
+    if can_use_flash_attention(params):
+        return "flash"
+    return "efficient" if can_use_efficient_attention(params) else "math"
+
+
+def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
+    """Whether PyTorch's SDPA runs bottom-right causal attention on these inputs with a kernel
+    rather than a materialized mask, which the fused kernel avoids. False while
+    ``torch.compile`` traces: dynamo cannot build the mask object in a graph."""
+    if torch.compiler.is_compiling():
+        return False
+    return _lower_right_backend(q, k, v) != "math"
 
 
 def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim):
@@ -1577,6 +1585,11 @@ def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, la
         q_rot = apply_rope(q, layout=layout, rope_dim=rope_dim, **rope(q_pos))
         k_rot = apply_rope(k, layout=layout, rope_dim=rope_dim, **rope(positions))
     mask = causal_lower_right(NQ, NK) if causal and NQ != NK else None
+    HQ, HKV = q.shape[1], k.shape[1]
+    if mask is not None and HQ != HKV and _lower_right_backend(q_rot, k_rot, v) == "efficient":
+        # causal_lower_right hands the memory-efficient kernel k and v as they are, without
+        # the GQA head expansion of its other branches (torch 2.5-2.13): give it every head.
+        k_rot, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k_rot, v))
     return torch.nn.functional.scaled_dot_product_attention(
         q_rot,
         k_rot,
@@ -1584,7 +1597,7 @@ def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, la
         attn_mask=mask,
         is_causal=causal and mask is None,
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        enable_gqa=q_rot.shape[1] != k_rot.shape[1],
     )
 
 
@@ -1647,10 +1660,14 @@ def _check_inputs(
     # SDPA returns no lse, and a causal query that sees no key (NQ > NK) has no SDPA kernel
     # that returns the fused kernel's 0 for it.
     separate_applies = not return_lse and (NQ <= NK or not causal)
+    fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535  # the grid's second axis: B x HQ
     if impl == "auto":  # the faster path wherever it applies (README: measured on H100 and H200)
         bottom_right = causal and NQ != NK
         fast = separate_applies and (not bottom_right or _sdpa_has_lower_right_kernel(q, k, v))
-        impl = "separate" if fast else "fused"
+        # Where the fused kernel cannot run, SDPA's materialized mask beats an error (not
+        # under compile, which cannot trace that mask).
+        fallback = separate_applies and not fused_fits and not torch.compiler.is_compiling()
+        impl = "separate" if fast or fallback else "fused"
     if impl == "separate" and separate_applies and causal and NQ != NK:
         if torch.compiler.is_compiling():
             raise ValueError(
@@ -1663,11 +1680,10 @@ def _check_inputs(
             f"causal queries that see no key: it needs return_lse=False and NQ <= NK when "
             f"causal, got return_lse={return_lse}, NQ={NQ}, NK={NK}, causal={causal}"
         )
-    if impl == "fused":
+    if impl == "fused" and not fused_fits:
         if D > MAX_HEAD_DIM:
             raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {D}")
-        if B * HQ > 65535:  # the grid's second axis holds batch x heads
-            raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
+        raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
     check_kernel_device(device, "q")
     return rope_dim, impl
 
@@ -1716,9 +1732,12 @@ def rope_attention(
             (``causal_lower_right``) when ``NQ < NK``; needs ``return_lse=False`` and, when
             causal, ``NQ <= NK``. ``"auto"``: "separate" where it applies and, for ``NQ < NK``
             causal, where SDPA has a kernel for the bottom-right mask (FlashAttention-2's or the
-            memory-efficient one, not a materialized ``NQ x NK`` mask); else the fused kernel.
-            "separate" was the faster path at every benchmarked shape, dtype and pass on an
-            H100 and an H200 (see the README).
+            memory-efficient one, not a materialized ``NQ x NK`` mask); else the fused kernel,
+            unless the fused kernel cannot run (``D > 256``, ``B * HQ > 65535``). "separate"
+            was the faster path at every benchmarked shape, dtype and pass on an H100 and an
+            H200 (see the README). Under ``torch.compile``, which cannot trace SDPA's
+            bottom-right mask, causal ``NQ != NK`` takes the fused kernel with "auto" (so its
+            result may differ from eager mode's in the last bits) and raises with "separate".
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.

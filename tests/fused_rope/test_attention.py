@@ -535,19 +535,82 @@ def test_gpu_other_head_dims(D, rope_dim, dtype):
     )
 
 
+@pytest.fixture
+def separate_calls(monkeypatch):
+    """A list that records each call of the separate path (Triton RoPE, then SDPA)."""
+    calls, real = [], attention_module._rope_then_sdpa
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "_rope_then_sdpa", spy)
+    return calls
+
+
+@pytest.mark.parametrize("has_kernel", [True, False])
+def test_auto_prefill_follows_sdpa_kernel_check(has_kernel, separate_calls, monkeypatch):
+    """A causal NQ < NK prefill: "auto" runs the separate path exactly when SDPA has a kernel
+    for the bottom-right mask (here stubbed, so both answers are seen on any device), and is
+    right either way."""
+    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: has_kernel)
+    _check_case(1, 4, 2, 20, 37, 32, dtype=torch.float32, impl="auto")
+    assert len(separate_calls) == (1 if has_kernel else 0)
+
+
+def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(separate_calls, monkeypatch):
+    """D > 256, beyond the fused kernel: "auto" runs SDPA with its materialized bottom-right
+    mask rather than raising, even where SDPA has no kernel for that mask."""
+    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
+    _check_case(1, 2, 1, 5, 9, 264, dtype=torch.float32, impl="auto")
+    assert len(separate_calls) == 1
+    with pytest.raises(ValueError, match="head dim must be at most 256"):
+        rope_attention(*_qkv(nq=5, nk=9, d=264), impl="fused")
+
+
+def test_lower_right_gqa_on_the_efficient_kernel_gets_every_head(monkeypatch):
+    """causal_lower_right passes k and v to SDPA's memory-efficient kernel without expanding
+    GQA heads; where that kernel is the one (stubbed here), the separate path repeats them, and
+    the result is unchanged."""
+    monkeypatch.setattr(attention_module, "_lower_right_backend", lambda *a: "efficient")
+    from torch.nn.attention.bias import CausalBias
+
+    heads, real = [], CausalBias._dispatch
+
+    def spy(q, k, v, *args, **kwargs):  # where SDPA hands a bottom-right mask to its kernels
+        heads.append((q.shape[1], k.shape[1], v.shape[1], kwargs["enable_gqa"]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(CausalBias, "_dispatch", staticmethod(spy))
+    _check_case(1, 4, 2, 20, 37, 32, dtype=torch.float32, impl="separate")
+    assert heads and all(h == (4, 4, 4, False) for h in heads), heads
+
+
+def test_sdpa_kernel_check_is_false_under_compile(monkeypatch):
+    """dynamo cannot build SDPA's bottom-right mask object: while compiling, the check says
+    no kernel whatever SDPA has (stubbed as FlashAttention-2's here)."""
+    monkeypatch.setattr(attention_module, "_lower_right_backend", lambda *a: "flash")
+    q, k, v = _qkv(nq=4)
+    check = attention_module._sdpa_has_lower_right_kernel
+    assert check(q, k, v)
+    f = lambda q: q + 1 if check(q, k, v) else q - 1
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q), q - 1)
+
+
 PREFILLS = [(8, 2, 300, 1000, 128, {}), (4, 1, 1000, 4096, 64, {"positions": "shared"})]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("HQ, HKV, NQ, NK, D, opts", PREFILLS)
-def test_gpu_prefill_takes_sdpa_lower_right(HQ, HKV, NQ, NK, D, opts, dtype):
+def test_gpu_prefill_takes_sdpa_lower_right(HQ, HKV, NQ, NK, D, opts, dtype, separate_calls):
     """A prefill that continues a KV cache (causal, NQ < NK) in half precision: "auto" takes the
     separate path (SDPA's bottom-right kernel) and it passes the flash-attention rule."""
     q = torch.empty(2, HQ, NQ, D, device=DEVICE, dtype=dtype)
     k = torch.empty(2, HKV, NK, D, device=DEVICE, dtype=dtype)
-    assert attention_module._sdpa_has_lower_right_kernel(q, k, k)
+    assert attention_module._lower_right_backend(q, k, k) == "flash"
     _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="auto", **opts)
+    assert len(separate_calls) == 1, "auto did not take the separate path"
     _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="separate", layout="interleaved",
                 q_positions=True, **opts)  # fmt: skip
 
