@@ -1,0 +1,800 @@
+"""The fused RoPE attention backward: a preprocess (``Delta``, lse in base 2), a key-major dK/dV
+kernel over the query heads of a KV head's group and a query-major dQ kernel, each un-rotating
+its gradient at the end (``_attention_common.py`` has the design and the shared helpers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_rope._attention_common import (
+    _AUTOTUNE_KEY,
+    _INTERPRET,
+    _LOG2E,
+    _SIZES,
+    _configs,
+    _cos_sin,
+    _delta_cos_sin,
+    _load_rotated,
+    _meta,
+    _position_args,
+    _prune_for,
+    _query_program,
+    _query_tile,
+    _scores,
+    _store_rotated,
+    _strides,
+)
+
+# dK/dV programs own a key tile (BLOCK_N) and stream query tiles (BLOCK_M); dQ the reverse.
+_DKDV_CONFIGS = _configs(
+    [
+        (32, 128, 8, 2),
+        (64, 128, 8, 2),
+        (64, 64, 8, 2),
+        (32, 64, 8, 3),
+        (16, 64, 4, 3),
+        (32, 64, 4, 2),
+    ]
+)
+_DQ_CONFIGS = _configs(
+    [
+        (128, 32, 8, 2),
+        (128, 64, 8, 2),
+        (128, 32, 8, 3),
+        (64, 64, 8, 2),
+        (64, 32, 4, 3),
+        (64, 32, 4, 2),
+    ]
+)
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O,
+    DO,
+    LSE,
+    DLSE,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    HQ,
+    NQ,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``Delta = rowsum(dO * O) - dLSE`` (the lse cotangent enters dS exactly as -Delta does);
+    also turns ``lse`` into the log2 domain, with ``+inf`` for rows that saw no key so the
+    backward's ``exp2(s - lse)`` is 0 there."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = (pid_bh % HQ).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < NQ) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(
+        O
+        + b * stride_ob
+        + h * stride_oh
+        + offs_m[:, None] * stride_on
+        + offs_d[None, :] * stride_od,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DO
+        + b * stride_dob
+        + h * stride_doh
+        + offs_m[:, None] * stride_don
+        + offs_d[None, :] * stride_dod,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    row = (b * HQ + h) * NQ + offs_m
+    m_mask = offs_m < NQ
+    dlse = tl.load(DLSE + row, mask=m_mask, other=0.0)
+    tl.store(DELTA + row, tl.sum(o * do, 1) - dlse, mask=m_mask)
+    lse2 = tl.load(LSE + row, mask=m_mask, other=0.0) * 1.4426950408889634
+    tl.store(LSE + row, tl.where(lse2 == float("-inf"), float("inf"), lse2), mask=m_mask)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk1,
+    dk2,
+    dkp,
+    dv,
+    k1,
+    k2,
+    kp,
+    v,
+    Q,
+    DO,
+    LSE2,
+    DELTA,
+    QPOS,
+    inv_freq,
+    cos_d,
+    sin_d,
+    q_pos_off,
+    offs_n,
+    lo,
+    n_tiles,
+    qk_scale,
+    offset,
+    NQ,
+    h0,
+    GROUP,
+    NQ_HEAD,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    MASKED: tl.constexpr,
+    POS_ARANGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Accumulates dK, dV of one key tile over ``n_tiles`` query tiles from ``lo``, for every
+    query head of the GQA group. The heads loop outside so that the loop over query tiles is
+    the innermost one, the loop Triton software-pipelines."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for g in range(0, GROUP):
+        h = (h0 + g).to(tl.int64)
+        for t in tl.range(0, n_tiles):
+            start_m = lo + t * BLOCK_M
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < NQ
+            cos, sin = _cos_sin(
+                QPOS, start_m, offs_m, m_mask, inv_freq, q_pos_off, cos_d, sin_d, POS_ARANGE, True
+            )
+            q1, q2, qp = _load_rotated(
+                Q + h * stride_qh,
+                offs_m,
+                m_mask,
+                stride_qn,
+                stride_qd,
+                cos,
+                sin,
+                qk_scale,
+                BLOCK_M,
+                HEAD_DIM,
+                ROPE_DIM,
+                HALF,
+                PASS,
+                INTERLEAVED,
+            )
+            do = tl.load(
+                DO + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                mask=m_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+                other=0.0,
+            )
+            # rows past NQ: do = 0 and Delta = 0, so they add nothing to dK, dV
+            lse2 = tl.load(LSE2 + h * NQ_HEAD + offs_m, mask=m_mask, other=0.0)
+            delta = tl.load(DELTA + h * NQ_HEAD + offs_m, mask=m_mask, other=0.0)
+            s_t = _scores(k1, k2, kp, q1, q2, qp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION)
+            p_t = tl.exp2(s_t - lse2[None, :])
+            if MASKED:
+                p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q1.dtype)
+            dk1 = tl.dot(ds_t, q1, dk1, input_precision=INPUT_PRECISION)
+            dk2 = tl.dot(ds_t, q2, dk2, input_precision=INPUT_PRECISION)
+            if HEAD_DIM > ROPE_DIM:
+                dkp = tl.dot(ds_t, qp, dkp, input_precision=INPUT_PRECISION)
+    return dk1, dk2, dkp, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_prune_for("BLOCK_N"))
+@triton.jit(do_not_specialize=_SIZES)
+def _rope_attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DK,
+    DV,
+    INV_FREQ,
+    QPOS,
+    KPOS,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    stride_qpb,
+    stride_kpb,
+    q_pos_off,
+    HKV,
+    GROUP,
+    NQ,
+    NK,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    POS_ARANGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    h0 = hk * GROUP
+    HQ = HKV * GROUP
+    Q += b * stride_qb
+    DO += b * stride_dob
+    LSE2 += b * HQ * NQ
+    DELTA += b * HQ * NQ
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    QPOS += b * stride_qpb
+    KPOS += b * stride_kpb
+    offset = NK - NQ
+
+    start_n = tl.program_id(0) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < NK
+    offs_h = tl.arange(0, HALF)
+    inv_freq = tl.load(INV_FREQ + offs_h, mask=offs_h < ROPE_DIM // 2, other=0.0)
+    cos, sin = _cos_sin(KPOS, start_n, offs_n, n_mask, inv_freq, 0, 0.0, 0.0, POS_ARANGE, False)
+    k1, k2, kp = _load_rotated(
+        K,
+        offs_n,
+        n_mask,
+        stride_kn,
+        stride_kd,
+        cos,
+        sin,
+        1.0,
+        BLOCK_N,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        INTERLEAVED,
+    )
+    cos_d, sin_d = _delta_cos_sin(inv_freq, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    v = tl.load(
+        V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        mask=n_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+
+    dk1 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    dk2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    dkp = tl.zeros((BLOCK_N, PASS), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    if CAUSAL:
+        # queries before start_n - offset see none of this tile; from start_n + BLOCK_N - 1 -
+        # offset on they see all of it; the band between needs the mask
+        lo = tl.maximum(start_n - offset, 0)
+        band_end = tl.maximum(tl.minimum(start_n + BLOCK_N - 1 - offset, NQ), lo)
+        n_masked = tl.cdiv(band_end - lo, BLOCK_M)
+    else:
+        lo = 0
+        n_masked = 0
+    free_lo = lo + n_masked * BLOCK_M
+    n_free = tl.cdiv(tl.maximum(NQ - free_lo, 0), BLOCK_M)
+    dk1, dk2, dkp, dv = _dkdv_inner(
+        dk1,
+        dk2,
+        dkp,
+        dv,
+        k1,
+        k2,
+        kp,
+        v,
+        Q,
+        DO,
+        LSE2,
+        DELTA,
+        QPOS,
+        inv_freq,
+        cos_d,
+        sin_d,
+        q_pos_off,
+        offs_n,
+        lo,
+        n_masked,
+        qk_scale,
+        offset,
+        NQ,
+        h0,
+        GROUP,
+        NQ,
+        stride_qh,
+        stride_qn,
+        stride_qd,
+        stride_doh,
+        stride_don,
+        stride_dod,
+        True,
+        POS_ARANGE,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        BLOCK_D,
+        INTERLEAVED,
+        INPUT_PRECISION,
+        BLOCK_M,
+    )
+    dk1, dk2, dkp, dv = _dkdv_inner(
+        dk1,
+        dk2,
+        dkp,
+        dv,
+        k1,
+        k2,
+        kp,
+        v,
+        Q,
+        DO,
+        LSE2,
+        DELTA,
+        QPOS,
+        inv_freq,
+        cos_d,
+        sin_d,
+        q_pos_off,
+        offs_n,
+        free_lo,
+        n_free,
+        qk_scale,
+        offset,
+        NQ,
+        h0,
+        GROUP,
+        NQ,
+        stride_qh,
+        stride_qn,
+        stride_qd,
+        stride_doh,
+        stride_don,
+        stride_dod,
+        False,
+        POS_ARANGE,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        BLOCK_D,
+        INTERLEAVED,
+        INPUT_PRECISION,
+        BLOCK_M,
+    )
+
+    DK += b * stride_dkb + hk * stride_dkh
+    DV += b * stride_dvb + hk * stride_dvh
+    # Q carried softmax_scale * log2(e); ln 2 turns dS^T Q_folded into softmax_scale dS^T Q_rot
+    # sin/cos of -theta, recomputed here rather than kept live in registers across the loop
+    cos, sin = _cos_sin(KPOS, start_n, offs_n, n_mask, -inv_freq, 0, 0.0, 0.0, POS_ARANGE, False)
+    _store_rotated(
+        DK,
+        offs_n,
+        n_mask,
+        stride_dkn,
+        stride_dkd,
+        dk1,
+        dk2,
+        dkp,
+        cos,
+        sin,
+        0.6931471805599453,
+        BLOCK_N,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        INTERLEAVED,
+    )
+    tl.store(
+        DV + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty),
+        mask=n_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+    )
+
+
+@triton.jit
+def _dq_inner(
+    dq1,
+    dq2,
+    dqp,
+    q1,
+    q2,
+    qp,
+    do,
+    lse2,
+    delta,
+    K,
+    V,
+    KPOS,
+    inv_freq,
+    cos_d,
+    sin_d,
+    offs_m,
+    lo,
+    hi,
+    offset,
+    NK,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    MASKED: tl.constexpr,
+    POS_ARANGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Accumulates dQ (w.r.t. the rotated segments) over key tiles ``[lo, hi)``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < NK
+        cos, sin = _cos_sin(
+            KPOS, start_n, offs_n, n_mask, inv_freq, 0, cos_d, sin_d, POS_ARANGE, True
+        )
+        k1, k2, kp = _load_rotated(
+            K,
+            offs_n,
+            n_mask,
+            stride_kn,
+            stride_kd,
+            cos,
+            sin,
+            1.0,
+            BLOCK_N,
+            HEAD_DIM,
+            ROPE_DIM,
+            HALF,
+            PASS,
+            INTERLEAVED,
+        )
+        v = tl.load(
+            V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=n_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION)
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED:
+            keep = n_mask[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + offset)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = (p * (dp - delta[:, None])).to(k1.dtype)
+        dq1 = tl.dot(ds, k1, dq1, input_precision=INPUT_PRECISION)
+        dq2 = tl.dot(ds, k2, dq2, input_precision=INPUT_PRECISION)
+        if HEAD_DIM > ROPE_DIM:
+            dqp = tl.dot(ds, kp, dqp, input_precision=INPUT_PRECISION)
+    return dq1, dq2, dqp
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_prune_for("BLOCK_M"))
+@triton.jit(do_not_specialize=_SIZES)
+def _rope_attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DQ,
+    INV_FREQ,
+    QPOS,
+    KPOS,
+    qk_scale,
+    softmax_scale,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqn,
+    stride_dqd,
+    stride_qpb,
+    stride_kpb,
+    q_pos_off,
+    HQ,
+    GROUP,
+    NQ,
+    NK,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    POS_ARANGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m, b, h, hk = _query_program(HQ, GROUP, CAUSAL)
+    Q += b * stride_qb + h * stride_qh
+    DO += b * stride_dob + h * stride_doh
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    QPOS += b * stride_qpb
+    KPOS += b * stride_kpb
+    offset = NK - NQ
+
+    start_m = pid_m * BLOCK_M
+    offs_m, m_mask, inv_freq, q1, q2, qp, cos_d, sin_d = _query_tile(
+        Q, QPOS, INV_FREQ, start_m, NQ, q_pos_off, stride_qn, stride_qd, qk_scale,
+        BLOCK_M, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED, POS_ARANGE,
+    )  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    do = tl.load(
+        DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+        mask=m_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    row = (b * HQ + h) * NQ + offs_m
+    lse2 = tl.load(LSE2 + row, mask=m_mask, other=0.0)
+    delta = tl.load(DELTA + row, mask=m_mask, other=0.0)
+
+    dq1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    dq2 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    dqp = tl.zeros((BLOCK_M, PASS), dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(NK, start_m + BLOCK_M + offset), 0)
+        full_end = tl.minimum(tl.maximum(start_m + offset + 1, 0), NK) // BLOCK_N * BLOCK_N
+    else:
+        hi = NK
+        full_end = NK // BLOCK_N * BLOCK_N
+    dq1, dq2, dqp = _dq_inner(
+        dq1,
+        dq2,
+        dqp,
+        q1,
+        q2,
+        qp,
+        do,
+        lse2,
+        delta,
+        K,
+        V,
+        KPOS,
+        inv_freq,
+        cos_d,
+        sin_d,
+        offs_m,
+        0,
+        full_end,
+        offset,
+        NK,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        False,
+        POS_ARANGE,
+        CAUSAL,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        BLOCK_D,
+        INTERLEAVED,
+        INPUT_PRECISION,
+        BLOCK_N,
+    )
+    dq1, dq2, dqp = _dq_inner(
+        dq1,
+        dq2,
+        dqp,
+        q1,
+        q2,
+        qp,
+        do,
+        lse2,
+        delta,
+        K,
+        V,
+        KPOS,
+        inv_freq,
+        cos_d,
+        sin_d,
+        offs_m,
+        full_end,
+        hi,
+        offset,
+        NK,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        True,
+        POS_ARANGE,
+        CAUSAL,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        BLOCK_D,
+        INTERLEAVED,
+        INPUT_PRECISION,
+        BLOCK_N,
+    )
+
+    DQ += b * stride_dqb + h * stride_dqh
+    # dS K_rot is the gradient w.r.t. the natural-log scores' Q_rot / softmax_scale
+    cos, sin = _cos_sin(
+        QPOS, start_m, offs_m, m_mask, -inv_freq, q_pos_off, 0.0, 0.0, POS_ARANGE, False
+    )
+    _store_rotated(
+        DQ,
+        offs_m,
+        m_mask,
+        stride_dqn,
+        stride_dqd,
+        dq1,
+        dq2,
+        dqp,
+        cos,
+        sin,
+        softmax_scale,
+        BLOCK_M,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        INTERLEAVED,
+    )
+
+
+def rope_attention_bwd(
+    do, q, k, v, o, lse, dlse, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim
+):
+    """Launches the backward: preprocess, dK/dV (key-major, no atomics: each program loops
+    over the query heads of its KV head's group) and dQ (query-major).
+    Returns ``dq, dk, dv`` shaped like ``q, k, v``."""
+    B, HQ, NQ, D = q.shape
+    HKV, NK = k.shape[1], k.shape[2]
+    meta = _meta(D, rope_dim, interleaved, causal, q.dtype)
+    delta = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
+    lse2 = lse.clone()
+    dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
+    pre_block = 64 if not _INTERPRET else 32
+    _bwd_preprocess_kernel[(triton.cdiv(NQ, pre_block), B * HQ)](
+        o,
+        do,
+        lse2,
+        dlse,
+        delta,
+        *_strides(o),
+        *_strides(do),
+        HQ,
+        NQ,
+        HEAD_DIM=D,
+        BLOCK_D=meta["BLOCK_D"],
+        BLOCK_M=pre_block,
+    )
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    (qp, kp, *pos_strides), pos_arange = _position_args(q_pos, k_pos, inv_freq, NQ, NK)
+    qk_scale = softmax_scale * _LOG2E
+    _rope_attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(NK, m["BLOCK_N"]), B * HKV)](
+        q,
+        k,
+        v,
+        do,
+        lse2,
+        delta,
+        dk,
+        dv,
+        inv_freq,
+        qp,
+        kp,
+        qk_scale,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(do),
+        *_strides(dk),
+        *_strides(dv),
+        *pos_strides,
+        HKV,
+        HQ // HKV,
+        NQ,
+        NK,
+        POS_ARANGE=pos_arange,
+        **meta,
+    )
+    _rope_attn_bwd_dq_kernel[lambda m: (triton.cdiv(NQ, m["BLOCK_M"]), B * HQ)](
+        q,
+        k,
+        v,
+        do,
+        lse2,
+        delta,
+        dq,
+        inv_freq,
+        qp,
+        kp,
+        qk_scale,
+        softmax_scale,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(do),
+        *_strides(dq),
+        *pos_strides,
+        HQ,
+        HQ // HKV,
+        NQ,
+        NK,
+        POS_ARANGE=pos_arange,
+        **meta,
+    )
+    return dq, dk, dv

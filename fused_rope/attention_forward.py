@@ -1,0 +1,308 @@
+"""The fused RoPE attention forward: FlashAttention-2 with q rotated once per query tile and k
+per key tile in registers (``_attention_common.py`` has the design and the shared helpers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_rope._attention_common import (
+    _AUTOTUNE_KEY,
+    _LOG2E,
+    _SIZES,
+    _configs,
+    _cos_sin,
+    _load_rotated,
+    _meta,
+    _position_args,
+    _prune_for,
+    _query_program,
+    _query_tile,
+    _scores,
+    _strides,
+)
+
+_FWD_CONFIGS = _configs(
+    [
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 32, 8, 3),
+        (128, 128, 8, 2),
+        (64, 32, 4, 3),
+        (64, 64, 4, 2),
+    ]
+)
+
+
+@triton.jit
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q1,
+    q2,
+    qp,
+    K,
+    V,
+    KPOS,
+    inv_freq,
+    cos_d,
+    sin_d,
+    offs_m,
+    lo,
+    hi,
+    offset,
+    NK,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    MASKED: tl.constexpr,
+    POS_ARANGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online softmax over key tiles ``[lo, hi)``; only MASKED calls pay for the mask."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < NK
+        cos, sin = _cos_sin(
+            KPOS, start_n, offs_n, n_mask, inv_freq, 0, cos_d, sin_d, POS_ARANGE, True
+        )
+        k1, k2, kp = _load_rotated(
+            K,
+            offs_n,
+            n_mask,
+            stride_kn,
+            stride_kd,
+            cos,
+            sin,
+            1.0,
+            BLOCK_N,
+            HEAD_DIM,
+            ROPE_DIM,
+            HALF,
+            PASS,
+            INTERLEAVED,
+        )
+        s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION)
+        if MASKED:
+            keep = n_mask[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + offset)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:  # a row with no visible key so far keeps m = -inf; exp2 must not see -inf - -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=n_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_prune_for("BLOCK_M"))
+@triton.jit(do_not_specialize=_SIZES)
+def _rope_attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    INV_FREQ,
+    QPOS,
+    KPOS,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_qpb,
+    stride_kpb,
+    q_pos_off,
+    HQ,
+    GROUP,
+    NQ,
+    NK,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    POS_ARANGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m, b, h, hk = _query_program(HQ, GROUP, CAUSAL)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    O += b * stride_ob + h * stride_oh
+    QPOS += b * stride_qpb
+    KPOS += b * stride_kpb
+    offset = NK - NQ
+
+    start_m = pid_m * BLOCK_M
+    offs_m, m_mask, inv_freq, q1, q2, qp, cos_d, sin_d = _query_tile(
+        Q, QPOS, INV_FREQ, start_m, NQ, q_pos_off, stride_qn, stride_qd, qk_scale,
+        BLOCK_M, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED, POS_ARANGE,
+    )  # fmt: skip
+
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(NK, start_m + BLOCK_M + offset), 0)
+        # keys <= start_m + offset are visible to every query of the tile: no mask there
+        full_end = tl.minimum(tl.maximum(start_m + offset + 1, 0), NK) // BLOCK_N * BLOCK_N
+    else:
+        hi = NK
+        full_end = NK // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q1,
+        q2,
+        qp,
+        K,
+        V,
+        KPOS,
+        inv_freq,
+        cos_d,
+        sin_d,
+        offs_m,
+        0,
+        full_end,
+        offset,
+        NK,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        False,
+        POS_ARANGE,
+        CAUSAL,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        BLOCK_D,
+        INTERLEAVED,
+        INPUT_PRECISION,
+        BLOCK_N,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q1,
+        q2,
+        qp,
+        K,
+        V,
+        KPOS,
+        inv_freq,
+        cos_d,
+        sin_d,
+        offs_m,
+        full_end,
+        hi,
+        offset,
+        NK,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        True,
+        POS_ARANGE,
+        CAUSAL,
+        HEAD_DIM,
+        ROPE_DIM,
+        HALF,
+        PASS,
+        BLOCK_D,
+        INTERLEAVED,
+        INPUT_PRECISION,
+        BLOCK_N,
+    )
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + (b * HQ + h) * NQ + offs_m, lse, mask=m_mask)
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(
+        O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        o.to(O.dtype.element_ty),
+        mask=m_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+    )
+
+
+def rope_attention_fwd(
+    q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim
+):
+    """Launches the forward. Positions are fp32 ``[1 | B, N]`` contiguous, or both None for the
+    default positions. Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
+    B, HQ, NQ, D = q.shape
+    HKV, NK = k.shape[1], k.shape[2]
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
+    meta = _meta(D, rope_dim, interleaved, causal, q.dtype)
+    (qp, kp, *pos_strides), pos_arange = _position_args(q_pos, k_pos, inv_freq, NQ, NK)
+    grid = lambda m: (triton.cdiv(NQ, m["BLOCK_M"]), B * HQ)
+    _rope_attn_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        inv_freq,
+        qp,
+        kp,
+        softmax_scale * _LOG2E,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(o),
+        *pos_strides,
+        HQ,
+        HQ // HKV,
+        NQ,
+        NK,
+        POS_ARANGE=pos_arange,
+        **meta,
+    )
+    return o, lse
