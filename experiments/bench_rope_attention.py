@@ -3,10 +3,9 @@
 Providers (causal, fp16 and bf16, forward and forward+backward):
 
 * ``rope_attention``: ``fused_rope.rope_attention`` as a user calls it (``impl="auto"``).
-* ``fused``: the fused Triton kernel alone (``impl="fused"``, default positions: the kernels
-  generate them and use the angle addition inside the loops).
-* ``fused_pos_tensor``: the fused kernel given ``positions`` as a tensor (the general path: a
-  full sin/cos per loaded tile).
+* ``fused``: the fused Triton kernel alone (``impl="fused"``, default positions).
+* ``fused_pos_tensor``: the fused kernel given ``positions`` as a tensor (the same kernels;
+  their cos/sin tables then come from the tensor and hold a row per batch row if it has one).
 * ``triton_rope+sdpa``: ``impl="separate"``, this project's Triton RoPE over q and k
   (``fused_rope.rope.apply_rope_qk``) then PyTorch's SDPA.
 * ``sdpa_no_rope``: ``scaled_dot_product_attention`` without RoPE, the floor.

@@ -4,9 +4,12 @@ load and rotate tiles and form the scores, and the launchers' argument helpers.
 
 
 The kernels never write rotated Q or K to memory. Each program rotates its Q tile once
-and each K tile as it is loaded, with sin/cos computed in registers from
-``positions * inv_freq`` (fp32; inside the loops, for the default positions, by the angle
-addition of ``_cos_sin``). The head dim is handled as three segments: the two
+and each K tile as it is loaded, with cos/sin loaded from fp32 tables of
+``positions * inv_freq`` that the launcher builds once a call (``_rope_tables``,
+``[N, R/2]`` or ``[B, N, R/2]``, a few MB that stay in L2). Loading them is cheaper than
+forming them: a key tile's sin/cos, even by the angle addition from the previous tile, took
+more CUDA-core work than its rotation, and the loops re-rotate every tile for every query
+tile (``fused_rope/README.md``, "Measured"). The head dim is handled as three segments: the two
 rotated halves ``x1``, ``x2`` (``R/2`` channels each; for the interleaved layout they are
 the even and odd channels, de-interleaved on load and re-interleaved on store) and the
 pass-through channels ``R..D``. ``QK^T`` is the sum of one dot per segment, which is what
@@ -23,10 +26,9 @@ Causal masking is bottom-right aligned, as in FlashAttention-2: query ``i`` sees
 iff ``j <= i + NK - NQ`` (by index, whatever the positions). A query that sees no key
 (possible when ``NQ > NK``) gets ``o = 0``, ``lse = -inf`` and zero gradients.
 
-GPU ideas not tried here (they cannot be tested without a GPU): TMA descriptors for the
-K/V stream, warp specialization, packing the heads of a GQA group into one forward program
-so a K tile is rotated once for the group, and ``libdevice.fast_sinf``/``fast_cosf`` after an
-explicit range reduction.
+Tried and not kept: V read through a TMA descriptor (forward, H200: 1-4% slower at 2K to
+16K tokens). Not tried: warp specialization, and packing the heads of a GQA group into one
+forward program so that a K tile is rotated once for the group.
 """
 
 from __future__ import annotations
@@ -75,52 +77,17 @@ def _prune_for(owner: str):
 
 # Lengths and head counts are not specialized on (divisible by 16, equal to 1): every sequence
 # length would otherwise compile its own variant.
-_SIZES = ["q_pos_off", "GROUP", "NQ", "NK"]
-_AUTOTUNE_KEY = ["NQ", "NK", "BLOCK_D", "HALF", "PASS", "CAUSAL", "INTERLEAVED", "POS_ARANGE"]
+_SIZES = ["q_row_off", "k_row_off", "GROUP", "NQ", "NK"]
+_AUTOTUNE_KEY = ["NQ", "NK", "BLOCK_D", "HALF", "PASS", "CAUSAL", "INTERLEAVED"]
 
 
 @triton.jit
-def _delta_cos_sin(inv_freq, ROWS: tl.constexpr):
-    """cos/sin ``[ROWS, HALF]`` of ``d * inv_freq`` for ``d = 0..ROWS-1``: the per-row part of
-    the angle addition that ``_cos_sin`` uses for consecutive positions."""
-    angle = tl.arange(0, ROWS).to(tl.float32)[:, None] * inv_freq[None, :]
-    return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
-def _cos_sin(
-    POS,
-    start,
-    rows,
-    row_mask,
-    inv_freq,
-    pos_off,
-    cos_d,
-    sin_d,
-    POS_ARANGE: tl.constexpr,
-    INCREMENTAL: tl.constexpr,
-):
-    """cos/sin ``[ROWS, HALF]`` of ``position * inv_freq`` (fp32) for ``rows = start + 0..ROWS-1``.
-
-    Positions are loaded from ``POS``, or with POS_ARANGE are ``row + pos_off``. Inside the
-    loops (INCREMENTAL) consecutive positions use the angle addition
-    ``cos(b + d) = cos b cos d - sin b sin d`` with the ``d`` table of ``_delta_cos_sin``: a few
-    FMAs per element instead of a full sin and cos, which would cost about as much as the
-    tile's matmuls."""
-    if POS_ARANGE and INCREMENTAL:
-        base = inv_freq * (start + pos_off)
-        cos_b = tl.cos(base)[None, :]
-        sin_b = tl.sin(base)[None, :]
-        cos = cos_d * cos_b - sin_d * sin_b
-        sin = sin_d * cos_b + cos_d * sin_b
-    else:
-        if POS_ARANGE:
-            pos = (rows + pos_off).to(tl.float32)
-        else:
-            pos = tl.load(POS + rows, mask=row_mask, other=0.0)
-        angle = pos[:, None] * inv_freq[None, :]
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+def _load_cos_sin(COS, SIN, rows, row_mask, HALF: tl.constexpr):
+    """cos/sin ``[ROWS, HALF]`` (fp32) of the ``rows``' angles, from ``[rows, HALF]`` tables
+    (``_rope_tables``; masked rows get the identity rotation)."""
+    offs = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    cos = tl.load(COS + offs, mask=row_mask[:, None], other=1.0).to(tl.float32)
+    sin = tl.load(SIN + offs, mask=row_mask[:, None], other=0.0).to(tl.float32)
     return cos, sin
 
 
@@ -191,39 +158,30 @@ def _query_program(HQ, GROUP, CAUSAL: tl.constexpr):
 @triton.jit
 def _query_tile(
     Q,
-    QPOS,
-    INV_FREQ,
+    QCOS,
+    QSIN,
     start_m,
     NQ,
-    q_pos_off,
     stride_qn,
     stride_qd,
     qk_scale,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
     PASS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
-    POS_ARANGE: tl.constexpr,
 ):
     """The rotated, scaled query tile of rows ``start_m ..`` (``q1, q2 [BLOCK_M, HALF]``,
-    ``qp [BLOCK_M, PASS]``), its rows and mask, the frequencies, and the ``[BLOCK_N, HALF]``
-    angle-step table the key loop advances by."""
+    ``qp [BLOCK_M, PASS]``), with its rows and their mask."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_mask = offs_m < NQ
-    offs_h = tl.arange(0, HALF)
-    inv_freq = tl.load(INV_FREQ + offs_h, mask=offs_h < ROPE_DIM // 2, other=0.0)
-    cos, sin = _cos_sin(
-        QPOS, start_m, offs_m, m_mask, inv_freq, q_pos_off, 0.0, 0.0, POS_ARANGE, False
-    )
+    cos, sin = _load_cos_sin(QCOS, QSIN, offs_m, m_mask, HALF)
     q1, q2, qp = _load_rotated(
         Q, offs_m, m_mask, stride_qn, stride_qd, cos, sin, qk_scale,
         BLOCK_M, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED,
     )  # fmt: skip
-    cos_d, sin_d = _delta_cos_sin(inv_freq, BLOCK_N)
-    return offs_m, m_mask, inv_freq, q1, q2, qp, cos_d, sin_d
+    return offs_m, m_mask, q1, q2, qp
 
 
 @triton.jit
@@ -248,8 +206,8 @@ def _store_rotated(
 ):
     """Stores ``scale * R g`` for the segments ``g`` (as ``_load_rotated``, in reverse).
 
-    The backward passes the cos/sin of ``-theta``: rotating the gradients w.r.t. the rotated
-    segments by ``-theta`` is the transpose of the forward rotation."""
+    The backward passes ``cos, -sin`` (the rotation by ``-theta``): rotating the gradients
+    w.r.t. the rotated segments by ``-theta`` is the transpose of the forward rotation."""
     ptrs = X + rows[:, None] * stride_n
     dtype = X.dtype.element_ty
     d1 = ((g1 * cos - g2 * sin) * scale).to(dtype)
@@ -304,11 +262,37 @@ def _strides(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(x.stride())
 
 
-def _position_args(q_pos, k_pos, inv_freq, nq: int, nk: int) -> tuple:
-    """(QPOS, KPOS, stride_qpb, stride_kpb, q_pos_off), and the POS_ARANGE flag: without
-    position tensors the keys sit at 0..NK-1 and the queries at NK-NQ..NK-1 (the pointers
-    are then never read)."""
+def _table_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The cos/sin tables' dtype for inputs of ``dtype``: fp16 for bf16 inputs, whose rotated
+    q and k are rounded to bf16 (8 times coarser than fp16 near 1, so the table's rounding adds
+    little), fp32 otherwise (fp16 tables would add about one fp16 rounding to the rotated fp16
+    q and k). Half the bytes of fp32 tables: fp16 tables made fp16 inputs 14-18% faster in an
+    A/B (``fused_rope/README.md``)."""
+    return torch.float16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: torch.dtype) -> tuple:
+    """The kernels' cos/sin tables and how they index them: ``(QCOS, QSIN, KCOS, KSIN,
+    stride_qtb, stride_ktb, q_row_off, k_row_off)``. Query row ``i`` of batch ``b`` finds its
+    angles at row ``q_row_off + i`` of batch ``b`` (batch stride ``stride_qtb``, 0 for one
+    batch row), key ``j`` likewise. Each table is ``[1 | B, rows, half]`` in the
+    ``_table_dtype`` of the inputs' ``dtype``, the columns past ``R/2`` at angle 0.
+
+    Without position tensors the keys sit at ``0..NK-1`` and the queries at ``NK-NQ..NK-1``:
+    one table from position ``min(0, NK-NQ)`` serves both. Position tensors (fp32
+    ``[1 | B, N]``) get a table each."""
+    freqs = inv_freq.new_zeros(half, dtype=torch.float32)
+    freqs[: inv_freq.shape[0]] = inv_freq
+
+    def table(pos):
+        angle = pos[..., None] * freqs
+        return angle.cos().to(_table_dtype(dtype)), angle.sin().to(_table_dtype(dtype))
+
     if q_pos is None:
-        return (inv_freq, inv_freq, 0, 0, nk - nq), True
-    batch_stride = lambda p: p.stride(0) if p.shape[0] > 1 else 0
-    return (q_pos, k_pos, batch_stride(q_pos), batch_stride(k_pos), 0), False
+        first = min(0, nk - nq)
+        cos, sin = table(torch.arange(first, nk, device=freqs.device, dtype=torch.float32)[None])
+        return cos, sin, cos, sin, 0, 0, nk - nq - first, -first
+    batch_stride = lambda t: t.stride(0) if t.shape[0] > 1 else 0
+    q_cos, q_sin = table(q_pos)
+    k_cos, k_sin = table(k_pos)
+    return q_cos, q_sin, k_cos, k_sin, batch_stride(q_cos), batch_stride(k_cos), 0, 0

@@ -15,14 +15,13 @@ from fused_rope._attention_common import (
     _LOG2E,
     _SIZES,
     _configs,
-    _cos_sin,
-    _delta_cos_sin,
+    _load_cos_sin,
     _load_rotated,
     _meta,
-    _position_args,
     _prune_for,
     _query_program,
     _query_tile,
+    _rope_tables,
     _scores,
     _store_rotated,
     _strides,
@@ -121,11 +120,8 @@ def _dkdv_inner(
     DO,
     LSE2,
     DELTA,
-    QPOS,
-    inv_freq,
-    cos_d,
-    sin_d,
-    q_pos_off,
+    QCOS,
+    QSIN,
     offs_n,
     lo,
     n_tiles,
@@ -142,7 +138,6 @@ def _dkdv_inner(
     stride_don,
     stride_dod,
     MASKED: tl.constexpr,
-    POS_ARANGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -162,9 +157,7 @@ def _dkdv_inner(
             start_m = lo + t * BLOCK_M
             offs_m = start_m + tl.arange(0, BLOCK_M)
             m_mask = offs_m < NQ
-            cos, sin = _cos_sin(
-                QPOS, start_m, offs_m, m_mask, inv_freq, q_pos_off, cos_d, sin_d, POS_ARANGE, True
-            )
+            cos, sin = _load_cos_sin(QCOS, QSIN, offs_m, m_mask, HALF)
             q1, q2, qp = _load_rotated(
                 Q + h * stride_qh,
                 offs_m,
@@ -214,9 +207,10 @@ def _rope_attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
-    INV_FREQ,
-    QPOS,
-    KPOS,
+    QCOS,
+    QSIN,
+    KCOS,
+    KSIN,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -242,9 +236,10 @@ def _rope_attn_bwd_dkdv_kernel(
     stride_dvh,
     stride_dvn,
     stride_dvd,
-    stride_qpb,
-    stride_kpb,
-    q_pos_off,
+    stride_qtb,
+    stride_ktb,
+    q_row_off,
+    k_row_off,
     HKV,
     GROUP,
     NQ,
@@ -257,7 +252,6 @@ def _rope_attn_bwd_dkdv_kernel(
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    POS_ARANGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -272,16 +266,16 @@ def _rope_attn_bwd_dkdv_kernel(
     DELTA += b * HQ * NQ
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
-    QPOS += b * stride_qpb
-    KPOS += b * stride_kpb
+    QCOS += b * stride_qtb + q_row_off * HALF
+    QSIN += b * stride_qtb + q_row_off * HALF
+    KCOS += b * stride_ktb + k_row_off * HALF
+    KSIN += b * stride_ktb + k_row_off * HALF
     offset = NK - NQ
 
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_mask = offs_n < NK
-    offs_h = tl.arange(0, HALF)
-    inv_freq = tl.load(INV_FREQ + offs_h, mask=offs_h < ROPE_DIM // 2, other=0.0)
-    cos, sin = _cos_sin(KPOS, start_n, offs_n, n_mask, inv_freq, 0, 0.0, 0.0, POS_ARANGE, False)
+    cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
     k1, k2, kp = _load_rotated(
         K,
         offs_n,
@@ -298,7 +292,6 @@ def _rope_attn_bwd_dkdv_kernel(
         PASS,
         INTERLEAVED,
     )
-    cos_d, sin_d = _delta_cos_sin(inv_freq, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     v = tl.load(
         V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
@@ -334,11 +327,8 @@ def _rope_attn_bwd_dkdv_kernel(
         DO,
         LSE2,
         DELTA,
-        QPOS,
-        inv_freq,
-        cos_d,
-        sin_d,
-        q_pos_off,
+        QCOS,
+        QSIN,
         offs_n,
         lo,
         n_masked,
@@ -355,7 +345,6 @@ def _rope_attn_bwd_dkdv_kernel(
         stride_don,
         stride_dod,
         True,
-        POS_ARANGE,
         HEAD_DIM,
         ROPE_DIM,
         HALF,
@@ -378,11 +367,8 @@ def _rope_attn_bwd_dkdv_kernel(
         DO,
         LSE2,
         DELTA,
-        QPOS,
-        inv_freq,
-        cos_d,
-        sin_d,
-        q_pos_off,
+        QCOS,
+        QSIN,
         offs_n,
         free_lo,
         n_free,
@@ -399,7 +385,6 @@ def _rope_attn_bwd_dkdv_kernel(
         stride_don,
         stride_dod,
         False,
-        POS_ARANGE,
         HEAD_DIM,
         ROPE_DIM,
         HALF,
@@ -413,8 +398,9 @@ def _rope_attn_bwd_dkdv_kernel(
     DK += b * stride_dkb + hk * stride_dkh
     DV += b * stride_dvb + hk * stride_dvh
     # Q carried softmax_scale * log2(e); ln 2 turns dS^T Q_folded into softmax_scale dS^T Q_rot
-    # sin/cos of -theta, recomputed here rather than kept live in registers across the loop
-    cos, sin = _cos_sin(KPOS, start_n, offs_n, n_mask, -inv_freq, 0, 0.0, 0.0, POS_ARANGE, False)
+    # cos/sin reloaded here rather than kept live in registers across the loop; the rotation
+    # by -theta is (cos, -sin)
+    cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
     _store_rotated(
         DK,
         offs_n,
@@ -425,7 +411,7 @@ def _rope_attn_bwd_dkdv_kernel(
         dk2,
         dkp,
         cos,
-        sin,
+        -sin,
         0.6931471805599453,
         BLOCK_N,
         HEAD_DIM,
@@ -454,10 +440,8 @@ def _dq_inner(
     delta,
     K,
     V,
-    KPOS,
-    inv_freq,
-    cos_d,
-    sin_d,
+    KCOS,
+    KSIN,
     offs_m,
     lo,
     hi,
@@ -468,7 +452,6 @@ def _dq_inner(
     stride_vn,
     stride_vd,
     MASKED: tl.constexpr,
-    POS_ARANGE: tl.constexpr,
     CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -484,9 +467,7 @@ def _dq_inner(
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NK
-        cos, sin = _cos_sin(
-            KPOS, start_n, offs_n, n_mask, inv_freq, 0, cos_d, sin_d, POS_ARANGE, True
-        )
+        cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
         k1, k2, kp = _load_rotated(
             K,
             offs_n,
@@ -534,9 +515,10 @@ def _rope_attn_bwd_dq_kernel(
     LSE2,
     DELTA,
     DQ,
-    INV_FREQ,
-    QPOS,
-    KPOS,
+    QCOS,
+    QSIN,
+    KCOS,
+    KSIN,
     qk_scale,
     softmax_scale,
     stride_qb,
@@ -559,9 +541,10 @@ def _rope_attn_bwd_dq_kernel(
     stride_dqh,
     stride_dqn,
     stride_dqd,
-    stride_qpb,
-    stride_kpb,
-    q_pos_off,
+    stride_qtb,
+    stride_ktb,
+    q_row_off,
+    k_row_off,
     HQ,
     GROUP,
     NQ,
@@ -574,7 +557,6 @@ def _rope_attn_bwd_dq_kernel(
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    POS_ARANGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -583,14 +565,16 @@ def _rope_attn_bwd_dq_kernel(
     DO += b * stride_dob + h * stride_doh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
-    QPOS += b * stride_qpb
-    KPOS += b * stride_kpb
+    QCOS += b * stride_qtb + q_row_off * HALF
+    QSIN += b * stride_qtb + q_row_off * HALF
+    KCOS += b * stride_ktb + k_row_off * HALF
+    KSIN += b * stride_ktb + k_row_off * HALF
     offset = NK - NQ
 
     start_m = pid_m * BLOCK_M
-    offs_m, m_mask, inv_freq, q1, q2, qp, cos_d, sin_d = _query_tile(
-        Q, QPOS, INV_FREQ, start_m, NQ, q_pos_off, stride_qn, stride_qd, qk_scale,
-        BLOCK_M, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED, POS_ARANGE,
+    offs_m, m_mask, q1, q2, qp = _query_tile(
+        Q, QCOS, QSIN, start_m, NQ, stride_qn, stride_qd, qk_scale,
+        BLOCK_M, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED,
     )  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     do = tl.load(
@@ -623,10 +607,8 @@ def _rope_attn_bwd_dq_kernel(
         delta,
         K,
         V,
-        KPOS,
-        inv_freq,
-        cos_d,
-        sin_d,
+        KCOS,
+        KSIN,
         offs_m,
         0,
         full_end,
@@ -637,7 +619,6 @@ def _rope_attn_bwd_dq_kernel(
         stride_vn,
         stride_vd,
         False,
-        POS_ARANGE,
         CAUSAL,
         HEAD_DIM,
         ROPE_DIM,
@@ -660,10 +641,8 @@ def _rope_attn_bwd_dq_kernel(
         delta,
         K,
         V,
-        KPOS,
-        inv_freq,
-        cos_d,
-        sin_d,
+        KCOS,
+        KSIN,
         offs_m,
         full_end,
         hi,
@@ -674,7 +653,6 @@ def _rope_attn_bwd_dq_kernel(
         stride_vn,
         stride_vd,
         True,
-        POS_ARANGE,
         CAUSAL,
         HEAD_DIM,
         ROPE_DIM,
@@ -688,9 +666,7 @@ def _rope_attn_bwd_dq_kernel(
 
     DQ += b * stride_dqb + h * stride_dqh
     # dS K_rot is the gradient w.r.t. the natural-log scores' Q_rot / softmax_scale
-    cos, sin = _cos_sin(
-        QPOS, start_m, offs_m, m_mask, -inv_freq, q_pos_off, 0.0, 0.0, POS_ARANGE, False
-    )
+    cos, sin = _load_cos_sin(QCOS, QSIN, offs_m, m_mask, HALF)
     _store_rotated(
         DQ,
         offs_m,
@@ -701,7 +677,7 @@ def _rope_attn_bwd_dq_kernel(
         dq2,
         dqp,
         cos,
-        sin,
+        -sin,
         softmax_scale,
         BLOCK_M,
         HEAD_DIM,
@@ -742,7 +718,7 @@ def rope_attention_bwd(
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    (qp, kp, *pos_strides), pos_arange = _position_args(q_pos, k_pos, inv_freq, NQ, NK)
+    tables = _rope_tables(inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype)
     qk_scale = softmax_scale * _LOG2E
     _rope_attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(NK, m["BLOCK_N"]), B * HKV)](
         q,
@@ -753,9 +729,7 @@ def rope_attention_bwd(
         delta,
         dk,
         dv,
-        inv_freq,
-        qp,
-        kp,
+        *tables[:4],
         qk_scale,
         *_strides(q),
         *_strides(k),
@@ -763,12 +737,11 @@ def rope_attention_bwd(
         *_strides(do),
         *_strides(dk),
         *_strides(dv),
-        *pos_strides,
+        *tables[4:],
         HKV,
         HQ // HKV,
         NQ,
         NK,
-        POS_ARANGE=pos_arange,
         **meta,
     )
     _rope_attn_bwd_dq_kernel[lambda m: (triton.cdiv(NQ, m["BLOCK_M"]), B * HQ)](
@@ -779,9 +752,7 @@ def rope_attention_bwd(
         lse2,
         delta,
         dq,
-        inv_freq,
-        qp,
-        kp,
+        *tables[:4],
         qk_scale,
         softmax_scale,
         *_strides(q),
@@ -789,12 +760,11 @@ def rope_attention_bwd(
         *_strides(v),
         *_strides(do),
         *_strides(dq),
-        *pos_strides,
+        *tables[4:],
         HQ,
         HQ // HKV,
         NQ,
         NK,
-        POS_ARANGE=pos_arange,
         **meta,
     )
     return dq, dk, dv

@@ -13,13 +13,13 @@ from fused_rope._attention_common import (
     _LOG2E,
     _SIZES,
     _configs,
-    _cos_sin,
+    _load_cos_sin,
     _load_rotated,
     _meta,
-    _position_args,
     _prune_for,
     _query_program,
     _query_tile,
+    _rope_tables,
     _scores,
     _strides,
 )
@@ -46,10 +46,8 @@ def _fwd_inner(
     qp,
     K,
     V,
-    KPOS,
-    inv_freq,
-    cos_d,
-    sin_d,
+    KCOS,
+    KSIN,
     offs_m,
     lo,
     hi,
@@ -60,7 +58,6 @@ def _fwd_inner(
     stride_vn,
     stride_vd,
     MASKED: tl.constexpr,
-    POS_ARANGE: tl.constexpr,
     CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -76,9 +73,7 @@ def _fwd_inner(
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NK
-        cos, sin = _cos_sin(
-            KPOS, start_n, offs_n, n_mask, inv_freq, 0, cos_d, sin_d, POS_ARANGE, True
-        )
+        cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
         k1, k2, kp = _load_rotated(
             K,
             offs_n,
@@ -125,9 +120,10 @@ def _rope_attn_fwd_kernel(
     V,
     O,
     LSE,
-    INV_FREQ,
-    QPOS,
-    KPOS,
+    QCOS,
+    QSIN,
+    KCOS,
+    KSIN,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -145,9 +141,10 @@ def _rope_attn_fwd_kernel(
     stride_oh,
     stride_on,
     stride_od,
-    stride_qpb,
-    stride_kpb,
-    q_pos_off,
+    stride_qtb,
+    stride_ktb,
+    q_row_off,
+    k_row_off,
     HQ,
     GROUP,
     NQ,
@@ -160,7 +157,6 @@ def _rope_attn_fwd_kernel(
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    POS_ARANGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -169,14 +165,16 @@ def _rope_attn_fwd_kernel(
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
     O += b * stride_ob + h * stride_oh
-    QPOS += b * stride_qpb
-    KPOS += b * stride_kpb
+    QCOS += b * stride_qtb + q_row_off * HALF
+    QSIN += b * stride_qtb + q_row_off * HALF
+    KCOS += b * stride_ktb + k_row_off * HALF
+    KSIN += b * stride_ktb + k_row_off * HALF
     offset = NK - NQ
 
     start_m = pid_m * BLOCK_M
-    offs_m, m_mask, inv_freq, q1, q2, qp, cos_d, sin_d = _query_tile(
-        Q, QPOS, INV_FREQ, start_m, NQ, q_pos_off, stride_qn, stride_qd, qk_scale,
-        BLOCK_M, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED, POS_ARANGE,
+    offs_m, m_mask, q1, q2, qp = _query_tile(
+        Q, QCOS, QSIN, start_m, NQ, stride_qn, stride_qd, qk_scale,
+        BLOCK_M, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED,
     )  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -198,10 +196,8 @@ def _rope_attn_fwd_kernel(
         qp,
         K,
         V,
-        KPOS,
-        inv_freq,
-        cos_d,
-        sin_d,
+        KCOS,
+        KSIN,
         offs_m,
         0,
         full_end,
@@ -212,7 +208,6 @@ def _rope_attn_fwd_kernel(
         stride_vn,
         stride_vd,
         False,
-        POS_ARANGE,
         CAUSAL,
         HEAD_DIM,
         ROPE_DIM,
@@ -232,10 +227,8 @@ def _rope_attn_fwd_kernel(
         qp,
         K,
         V,
-        KPOS,
-        inv_freq,
-        cos_d,
-        sin_d,
+        KCOS,
+        KSIN,
         offs_m,
         full_end,
         hi,
@@ -246,7 +239,6 @@ def _rope_attn_fwd_kernel(
         stride_vn,
         stride_vd,
         True,
-        POS_ARANGE,
         CAUSAL,
         HEAD_DIM,
         ROPE_DIM,
@@ -281,7 +273,7 @@ def rope_attention_fwd(
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     meta = _meta(D, rope_dim, interleaved, causal, q.dtype)
-    (qp, kp, *pos_strides), pos_arange = _position_args(q_pos, k_pos, inv_freq, NQ, NK)
+    tables = _rope_tables(inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype)
     grid = lambda m: (triton.cdiv(NQ, m["BLOCK_M"]), B * HQ)
     _rope_attn_fwd_kernel[grid](
         q,
@@ -289,20 +281,17 @@ def rope_attention_fwd(
         v,
         o,
         lse,
-        inv_freq,
-        qp,
-        kp,
+        *tables[:4],
         softmax_scale * _LOG2E,
         *_strides(q),
         *_strides(k),
         *_strides(v),
         *_strides(o),
-        *pos_strides,
+        *tables[4:],
         HQ,
         HQ // HKV,
         NQ,
         NK,
-        POS_ARANGE=pos_arange,
         **meta,
     )
     return o, lse
