@@ -271,6 +271,28 @@ def _table_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.bfloat16 else torch.float32
 
 
+@triton.jit(do_not_specialize=["rows", "first"])
+def _rope_table_kernel(
+    POS, INV_FREQ, COS, SIN, rows, first, half_rope, HAS_POS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Rows of ``_rope_tables``' tables for batch row ``program_id(1)``: the angles
+    ``position * inv_freq`` (fp32, as ``rope_angles``), positions ``first + row`` or loaded from
+    ``POS [1 | B, rows]``; accurate cos and sin, stored in the tables' dtype."""
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < rows
+    if HAS_POS:
+        pos = tl.load(POS + b * rows + offs, mask=mask, other=0.0)
+    else:
+        pos = (offs + first).to(tl.float32)
+    cols = tl.arange(0, HALF)
+    angle = pos[:, None] * tl.load(INV_FREQ + cols, mask=cols < half_rope, other=0.0)[None, :]
+    out = (b * rows + offs)[:, None] * HALF + cols[None, :]
+    tl.store(COS + out, tl.cos(angle).to(COS.dtype.element_ty), mask=mask[:, None])
+    tl.store(SIN + out, tl.sin(angle).to(SIN.dtype.element_ty), mask=mask[:, None])
+
+
 def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: torch.dtype) -> tuple:
     """The kernels' cos/sin tables and how they index them: ``(QCOS, QSIN, KCOS, KSIN,
     stride_qtb, stride_ktb, q_row_off, k_row_off)``. Query row ``i`` of batch ``b`` finds its
@@ -281,18 +303,24 @@ def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: tor
     Without position tensors the keys sit at ``0..NK-1`` and the queries at ``NK-NQ..NK-1``:
     one table from position ``min(0, NK-NQ)`` serves both. Position tensors (fp32
     ``[1 | B, N]``) get a table each."""
-    freqs = inv_freq.new_zeros(half, dtype=torch.float32)
-    freqs[: inv_freq.shape[0]] = inv_freq
+    dtype = _table_dtype(dtype)
 
-    def table(pos):
-        angle = pos[..., None] * freqs
-        return angle.cos().to(_table_dtype(dtype)), angle.sin().to(_table_dtype(dtype))
+    def table(pos, rows, first):
+        batch = 1 if pos is None else pos.shape[0]
+        cos = torch.empty((batch, rows, half), device=inv_freq.device, dtype=dtype)
+        sin = torch.empty_like(cos)
+        block = 16 if _INTERPRET else 64
+        _rope_table_kernel[(triton.cdiv(rows, block), batch)](
+            inv_freq if pos is None else pos, inv_freq, cos, sin, rows, first,
+            inv_freq.shape[0], pos is not None, half, block,
+        )  # fmt: skip
+        return cos, sin
 
     if q_pos is None:
         first = min(0, nk - nq)
-        cos, sin = table(torch.arange(first, nk, device=freqs.device, dtype=torch.float32)[None])
+        cos, sin = table(None, nk - first, first)
         return cos, sin, cos, sin, 0, 0, nk - nq - first, -first
     batch_stride = lambda t: t.stride(0) if t.shape[0] > 1 else 0
-    q_cos, q_sin = table(q_pos)
-    k_cos, k_sin = table(k_pos)
+    q_cos, q_sin = table(q_pos, nq, 0)
+    k_cos, k_sin = table(k_pos, nk, 0)
     return q_cos, q_sin, k_cos, k_sin, batch_stride(q_cos), batch_stride(k_cos), 0, 0

@@ -224,11 +224,12 @@ def test_inv_freq_overrides_theta():
 
 
 def test_default_positions_match_explicit():
-    """Default positions take the kernels' angle-addition path; explicit ones load positions."""
+    """Default positions share one cos/sin table between queries and keys (row offsets);
+    explicit ones get a table each."""
     q = torch.randn(2, 4, 40, 64, device=DEVICE, requires_grad=True)
     k, v = (torch.randn(2, 2, 70, 64, device=DEVICE, requires_grad=True) for _ in range(2))
     do = torch.randn(2, 4, 40, 64, device=DEVICE)
-    o1 = rope_attention(q, k, v, layout="interleaved")
+    o1 = rope_attention(q, k, v, layout="interleaved", impl="fused")
     o2 = rope_attention(
         q,
         k,
@@ -236,11 +237,44 @@ def test_default_positions_match_explicit():
         layout="interleaved",
         positions=torch.arange(70, device=DEVICE),
         q_positions=torch.arange(30, 70, device=DEVICE),
+        impl="fused",
     )
     g1 = torch.autograd.grad((o1 * do).sum(), (q, k, v))
     g2 = torch.autograd.grad((o2 * do).sum(), (q, k, v))
     for name, a, b in zip(("o", "dq", "dk", "dv"), (o1, *g1), (o2, *g2), strict=True):
         assert_close(name, a, b, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "NQ, NK, positions", [(30, 70, None), (70, 30, None), (30, 70, "batch")], ids=str
+)
+def test_rope_tables_hold_the_angles_of_every_row(NQ, NK, positions, dtype):
+    """The fused kernels' cos/sin tables (``_rope_tables``): query ``i`` and key ``j`` find
+    ``cos/sin(position * inv_freq)`` at their rows (queries at ``NK-NQ+i`` by default, negative
+    for ``NQ > NK``), padding columns hold angle 0, and the table's dtype rounds them once."""
+    from fused_rope._attention_common import _rope_tables, _table_dtype
+
+    inv_freq = rope_frequencies(40, device=DEVICE)[0].float()  # R/2 = 20, padded to 32
+    if positions is None:
+        q_pos = torch.arange(NK - NQ, NK, device=DEVICE)[None].float()
+        k_pos = torch.arange(NK, device=DEVICE)[None].float()
+        args = (None, None)
+    else:
+        k_pos = torch.randint(0, 10**6, (3, NK), device=DEVICE).float()
+        q_pos = torch.randint(0, 10**6, (3, NQ), device=DEVICE).float()
+        args = (q_pos, k_pos)
+    qc, qs, kc, ks, sqb, skb, q_off, k_off = _rope_tables(inv_freq, *args, NQ, NK, 32, dtype)
+    assert qc.dtype == _table_dtype(dtype) and qc.shape[-1] == 32
+    ulp = 2e-7 if qc.dtype == torch.float32 else 1e-3
+    for cos, sin, stride, off, pos in ((qc, qs, sqb, q_off, q_pos), (kc, ks, skb, k_off, k_pos)):
+        # what a kernel reads for batch row b, row i: element b * stride + (off + i) * 32 + col
+        assert stride == (0 if pos.shape[0] == 1 else cos.stride(0))
+        got_cos, got_sin = (t[:, off : off + pos.shape[1]].float() for t in (cos, sin))
+        angle = rope_angles(pos, inv_freq)
+        assert_close("cos", got_cos[..., :20], angle.cos(), atol=ulp, rtol=ulp)
+        assert_close("sin", got_sin[..., :20], angle.sin(), atol=ulp, rtol=ulp)
+        assert got_cos[..., 20:].eq(1).all() and got_sin[..., 20:].eq(0).all()
 
 
 SEPARATE_CASES = [  # (NQ, NK, options): square, prefill (bottom-right mask), query positions
