@@ -1,15 +1,16 @@
 """Shared pieces of the fused RoPE attention kernels (``attention_forward.py``,
-``attention_backward.py``): autotune config lists, the Triton helpers that compute sin/cos,
-load and rotate tiles and form the scores, and the launchers' argument helpers.
-
+``attention_backward.py``): autotune config lists, the cos/sin tables and the kernel that
+builds them, the Triton helpers that load and rotate tiles and form the scores, and the
+launchers' argument helpers.
 
 The kernels never write rotated Q or K to memory. Each program rotates its Q tile once
-and each K tile as it is loaded, with cos/sin loaded from fp32 tables of
-``positions * inv_freq`` that the launcher builds once a call (``_rope_tables``,
-``[N, R/2]`` or ``[B, N, R/2]``, a few MB that stay in L2). Loading them is cheaper than
-forming them: a key tile's sin/cos, even by the angle addition from the previous tile, took
-more CUDA-core work than its rotation, and the loops re-rotate every tile for every query
-tile (``fused_rope/README.md``, "Measured"). The head dim is handled as three segments: the two
+and each K tile as it is loaded, with cos/sin loaded from tables of ``positions * inv_freq``
+that the launcher builds once a call (``_rope_tables``: ``[N, R/2]`` or ``[B, N, R/2]``,
+fp32, or fp16 for bf16 inputs; a few MB that stay in L2). Loading them is cheaper than
+forming them: forming a key tile's sin/cos, even by the angle addition from a per-program
+table, cost about as much CUDA-core work as rotating the tile, and the loops rotate every
+key tile again for every query tile (1.1-2x faster with the tables: ``fused_rope/README.md``,
+"Measured"). The head dim is handled as three segments: the two
 rotated halves ``x1``, ``x2`` (``R/2`` channels each; for the interleaved layout they are
 the even and odd channels, de-interleaved on load and re-interleaved on store) and the
 pass-through channels ``R..D``. ``QK^T`` is the sum of one dot per segment, which is what
