@@ -6,7 +6,7 @@ launchers' argument helpers.
 The kernels never write rotated Q or K to memory. Each program rotates its Q tile once
 and each K tile as it is loaded, with cos/sin loaded from tables of ``positions * inv_freq``
 that the launcher builds once a call (``_rope_tables``: ``[N, R/2]`` or ``[B, N, R/2]``,
-fp32, or fp16 for bf16 inputs; a few MB that stay in L2). Loading them is cheaper than
+fp32, or fp16 for bf16 inputs; for the default positions a few MB that stay in L2). Loading them is cheaper than
 forming them: forming a key tile's sin/cos, even by the angle addition from a per-program
 table, cost about as much CUDA-core work as rotating the tile, and the loops rotate every
 key tile again for every query tile (1.1-2x faster with the tables: ``fused_rope/README.md``,
@@ -53,7 +53,7 @@ _AUTOTUNE = os.environ.get("FUSED_ROPE_AUTOTUNE", "1") != "0"
 def _configs(tiles):
     """Autotune configs from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; the last is the
     untuned one. The lists are short because every config is a compilation per combination
-    of dtype, head dim, layout, causality and position mode. ptxas on sm_90 shows the kernels at
+    of dtype, head dim, layout and causality. ptxas on sm_90 shows the kernels at
     255 registers from 128x64 tiles on, so 4-warp configs keep to 64-row tiles."""
     if _INTERPRET:  # the interpreter is slow: one small config, BLOCK_M != BLOCK_N on purpose
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
@@ -267,8 +267,9 @@ def _table_dtype(dtype: torch.dtype) -> torch.dtype:
     """The cos/sin tables' dtype for inputs of ``dtype``: fp16 for bf16 inputs, whose rotated
     q and k are rounded to bf16 (8 times coarser than fp16 near 1, so the table's rounding adds
     little), fp32 otherwise (fp16 tables would add about one fp16 rounding to the rotated fp16
-    q and k). Half the bytes of fp32 tables: fp16 tables made fp16 inputs 14-18% faster in an
-    A/B (``fused_rope/README.md``)."""
+    q and k). Half the bytes matter: in an A/B with fp16 inputs, fp16 tables were 13-18%
+    faster than fp32 ones (``fused_rope/README.md``), a gain bf16 inputs get at no cost in
+    accuracy."""
     return torch.float16 if dtype == torch.bfloat16 else torch.float32
 
 
@@ -303,7 +304,12 @@ def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: tor
 
     Without position tensors the keys sit at ``0..NK-1`` and the queries at ``NK-NQ..NK-1``:
     one table from position ``min(0, NK-NQ)`` serves both. Position tensors (fp32
-    ``[1 | B, N]``) get a table each."""
+    ``[1 | B, N]``, contiguous, as ``rope_attention`` passes them) get a table each."""
+    if (q_pos is None) != (k_pos is None):
+        raise ValueError("q_pos and k_pos must both be tensors or both be None")
+    for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
+        if pos is not None and (pos.dtype != torch.float32 or not pos.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous fp32 [1 | B, N], got {pos.dtype}")
     dtype = _table_dtype(dtype)
 
     def table(pos, rows, first):

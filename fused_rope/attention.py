@@ -419,7 +419,7 @@ def rope_attention(
             q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim
         )
     if positions is None and q_positions is None:
-        q_pos = k_pos = None  # the kernels generate 0..NK-1 and NK-NQ..NK-1 themselves
+        q_pos = k_pos = None  # one cos/sin table of positions min(0, NK-NQ)..NK-1 serves both
     else:
         q_pos = _as_rows(_query_positions(positions, q_positions, NQ, NK, q.device))
         k_pos = _as_rows(torch.arange(NK, device=q.device) if positions is None else positions)

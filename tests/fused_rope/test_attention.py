@@ -162,14 +162,14 @@ CPU_CASES = [
     pytest.param(1, 4, 1, 40, 100, 32, dict(layout="interleaved"), id="MQA4-NQ40-NK100-inter"),
     pytest.param(1, 8, 2, 100, 40, 32, dict(rope_dim=16), id="GQA4-NQ100-NK40-partial16"),
     pytest.param(
-        1,
+        2,
         8,
         1,
         33,
         33,
         32,
         dict(causal=False, positions="batch", q_positions=True),
-        id="MQA8-N33-noncausal-batchpos-qpos",
+        id="B2-MQA8-N33-noncausal-batchpos-qpos",
     ),
     pytest.param(
         2,
@@ -266,15 +266,28 @@ def test_rope_tables_hold_the_angles_of_every_row(NQ, NK, positions, dtype):
         args = (q_pos, k_pos)
     qc, qs, kc, ks, sqb, skb, q_off, k_off = _rope_tables(inv_freq, *args, NQ, NK, 32, dtype)
     assert qc.dtype == _table_dtype(dtype) and qc.shape[-1] == 32
-    ulp = 2e-7 if qc.dtype == torch.float32 else 1e-3
+    ulp = 2e-7 if qc.dtype == torch.float32 else 2**-11  # fp32: ~2 ulp near 1; fp16: 1 ulp
     for cos, sin, stride, off, pos in ((qc, qs, sqb, q_off, q_pos), (kc, ks, skb, k_off, k_pos)):
         # what a kernel reads for batch row b, row i: element b * stride + (off + i) * 32 + col
         assert stride == (0 if pos.shape[0] == 1 else cos.stride(0))
         got_cos, got_sin = (t[:, off : off + pos.shape[1]].float() for t in (cos, sin))
         angle = rope_angles(pos, inv_freq)
-        assert_close("cos", got_cos[..., :20], angle.cos(), atol=ulp, rtol=ulp)
-        assert_close("sin", got_sin[..., :20], angle.sin(), atol=ulp, rtol=ulp)
+        # against the exact values rounded once to the table's dtype
+        for name, got, want in (("cos", got_cos, angle.cos()), ("sin", got_sin, angle.sin())):
+            want = want.to(cos.dtype).float()
+            assert_close(name, got[..., :20], want, atol=ulp, rtol=ulp)
         assert got_cos[..., 20:].eq(1).all() and got_sin[..., 20:].eq(0).all()
+
+
+def test_rope_tables_refuse_positions_the_kernels_cannot_index():
+    from fused_rope._attention_common import _rope_tables
+
+    inv_freq = rope_frequencies(32, device=DEVICE)[0].float()
+    pos = torch.arange(8, device=DEVICE, dtype=torch.float32)[None]
+    with pytest.raises(ValueError, match="both be tensors"):
+        _rope_tables(inv_freq, None, pos, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="k_pos must be contiguous fp32"):
+        _rope_tables(inv_freq, pos, pos.expand(2, 8).t().contiguous().t(), 8, 8, 16, torch.float32)
 
 
 SEPARATE_CASES = [  # (NQ, NK, options): square, prefill (bottom-right mask), query positions
