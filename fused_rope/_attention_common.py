@@ -78,7 +78,7 @@ def _prune_for(owner: str):
 
 # Lengths and head counts are not specialized on (divisible by 16, equal to 1): every sequence
 # length would otherwise compile its own variant.
-_SIZES = ["q_row_off", "k_row_off", "GROUP", "NQ", "NK"]
+_SIZES = ["GROUP", "NQ", "NK"]
 _AUTOTUNE_KEY = ["NQ", "NK", "BLOCK_D", "HALF", "PASS", "CAUSAL", "INTERLEAVED"]
 
 
@@ -141,6 +141,95 @@ def _load_rotated(
     else:
         xpr = tl.zeros((ROWS, PASS), dtype=dtype)
     return x1r, x2r, xpr
+
+
+@triton.jit
+def _load_segments(
+    X,
+    rows,
+    row_mask,
+    stride_n,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+):
+    """``x1r, x2r, xpr`` (as ``_load_rotated`` returns them) of rows of a buffer that
+    ``_rotate_kernel`` wrote: the segments side by side, ``[.., HALF | HALF | PASS]``."""
+    ptrs = X + rows[:, None] * stride_n
+    offs_h = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(ptrs + offs_h, mask=row_mask[:, None], other=0.0)
+    x2 = tl.load(ptrs + HALF + offs_h, mask=row_mask[:, None], other=0.0)
+    if HEAD_DIM > ROPE_DIM:
+        xp = tl.load(
+            ptrs + 2 * HALF + tl.arange(0, PASS)[None, :], mask=row_mask[:, None], other=0.0
+        )
+    else:
+        xp = tl.zeros((ROWS, PASS), dtype=x1.dtype)
+    return x1, x2, xp
+
+
+@triton.jit
+def _rotate_kernel(
+    X,
+    OUT,
+    COS,
+    SIN,
+    scale,
+    stride_xb,
+    stride_xh,
+    stride_xn,
+    stride_xd,
+    stride_tb,
+    row_off,
+    H,
+    N,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Rows of one head of ``X [B, H, N, D]``, rotated and scaled by ``_load_rotated``, into
+    ``OUT [B, H, N, W]`` with the segments side by side (``_load_segments``)."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < N
+    COS += b * stride_tb + row_off * HALF
+    SIN += b * stride_tb + row_off * HALF
+    cos, sin = _load_cos_sin(COS, SIN, rows, mask, HALF)
+    x1, x2, xp = _load_rotated(
+        X + b * stride_xb + h * stride_xh, rows, mask, stride_xn, stride_xd, cos, sin, scale,
+        BLOCK, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED,
+    )  # fmt: skip
+    width = 2 * HALF + (PASS if HEAD_DIM > ROPE_DIM else 0)
+    out = OUT + (pid_bh.to(tl.int64) * N + rows[:, None]) * width
+    offs_h = tl.arange(0, HALF)[None, :]
+    tl.store(out + offs_h, x1, mask=mask[:, None])
+    tl.store(out + HALF + offs_h, x2, mask=mask[:, None])
+    if HEAD_DIM > ROPE_DIM:
+        tl.store(out + 2 * HALF + tl.arange(0, PASS)[None, :], xp, mask=mask[:, None])
+
+
+def _rotated_segments(x, cos, sin, stride_tb: int, row_off: int, scale: float, meta: dict):
+    """``x [B, H, N, D]`` rotated by the tables ``cos, sin`` (``_rope_tables``) and scaled
+    by ``scale``, in ``x``'s dtype, as ``[B, H, N, W]`` with the segments side by side
+    (``W = 2 HALF + PASS``, no ``PASS`` without pass-through channels): exactly the tiles
+    ``_load_rotated`` forms, for kernels that would otherwise rotate a tile many times."""
+    B, H, N, D = x.shape
+    half, pas = meta["HALF"], meta["PASS"]
+    width = 2 * half + (pas if meta["HEAD_DIM"] > meta["ROPE_DIM"] else 0)
+    out = torch.empty((B, H, N, width), device=x.device, dtype=x.dtype)
+    block = 16 if _INTERPRET else 64
+    _rotate_kernel[(triton.cdiv(N, block), B * H)](
+        x, out, cos, sin, scale, *x.stride(), stride_tb, row_off, H, N,
+        meta["HEAD_DIM"], meta["ROPE_DIM"], half, pas, meta["INTERLEAVED"], block,
+    )  # fmt: skip
+    return out
 
 
 @triton.jit

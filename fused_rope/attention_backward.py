@@ -16,12 +16,12 @@ from fused_rope._attention_common import (
     _SIZES,
     _configs,
     _load_cos_sin,
-    _load_rotated,
+    _load_segments,
     _meta,
     _prune_for,
     _query_program,
-    _query_tile,
     _rope_tables,
+    _rotated_segments,
     _scores,
     _store_rotated,
     _strides,
@@ -120,12 +120,9 @@ def _dkdv_inner(
     DO,
     LSE2,
     DELTA,
-    QCOS,
-    QSIN,
     offs_n,
     lo,
     n_tiles,
-    qk_scale,
     offset,
     NQ,
     h0,
@@ -133,7 +130,6 @@ def _dkdv_inner(
     NQ_HEAD,
     stride_qh,
     stride_qn,
-    stride_qd,
     stride_doh,
     stride_don,
     stride_dod,
@@ -143,7 +139,6 @@ def _dkdv_inner(
     HALF: tl.constexpr,
     PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -157,22 +152,16 @@ def _dkdv_inner(
             start_m = lo + t * BLOCK_M
             offs_m = start_m + tl.arange(0, BLOCK_M)
             m_mask = offs_m < NQ
-            cos, sin = _load_cos_sin(QCOS, QSIN, offs_m, m_mask, HALF)
-            q1, q2, qp = _load_rotated(
+            q1, q2, qp = _load_segments(
                 Q + h * stride_qh,
                 offs_m,
                 m_mask,
                 stride_qn,
-                stride_qd,
-                cos,
-                sin,
-                qk_scale,
                 BLOCK_M,
                 HEAD_DIM,
                 ROPE_DIM,
                 HALF,
                 PASS,
-                INTERLEAVED,
             )
             do = tl.load(
                 DO + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
@@ -197,7 +186,7 @@ def _dkdv_inner(
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_prune_for("BLOCK_N"))
-@triton.jit(do_not_specialize=_SIZES)
+@triton.jit(do_not_specialize=[*_SIZES, "k_row_off"])
 def _rope_attn_bwd_dkdv_kernel(
     Q,
     K,
@@ -207,19 +196,14 @@ def _rope_attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
-    QCOS,
-    QSIN,
     KCOS,
     KSIN,
-    qk_scale,
     stride_qb,
     stride_qh,
     stride_qn,
-    stride_qd,
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
@@ -236,9 +220,7 @@ def _rope_attn_bwd_dkdv_kernel(
     stride_dvh,
     stride_dvn,
     stride_dvd,
-    stride_qtb,
     stride_ktb,
-    q_row_off,
     k_row_off,
     HKV,
     GROUP,
@@ -266,8 +248,6 @@ def _rope_attn_bwd_dkdv_kernel(
     DELTA += b * HQ * NQ
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
-    QCOS += b * stride_qtb + q_row_off * HALF
-    QSIN += b * stride_qtb + q_row_off * HALF
     KCOS += b * stride_ktb + k_row_off * HALF
     KSIN += b * stride_ktb + k_row_off * HALF
     offset = NK - NQ
@@ -275,22 +255,8 @@ def _rope_attn_bwd_dkdv_kernel(
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_mask = offs_n < NK
-    cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
-    k1, k2, kp = _load_rotated(
-        K,
-        offs_n,
-        n_mask,
-        stride_kn,
-        stride_kd,
-        cos,
-        sin,
-        1.0,
-        BLOCK_N,
-        HEAD_DIM,
-        ROPE_DIM,
-        HALF,
-        PASS,
-        INTERLEAVED,
+    k1, k2, kp = _load_segments(
+        K, offs_n, n_mask, stride_kn, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS
     )
     offs_d = tl.arange(0, BLOCK_D)
     v = tl.load(
@@ -327,12 +293,9 @@ def _rope_attn_bwd_dkdv_kernel(
         DO,
         LSE2,
         DELTA,
-        QCOS,
-        QSIN,
         offs_n,
         lo,
         n_masked,
-        qk_scale,
         offset,
         NQ,
         h0,
@@ -340,7 +303,6 @@ def _rope_attn_bwd_dkdv_kernel(
         NQ,
         stride_qh,
         stride_qn,
-        stride_qd,
         stride_doh,
         stride_don,
         stride_dod,
@@ -350,7 +312,6 @@ def _rope_attn_bwd_dkdv_kernel(
         HALF,
         PASS,
         BLOCK_D,
-        INTERLEAVED,
         INPUT_PRECISION,
         BLOCK_M,
     )
@@ -367,12 +328,9 @@ def _rope_attn_bwd_dkdv_kernel(
         DO,
         LSE2,
         DELTA,
-        QCOS,
-        QSIN,
         offs_n,
         free_lo,
         n_free,
-        qk_scale,
         offset,
         NQ,
         h0,
@@ -380,7 +338,6 @@ def _rope_attn_bwd_dkdv_kernel(
         NQ,
         stride_qh,
         stride_qn,
-        stride_qd,
         stride_doh,
         stride_don,
         stride_dod,
@@ -390,7 +347,6 @@ def _rope_attn_bwd_dkdv_kernel(
         HALF,
         PASS,
         BLOCK_D,
-        INTERLEAVED,
         INPUT_PRECISION,
         BLOCK_M,
     )
@@ -398,8 +354,7 @@ def _rope_attn_bwd_dkdv_kernel(
     DK += b * stride_dkb + hk * stride_dkh
     DV += b * stride_dvb + hk * stride_dvh
     # Q carried softmax_scale * log2(e); ln 2 turns dS^T Q_folded into softmax_scale dS^T Q_rot
-    # cos/sin reloaded here rather than kept live in registers across the loop; the rotation
-    # by -theta is (cos, -sin)
+    # the rotation by -theta is (cos, -sin)
     cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
     _store_rotated(
         DK,
@@ -440,15 +395,12 @@ def _dq_inner(
     delta,
     K,
     V,
-    KCOS,
-    KSIN,
     offs_m,
     lo,
     hi,
     offset,
     NK,
     stride_kn,
-    stride_kd,
     stride_vn,
     stride_vd,
     MASKED: tl.constexpr,
@@ -458,7 +410,6 @@ def _dq_inner(
     HALF: tl.constexpr,
     PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -467,22 +418,8 @@ def _dq_inner(
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NK
-        cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
-        k1, k2, kp = _load_rotated(
-            K,
-            offs_n,
-            n_mask,
-            stride_kn,
-            stride_kd,
-            cos,
-            sin,
-            1.0,
-            BLOCK_N,
-            HEAD_DIM,
-            ROPE_DIM,
-            HALF,
-            PASS,
-            INTERLEAVED,
+        k1, k2, kp = _load_segments(
+            K, offs_n, n_mask, stride_kn, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS
         )
         v = tl.load(
             V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
@@ -506,7 +443,7 @@ def _dq_inner(
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_prune_for("BLOCK_M"))
-@triton.jit(do_not_specialize=_SIZES)
+@triton.jit(do_not_specialize=[*_SIZES, "q_row_off"])
 def _rope_attn_bwd_dq_kernel(
     Q,
     K,
@@ -517,18 +454,13 @@ def _rope_attn_bwd_dq_kernel(
     DQ,
     QCOS,
     QSIN,
-    KCOS,
-    KSIN,
-    qk_scale,
     softmax_scale,
     stride_qb,
     stride_qh,
     stride_qn,
-    stride_qd,
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
@@ -542,9 +474,7 @@ def _rope_attn_bwd_dq_kernel(
     stride_dqn,
     stride_dqd,
     stride_qtb,
-    stride_ktb,
     q_row_off,
-    k_row_off,
     HQ,
     GROUP,
     NQ,
@@ -567,15 +497,14 @@ def _rope_attn_bwd_dq_kernel(
     V += b * stride_vb + hk * stride_vh
     QCOS += b * stride_qtb + q_row_off * HALF
     QSIN += b * stride_qtb + q_row_off * HALF
-    KCOS += b * stride_ktb + k_row_off * HALF
-    KSIN += b * stride_ktb + k_row_off * HALF
     offset = NK - NQ
 
     start_m = pid_m * BLOCK_M
-    offs_m, m_mask, q1, q2, qp = _query_tile(
-        Q, QCOS, QSIN, start_m, NQ, stride_qn, stride_qd, qk_scale,
-        BLOCK_M, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED,
-    )  # fmt: skip
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < NQ
+    q1, q2, qp = _load_segments(
+        Q, offs_m, m_mask, stride_qn, BLOCK_M, HEAD_DIM, ROPE_DIM, HALF, PASS
+    )
     offs_d = tl.arange(0, BLOCK_D)
     do = tl.load(
         DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
@@ -607,15 +536,12 @@ def _rope_attn_bwd_dq_kernel(
         delta,
         K,
         V,
-        KCOS,
-        KSIN,
         offs_m,
         0,
         full_end,
         offset,
         NK,
         stride_kn,
-        stride_kd,
         stride_vn,
         stride_vd,
         False,
@@ -625,7 +551,6 @@ def _rope_attn_bwd_dq_kernel(
         HALF,
         PASS,
         BLOCK_D,
-        INTERLEAVED,
         INPUT_PRECISION,
         BLOCK_N,
     )
@@ -641,15 +566,12 @@ def _rope_attn_bwd_dq_kernel(
         delta,
         K,
         V,
-        KCOS,
-        KSIN,
         offs_m,
         full_end,
         hi,
         offset,
         NK,
         stride_kn,
-        stride_kd,
         stride_vn,
         stride_vd,
         True,
@@ -659,7 +581,6 @@ def _rope_attn_bwd_dq_kernel(
         HALF,
         PASS,
         BLOCK_D,
-        INTERLEAVED,
         INPUT_PRECISION,
         BLOCK_N,
     )
@@ -718,26 +639,32 @@ def rope_attention_bwd(
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    tables = _rope_tables(inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype)
-    qk_scale = softmax_scale * _LOG2E
+    q_cos, q_sin, k_cos, k_sin, stride_qtb, stride_ktb, q_row_off, k_row_off = _rope_tables(
+        inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype
+    )
+    # q (with the forward's fold) and k rotated once: the kernels' loops would rotate every
+    # tile once per program that streams it
+    q_rot = _rotated_segments(q, q_cos, q_sin, stride_qtb, q_row_off, softmax_scale * _LOG2E, meta)
+    k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
     _rope_attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(NK, m["BLOCK_N"]), B * HKV)](
-        q,
-        k,
+        q_rot,
+        k_rot,
         v,
         do,
         lse2,
         delta,
         dk,
         dv,
-        *tables[:4],
-        qk_scale,
-        *_strides(q),
-        *_strides(k),
+        k_cos,
+        k_sin,
+        *q_rot.stride()[:3],
+        *k_rot.stride()[:3],
         *_strides(v),
         *_strides(do),
         *_strides(dk),
         *_strides(dv),
-        *tables[4:],
+        stride_ktb,
+        k_row_off,
         HKV,
         HQ // HKV,
         NQ,
@@ -745,22 +672,23 @@ def rope_attention_bwd(
         **meta,
     )
     _rope_attn_bwd_dq_kernel[lambda m: (triton.cdiv(NQ, m["BLOCK_M"]), B * HQ)](
-        q,
-        k,
+        q_rot,
+        k_rot,
         v,
         do,
         lse2,
         delta,
         dq,
-        *tables[:4],
-        qk_scale,
+        q_cos,
+        q_sin,
         softmax_scale,
-        *_strides(q),
-        *_strides(k),
+        *q_rot.stride()[:3],
+        *k_rot.stride()[:3],
         *_strides(v),
         *_strides(do),
         *_strides(dq),
-        *tables[4:],
+        stride_qtb,
+        q_row_off,
         HQ,
         HQ // HKV,
         NQ,

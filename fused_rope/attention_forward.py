@@ -13,13 +13,13 @@ from fused_rope._attention_common import (
     _LOG2E,
     _SIZES,
     _configs,
-    _load_cos_sin,
-    _load_rotated,
+    _load_segments,
     _meta,
     _prune_for,
     _query_program,
     _query_tile,
     _rope_tables,
+    _rotated_segments,
     _scores,
     _strides,
 )
@@ -46,15 +46,12 @@ def _fwd_inner(
     qp,
     K,
     V,
-    KCOS,
-    KSIN,
     offs_m,
     lo,
     hi,
     offset,
     NK,
     stride_kn,
-    stride_kd,
     stride_vn,
     stride_vd,
     MASKED: tl.constexpr,
@@ -64,7 +61,6 @@ def _fwd_inner(
     HALF: tl.constexpr,
     PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -73,22 +69,8 @@ def _fwd_inner(
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NK
-        cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
-        k1, k2, kp = _load_rotated(
-            K,
-            offs_n,
-            n_mask,
-            stride_kn,
-            stride_kd,
-            cos,
-            sin,
-            1.0,
-            BLOCK_N,
-            HEAD_DIM,
-            ROPE_DIM,
-            HALF,
-            PASS,
-            INTERLEAVED,
+        k1, k2, kp = _load_segments(
+            K, offs_n, n_mask, stride_kn, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS
         )
         s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION)
         if MASKED:
@@ -113,7 +95,7 @@ def _fwd_inner(
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_prune_for("BLOCK_M"))
-@triton.jit(do_not_specialize=_SIZES)
+@triton.jit(do_not_specialize=[*_SIZES, "q_row_off"])
 def _rope_attn_fwd_kernel(
     Q,
     K,
@@ -122,8 +104,6 @@ def _rope_attn_fwd_kernel(
     LSE,
     QCOS,
     QSIN,
-    KCOS,
-    KSIN,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -132,7 +112,6 @@ def _rope_attn_fwd_kernel(
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
@@ -142,9 +121,7 @@ def _rope_attn_fwd_kernel(
     stride_on,
     stride_od,
     stride_qtb,
-    stride_ktb,
     q_row_off,
-    k_row_off,
     HQ,
     GROUP,
     NQ,
@@ -167,8 +144,6 @@ def _rope_attn_fwd_kernel(
     O += b * stride_ob + h * stride_oh
     QCOS += b * stride_qtb + q_row_off * HALF
     QSIN += b * stride_qtb + q_row_off * HALF
-    KCOS += b * stride_ktb + k_row_off * HALF
-    KSIN += b * stride_ktb + k_row_off * HALF
     offset = NK - NQ
 
     start_m = pid_m * BLOCK_M
@@ -196,15 +171,12 @@ def _rope_attn_fwd_kernel(
         qp,
         K,
         V,
-        KCOS,
-        KSIN,
         offs_m,
         0,
         full_end,
         offset,
         NK,
         stride_kn,
-        stride_kd,
         stride_vn,
         stride_vd,
         False,
@@ -214,7 +186,6 @@ def _rope_attn_fwd_kernel(
         HALF,
         PASS,
         BLOCK_D,
-        INTERLEAVED,
         INPUT_PRECISION,
         BLOCK_N,
     )
@@ -227,15 +198,12 @@ def _rope_attn_fwd_kernel(
         qp,
         K,
         V,
-        KCOS,
-        KSIN,
         offs_m,
         full_end,
         hi,
         offset,
         NK,
         stride_kn,
-        stride_kd,
         stride_vn,
         stride_vd,
         True,
@@ -245,7 +213,6 @@ def _rope_attn_fwd_kernel(
         HALF,
         PASS,
         BLOCK_D,
-        INTERLEAVED,
         INPUT_PRECISION,
         BLOCK_N,
     )
@@ -273,21 +240,27 @@ def rope_attention_fwd(
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     meta = _meta(D, rope_dim, interleaved, causal, q.dtype)
-    tables = _rope_tables(inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype)
+    q_cos, q_sin, k_cos, k_sin, stride_qtb, stride_ktb, q_row_off, k_row_off = _rope_tables(
+        inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype
+    )
+    # k rotated once: the key loop would rotate every key tile once per query tile
+    k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
     grid = lambda m: (triton.cdiv(NQ, m["BLOCK_M"]), B * HQ)
     _rope_attn_fwd_kernel[grid](
         q,
-        k,
+        k_rot,
         v,
         o,
         lse,
-        *tables[:4],
+        q_cos,
+        q_sin,
         softmax_scale * _LOG2E,
         *_strides(q),
-        *_strides(k),
+        *k_rot.stride()[:3],
         *_strides(v),
         *_strides(o),
-        *tables[4:],
+        stride_qtb,
+        q_row_off,
         HQ,
         HQ // HKV,
         NQ,
