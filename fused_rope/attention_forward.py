@@ -26,7 +26,7 @@ from fused_rope._attention_common import (
 
 _FWD_CONFIGS = _configs(
     [
-        (128, 64, 8, 2),
+        (128, 128, 8, 3),
         (128, 64, 8, 3),
         (128, 32, 8, 3),
         (128, 128, 8, 2),
