@@ -203,15 +203,6 @@ def _lower_right_backend(q, k, v) -> str:
     return "efficient" if can_use_efficient_attention(params) else "math"
 
 
-def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
-    """Whether PyTorch's SDPA runs bottom-right causal attention on these inputs with a kernel
-    rather than a materialized mask, which the fused kernel avoids. False while
-    ``torch.compile`` traces: dynamo cannot build the mask object in a graph."""
-    if torch.compiler.is_compiling():
-        return False
-    return _lower_right_backend(q, k, v) != "math"
-
-
 def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim):
     """The unfused path: this package's Triton RoPE over q and k, then PyTorch's best SDPA
     backend. Causal with ``NQ < NK`` (a prefill that continues a KV cache) uses SDPA's
@@ -312,13 +303,16 @@ def _check_inputs(
     # that returns the fused kernel's 0 for it.
     separate_applies = not return_lse and (NQ <= NK or not causal)
     fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535  # the grid's second axis: B x HQ
-    if impl == "auto":  # the faster path wherever it applies (README: measured on H100 and H200)
+    if impl == "auto":  # the faster path (README: measured on an H200)
+        # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel, 0.71-0.87x the
+        # time of SDPA's bottom-right mask; elsewhere RoPE then SDPA (cuDNN), 1.08-1.48x
+        # faster than the fused kernel.
         bottom_right = causal and NQ != NK
-        fast = separate_applies and (not bottom_right or _sdpa_has_lower_right_kernel(q, k, v))
-        # Where the fused kernel cannot run, SDPA's materialized mask beats an error (not
-        # under compile, which cannot trace that mask).
-        fallback = separate_applies and not fused_fits and not torch.compiler.is_compiling()
-        impl = "separate" if fast or fallback else "fused"
+        # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
+        # which may be a materialized one) beats an error; not under compile, which cannot
+        # trace that mask.
+        fallback = not fused_fits and not (bottom_right and torch.compiler.is_compiling())
+        impl = "separate" if separate_applies and (not bottom_right or fallback) else "fused"
     if impl == "separate" and separate_applies and causal and NQ != NK:
         if torch.compiler.is_compiling():
             raise ValueError(
@@ -381,14 +375,13 @@ def rope_attention(
         impl: ``"fused"``: the fused kernel. ``"separate"``: the Triton RoPE kernel over q and k
             (``fused_rope.rope``) then PyTorch's SDPA, with a bottom-right causal mask
             (``causal_lower_right``) when ``NQ < NK``; needs ``return_lse=False`` and, when
-            causal, ``NQ <= NK``. ``"auto"``: "separate" where it applies and, for ``NQ < NK``
-            causal, where SDPA has a kernel for the bottom-right mask (FlashAttention-2's or the
-            memory-efficient one, not a materialized ``NQ x NK`` mask); else the fused kernel,
-            unless the fused kernel cannot run (``D > 256``, ``B * HQ > 65535``). "separate"
-            was the faster path at every benchmarked shape, dtype and pass on an H100 and an
-            H200 (see the README). Under ``torch.compile``, which cannot trace SDPA's
-            bottom-right mask, causal ``NQ != NK`` takes the fused kernel with "auto" (so its
-            result may differ from eager mode's in the last bits) and raises with "separate".
+            causal, ``NQ <= NK``; under ``torch.compile``, which cannot trace SDPA's bottom-right
+            mask, it raises for causal ``NQ != NK``. ``"auto"``: the fused kernel for causal
+            ``NQ != NK`` (a prefill: 0.71-0.87x the time of SDPA's bottom-right mask on an
+            H200), for ``return_lse=True`` and wherever "separate" does not apply; "separate"
+            elsewhere (at the benchmark's square causal shapes 1.08-1.48x faster than the
+            fused kernel); and "separate" where the fused kernel cannot run (``D > 256``,
+            ``B * HQ > 65535``). See the README's benchmark.
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.

@@ -340,7 +340,7 @@ AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the 
         "separate",
         id="positions-scale-separate",
     ),  # fmt: skip
-    pytest.param(4, 2, 20, 37, {}, "lower-right", id="prefill"),
+    pytest.param(4, 2, 20, 37, {}, "fused", id="prefill-fused"),
     pytest.param(4, 2, 37, 20, {}, "fused", id="causal-nq-gt-nk-fused"),
     pytest.param(4, 2, 37, 20, {"causal": False}, "separate", id="nomask-nq-gt-nk-separate"),
     pytest.param(2, 1, 37, 37, {"q_positions": True}, "separate", id="q-positions-separate"),
@@ -351,14 +351,9 @@ AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the 
 @pytest.mark.parametrize("HQ, HKV, NQ, NK, opts, path", AUTO_CASES)
 def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opts, path):
     """impl="auto" gives exactly the output and gradients of the path it should take, and the
-    fused kernel's numbers: one function, whatever the dispatch. "lower-right": the separate
-    path where SDPA has a kernel for the bottom-right causal mask (a GPU in half precision),
-    else the fused one (the interpreter, whose SDPA would materialize the mask)."""
+    fused kernel's numbers: one function, whatever the dispatch."""
     q = torch.randn(2, HQ, NQ, 32, device=DEVICE)
     k, v = (torch.randn(2, HKV, NK, 32, device=DEVICE) for _ in range(2))
-    if path == "lower-right":
-        fast = attention_module._sdpa_has_lower_right_kernel(q, k, v)
-        path = "separate" if fast else "fused"
     do = torch.randn_like(q)
     kw = dict(opts)
     if kw.pop("positions", None) == "batch":
@@ -595,20 +590,16 @@ def separate_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("has_kernel", [True, False])
-def test_auto_prefill_follows_sdpa_kernel_check(has_kernel, separate_calls, monkeypatch):
-    """A causal NQ < NK prefill: "auto" runs the separate path exactly when SDPA has a kernel
-    for the bottom-right mask (here stubbed, so both answers are seen on any device), and is
-    right either way."""
-    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: has_kernel)
+def test_auto_prefill_takes_the_fused_kernel(separate_calls):
+    """A causal NQ < NK prefill: "auto" runs the fused kernel (faster than SDPA's bottom-right
+    mask on the GPU) and is right."""
     _check_case(1, 4, 2, 20, 37, 32, dtype=torch.float32, impl="auto")
-    assert len(separate_calls) == (1 if has_kernel else 0)
+    assert not separate_calls
 
 
-def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(separate_calls, monkeypatch):
-    """D > 256, beyond the fused kernel: "auto" runs SDPA with its materialized bottom-right
-    mask rather than raising, even where SDPA has no kernel for that mask."""
-    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
+def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(separate_calls):
+    """D > 256, beyond the fused kernel: "auto" runs SDPA with its bottom-right mask (a
+    materialized one where SDPA has no kernel for it) rather than raising."""
     _check_case(1, 2, 1, 5, 9, 264, dtype=torch.float32, impl="auto")
     assert len(separate_calls) == 1
     with pytest.raises(ValueError, match="head dim must be at most 256"):
@@ -633,31 +624,21 @@ def test_lower_right_gqa_on_the_efficient_kernel_gets_every_head(monkeypatch):
     assert heads and all(h == (4, 4, 4, False) for h in heads), heads
 
 
-def test_sdpa_kernel_check_is_false_under_compile(monkeypatch):
-    """dynamo cannot build SDPA's bottom-right mask object: while compiling, the check says
-    no kernel whatever SDPA has (stubbed as FlashAttention-2's here)."""
-    monkeypatch.setattr(attention_module, "_lower_right_backend", lambda *a: "flash")
-    q, k, v = _qkv(nq=4)
-    check = attention_module._sdpa_has_lower_right_kernel
-    assert check(q, k, v)
-    f = lambda q: q + 1 if check(q, k, v) else q - 1
-    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q), q - 1)
-
-
 PREFILLS = [(8, 2, 300, 1000, 128, {}), (4, 1, 1000, 4096, 64, {"positions": "shared"})]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("HQ, HKV, NQ, NK, D, opts", PREFILLS)
-def test_gpu_prefill_takes_sdpa_lower_right(HQ, HKV, NQ, NK, D, opts, dtype, separate_calls):
+def test_gpu_prefill_both_paths(HQ, HKV, NQ, NK, D, opts, dtype, separate_calls):
     """A prefill that continues a KV cache (causal, NQ < NK) in half precision: "auto" takes the
-    separate path (SDPA's bottom-right kernel) and it passes the flash-attention rule."""
+    fused kernel, and the separate path runs SDPA's bottom-right FlashAttention-2 kernel; both
+    pass the flash-attention rule."""
     q = torch.empty(2, HQ, NQ, D, device=DEVICE, dtype=dtype)
     k = torch.empty(2, HKV, NK, D, device=DEVICE, dtype=dtype)
     assert attention_module._lower_right_backend(q, k, k) == "flash"
     _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="auto", **opts)
-    assert len(separate_calls) == 1, "auto did not take the separate path"
+    assert not separate_calls, "auto did not take the fused kernel"
     _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="separate", layout="interleaved",
                 q_positions=True, **opts)  # fmt: skip
 
@@ -691,7 +672,7 @@ def test_gpu_every_config(index, dtype):
         )
 
 
-def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch):
+def test_torch_compile_fullgraph_traces_the_custom_ops():
     """Fake-tensor and autograd registrations: fullgraph tracing (aot_eager, any device) gives
     the eager gradients, for default and for explicit positions."""
     q, k, v = (torch.randn(1, 4, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
@@ -701,13 +682,11 @@ def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch):
         o, lse = rope_attention(q, k[:, :2], v[:, :2], return_lse=True, layout="interleaved")
         o2 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16, impl="fused")
         o3 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16)  # the RoPE op
-        # a prefill: "auto" takes the fused kernel under compile (no bottom-right SDPA mask)
+        # a prefill: "auto" takes the fused kernel
         o4 = rope_attention(q[:, :, :15], k[:, :2], v[:, :2])
         o = (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum() + o3.square().sum()
         return o + o4.square().sum()
 
-    # the prefill's eager dispatch as under compile (a GPU could take SDPA's kernel for it)
-    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
     eager = torch.autograd.grad(f(q, k, v), (q, k, v))
     traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
     for name, a, b in zip(
