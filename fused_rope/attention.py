@@ -303,7 +303,7 @@ def _check_inputs(
     # that returns the fused kernel's 0 for it.
     separate_applies = not return_lse and (NQ <= NK or not causal)
     fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535  # the grid's second axis: B x HQ
-    if impl == "auto":  # the faster path (README: measured on an H200)
+    if impl == "auto":  # the faster path (README: measured on an H100 and an H200)
         # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel, 0.70-0.88x the
         # time of SDPA's bottom-right mask; elsewhere RoPE then SDPA (cuDNN), 1.10-1.50x
         # faster than the fused kernel.
@@ -378,7 +378,7 @@ def rope_attention(
             causal, ``NQ <= NK``; under ``torch.compile``, which cannot trace SDPA's bottom-right
             mask, it raises for causal ``NQ != NK``. ``"auto"``: the fused kernel for causal
             ``NQ != NK`` (a prefill: 0.70-0.88x the time of SDPA's bottom-right mask on an
-            H200), for ``return_lse=True`` and wherever "separate" does not apply; "separate"
+            H100 and an H200), for ``return_lse=True`` and wherever "separate" does not apply; "separate"
             elsewhere (at the benchmark's square causal shapes 1.10-1.50x faster than the
             fused kernel); and "separate" where the fused kernel cannot run (``D > 256``,
             ``B * HQ > 65535``). See the README's benchmark.
