@@ -170,7 +170,7 @@ def _load_segments(
     return x1, x2, xp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_off", "H", "N"])  # no recompiling per length (_SIZES)
 def _rotate_kernel(
     X,
     OUT,

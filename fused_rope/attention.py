@@ -203,6 +203,41 @@ def _lower_right_backend(q, k, v) -> str:
     return "efficient" if can_use_efficient_attention(params) else "math"
 
 
+def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
+    """Whether PyTorch's SDPA runs bottom-right causal attention on these inputs with a kernel
+    rather than a materialized mask, which the fused kernel avoids. False while
+    ``torch.compile`` traces: dynamo cannot build the mask object in a graph."""
+    if torch.compiler.is_compiling():
+        return False
+    return _lower_right_backend(q, k, v) != "math"
+
+
+# A prefill takes the fused kernel from this many queries on (below, SDPA's decoding kernels,
+# which split the keys, win: 1.6-4.5x at NQ = 1, H100) ...
+PREFILL_MIN_QUERIES = 16
+# ... and when its query tiles (128 rows) times B * HQ give at least this many programs per SM:
+# the fused kernel does not split a program's key sweep, so fewer programs leave SMs idle.
+PREFILL_MIN_PROGRAMS_PER_SM = 0.5
+
+
+def fused_prefill_wins(B: int, HQ: int, NQ: int, sms: int) -> bool:
+    """Whether a causal ``NQ < NK`` prefill (``B`` batches, ``HQ`` query heads) on a GPU of
+    ``sms`` SMs has enough queries and query tiles for the fused kernel to beat SDPA's
+    bottom-right kernel. The rule fits every shape measured in
+    ``experiments/results/prefill_dispatch_h100.md`` except the ties (within 7%)."""
+    programs = -(-NQ // 128) * B * HQ
+    return NQ >= PREFILL_MIN_QUERIES and programs >= PREFILL_MIN_PROGRAMS_PER_SM * sms
+
+
+def _fused_prefill_fills_the_gpu(q: torch.Tensor) -> bool:
+    """``fused_prefill_wins`` for ``q [B, HQ, NQ, D]`` on its GPU; False off CUDA."""
+    if q.device.type != "cuda":
+        return False
+    B, HQ, NQ, _ = q.shape
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return fused_prefill_wins(B, HQ, NQ, sms)
+
+
 def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim):
     """The unfused path: this package's Triton RoPE over q and k, then PyTorch's best SDPA
     backend. Causal with ``NQ < NK`` (a prefill that continues a KV cache) uses SDPA's
@@ -304,15 +339,19 @@ def _check_inputs(
     separate_applies = not return_lse and (NQ <= NK or not causal)
     fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535  # the grid's second axis: B x HQ
     if impl == "auto":  # the faster path (README: measured on an H100 and an H200)
-        # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel, 0.70-0.88x the
-        # time of SDPA's bottom-right mask; elsewhere RoPE then SDPA (cuDNN), 1.10-1.50x
-        # faster than the fused kernel.
+        # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel where it has work
+        # for every SM (0.68-0.82x the separate path's time forward there) or SDPA has no
+        # bottom-right kernel; elsewhere RoPE then SDPA (cuDNN), 1.10-1.50x faster than the
+        # fused kernel on square shapes.
         bottom_right = causal and NQ != NK
+        fused_first = bottom_right and (
+            _fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v)
+        )
         # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
         # which may be a materialized one) beats an error; not under compile, which cannot
         # trace that mask.
         fallback = not fused_fits and not (bottom_right and torch.compiler.is_compiling())
-        impl = "separate" if separate_applies and (not bottom_right or fallback) else "fused"
+        impl = "separate" if separate_applies and (not fused_first or fallback) else "fused"
     if impl == "separate" and separate_applies and causal and NQ != NK:
         if torch.compiler.is_compiling():
             raise ValueError(
@@ -376,12 +415,16 @@ def rope_attention(
             (``fused_rope.rope``) then PyTorch's SDPA, with a bottom-right causal mask
             (``causal_lower_right``) when ``NQ < NK``; needs ``return_lse=False`` and, when
             causal, ``NQ <= NK``; under ``torch.compile``, which cannot trace SDPA's bottom-right
-            mask, it raises for causal ``NQ != NK``. ``"auto"``: the fused kernel for causal
-            ``NQ != NK`` (a prefill: 0.70-0.88x the time of SDPA's bottom-right mask on an
-            H100 and an H200), for ``return_lse=True`` and wherever "separate" does not apply; "separate"
-            elsewhere (at the benchmark's square causal shapes 1.10-1.50x faster than the
-            fused kernel); and "separate" where the fused kernel cannot run (``D > 256``,
-            ``B * HQ > 65535``). See the README's benchmark.
+            mask, it raises for causal ``NQ != NK``. ``"auto"``: for a causal ``NQ < NK``
+            prefill, the fused kernel where ``fused_prefill_wins`` (at least 16 queries and half
+            a program per SM: 0.68-0.82x the separate path's forward time on an H100) or where
+            SDPA has no bottom-right kernel (and always under ``torch.compile``), else
+            "separate" (SDPA's decoding kernels win at a few queries); the fused kernel for
+            ``return_lse=True``
+            and causal ``NQ > NK``; "separate" elsewhere (square causal attention: 1.10-1.50x
+            faster than the fused kernel on an H100 and an H200), and where the fused kernel
+            cannot run (``D > 256``, ``B * HQ > 65535``), except for a prefill under compile,
+            which then raises. See the README's benchmark.
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.

@@ -340,7 +340,7 @@ AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the 
         "separate",
         id="positions-scale-separate",
     ),  # fmt: skip
-    pytest.param(4, 2, 20, 37, {}, "fused", id="prefill-fused"),
+    pytest.param(4, 2, 20, 37, {}, "prefill", id="prefill"),
     pytest.param(4, 2, 37, 20, {}, "fused", id="causal-nq-gt-nk-fused"),
     pytest.param(4, 2, 37, 20, {"causal": False}, "separate", id="nomask-nq-gt-nk-separate"),
     pytest.param(2, 1, 37, 37, {"q_positions": True}, "separate", id="q-positions-separate"),
@@ -351,9 +351,15 @@ AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the 
 @pytest.mark.parametrize("HQ, HKV, NQ, NK, opts, path", AUTO_CASES)
 def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opts, path):
     """impl="auto" gives exactly the output and gradients of the path it should take, and the
-    fused kernel's numbers: one function, whatever the dispatch."""
+    fused kernel's numbers: one function, whatever the dispatch. "prefill": the fused kernel
+    where it fills the GPU or SDPA has no kernel for the bottom-right mask (the interpreter,
+    whose SDPA would materialize the mask), else the separate path."""
     q = torch.randn(2, HQ, NQ, 32, device=DEVICE)
     k, v = (torch.randn(2, HKV, NK, 32, device=DEVICE) for _ in range(2))
+    if path == "prefill":
+        fused = attention_module._fused_prefill_fills_the_gpu(q)
+        fused = fused or not attention_module._sdpa_has_lower_right_kernel(q, k, v)
+        path = "fused" if fused else "separate"
     do = torch.randn_like(q)
     kw = dict(opts)
     if kw.pop("positions", None) == "batch":
@@ -590,16 +596,40 @@ def separate_calls(monkeypatch):
     return calls
 
 
-def test_auto_prefill_takes_the_fused_kernel(separate_calls):
-    """A causal NQ < NK prefill: "auto" runs the fused kernel (faster than SDPA's bottom-right
-    mask on the GPU) and is right."""
+@pytest.mark.parametrize("fills", [True, False])
+@pytest.mark.parametrize("has_kernel", [True, False])
+def test_auto_prefill_dispatch(has_kernel, fills, separate_calls, monkeypatch):
+    """A causal NQ < NK prefill: "auto" runs the separate path exactly when SDPA has a kernel
+    for the bottom-right mask and the fused kernel would not fill the GPU (both stubbed, so
+    every answer is seen on any device), and is right either way."""
+    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: has_kernel)
+    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: fills)
     _check_case(1, 4, 2, 20, 37, 32, dtype=torch.float32, impl="auto")
-    assert not separate_calls
+    assert len(separate_calls) == (1 if has_kernel and not fills else 0)
 
 
-def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(separate_calls):
-    """D > 256, beyond the fused kernel: "auto" runs SDPA with its bottom-right mask (a
-    materialized one where SDPA has no kernel for it) rather than raising."""
+# (B, HQ, NQ, sms) -> fused: the shapes of experiments/results/prefill_dispatch_h100.md where
+# one path was more than 7% faster, on the H100's 132 SMs.
+PREFILL_WINS = [
+    ((1, 32, 1, 132), False),
+    ((1, 32, 128, 132), False),
+    ((1, 32, 512, 132), True),
+    ((8, 32, 1, 132), False),
+    ((8, 32, 16, 132), True),
+    ((4, 8, 256, 132), False),
+    ((4, 8, 512, 132), True),
+]
+
+
+@pytest.mark.parametrize("shape, fused", PREFILL_WINS)
+def test_fused_prefill_wins_matches_the_measured_faster_path(shape, fused):
+    assert attention_module.fused_prefill_wins(*shape) == fused
+
+
+def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(separate_calls, monkeypatch):
+    """D > 256, beyond the fused kernel: "auto" runs SDPA with its bottom-right mask rather
+    than raising, even where SDPA has no kernel for that mask (a materialized one)."""
+    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
     _check_case(1, 2, 1, 5, 9, 264, dtype=torch.float32, impl="auto")
     assert len(separate_calls) == 1
     with pytest.raises(ValueError, match="head dim must be at most 256"):
@@ -624,7 +654,28 @@ def test_lower_right_gqa_on_the_efficient_kernel_gets_every_head(monkeypatch):
     assert heads and all(h == (4, 4, 4, False) for h in heads), heads
 
 
-PREFILLS = [(8, 2, 300, 1000, 128, {}), (4, 1, 1000, 4096, 64, {"positions": "shared"})]
+def test_sdpa_kernel_check_is_false_under_compile(monkeypatch):
+    """dynamo cannot build SDPA's bottom-right mask object: while compiling, the check says
+    no kernel whatever SDPA has (stubbed as FlashAttention-2's here)."""
+    monkeypatch.setattr(attention_module, "_lower_right_backend", lambda *a: "flash")
+    q, k, v = _qkv(nq=4)
+    check = attention_module._sdpa_has_lower_right_kernel
+    assert check(q, k, v)
+    f = lambda q: q + 1 if check(q, k, v) else q - 1
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q), q - 1)
+
+
+def test_auto_prefill_under_compile_beyond_the_fused_kernel_raises(monkeypatch):
+    """Under compile a prefill cannot take SDPA's bottom-right mask, so one the fused kernel
+    cannot run (D > 256) raises the fused kernel's error rather than the separate path's."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match="head dim must be at most 256"):
+        rope_attention(*_qkv(nq=5, nk=9, d=264))
+
+
+# The first does not fill an H100 or H200 (48 programs for 132 SMs: SDPA's kernel), the second
+# does (2 * 32 * 5 = 320 programs: the fused kernel).
+PREFILLS = [(8, 2, 300, 1000, 128, {}), (32, 8, 600, 4096, 64, {"positions": "shared"})]
 
 
 @pytest.mark.gpu
@@ -632,13 +683,15 @@ PREFILLS = [(8, 2, 300, 1000, 128, {}), (4, 1, 1000, 4096, 64, {"positions": "sh
 @pytest.mark.parametrize("HQ, HKV, NQ, NK, D, opts", PREFILLS)
 def test_gpu_prefill_both_paths(HQ, HKV, NQ, NK, D, opts, dtype, separate_calls):
     """A prefill that continues a KV cache (causal, NQ < NK) in half precision: "auto" takes the
-    fused kernel, and the separate path runs SDPA's bottom-right FlashAttention-2 kernel; both
-    pass the flash-attention rule."""
+    path of fused_prefill_wins, and the separate path runs SDPA's bottom-right FlashAttention-2
+    kernel; both pass the flash-attention rule."""
     q = torch.empty(2, HQ, NQ, D, device=DEVICE, dtype=dtype)
     k = torch.empty(2, HKV, NK, D, device=DEVICE, dtype=dtype)
     assert attention_module._lower_right_backend(q, k, k) == "flash"
+    fused = attention_module._fused_prefill_fills_the_gpu(q)
+    assert fused == (NQ == 600), "the case no longer tests the path it was chosen for"
     _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="auto", **opts)
-    assert not separate_calls, "auto did not take the fused kernel"
+    assert len(separate_calls) == (0 if fused else 1), f"auto did not take the {fused=} path"
     _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="separate", layout="interleaved",
                 q_positions=True, **opts)  # fmt: skip
 
@@ -672,7 +725,7 @@ def test_gpu_every_config(index, dtype):
         )
 
 
-def test_torch_compile_fullgraph_traces_the_custom_ops():
+def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch):
     """Fake-tensor and autograd registrations: fullgraph tracing (aot_eager, any device) gives
     the eager gradients, for default and for explicit positions."""
     q, k, v = (torch.randn(1, 4, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
@@ -682,11 +735,13 @@ def test_torch_compile_fullgraph_traces_the_custom_ops():
         o, lse = rope_attention(q, k[:, :2], v[:, :2], return_lse=True, layout="interleaved")
         o2 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16, impl="fused")
         o3 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16)  # the RoPE op
-        # a prefill: "auto" takes the fused kernel
+        # a prefill: "auto" takes the fused kernel under compile (no bottom-right SDPA mask)
         o4 = rope_attention(q[:, :, :15], k[:, :2], v[:, :2])
         o = (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum() + o3.square().sum()
         return o + o4.square().sum()
 
+    # the prefill's eager dispatch as under compile (a GPU could take SDPA's kernel for it)
+    monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
     eager = torch.autograd.grad(f(q, k, v), (q, k, v))
     traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
     for name, a, b in zip(
