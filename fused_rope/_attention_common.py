@@ -1,16 +1,17 @@
 """Shared pieces of the fused RoPE attention kernels (``attention_forward.py``,
 ``attention_backward.py``): autotune config lists, the cos/sin tables and the kernel that
-builds them, the Triton helpers that load and rotate tiles and form the scores, and the
-launchers' argument helpers.
+builds them, the pass that rotates K (and, for the backward, Q) once a call, the Triton
+helpers that load and rotate tiles and form the scores, and the launchers' argument helpers.
 
-The kernels never write rotated Q or K to memory. Each program rotates its Q tile once
-and each K tile as it is loaded, with cos/sin loaded from tables of ``positions * inv_freq``
-that the launcher builds once a call (``_rope_tables``: ``[N, R/2]`` or ``[B, N, R/2]``,
-fp32, or fp16 for bf16 inputs; for the default positions a few MB that stay in L2). Loading them is cheaper than
-forming them: forming a key tile's sin/cos, even by the angle addition from a per-program
-table, cost about as much CUDA-core work as rotating the tile, and the loops rotate every
-key tile again for every query tile (1.1-2x faster with the tables: ``fused_rope/README.md``,
-"Measured"). The head dim is handled as three segments: the two
+The loops would rotate each key tile again for every query tile (and each query tile for
+every key tile in the dK/dV pass), so the launchers rotate k (forward) and q, k (backward)
+once a call into scratch buffers (``_rotated_segments``, ``_rotate_kernel``) that the loops
+only load (``_load_segments``): 1.3-1.6x faster than rotating in the loops
+(``fused_rope/README.md``, "Measured"). The forward rotates its own Q tile once a program,
+and the backward's dQ and dK leave rotated by ``-theta``. cos/sin come from tables of
+``positions * inv_freq`` that the launcher builds once a call (``_rope_tables``: ``[N, R/2]``
+or ``[B, N, R/2]``, fp32, or fp16 for bf16 inputs; for the default positions a few MB that
+stay in L2). The head dim is handled as three segments: the two
 rotated halves ``x1``, ``x2`` (``R/2`` channels each; for the interleaved layout they are
 the even and odd channels, de-interleaved on load and re-interleaved on store) and the
 pass-through channels ``R..D``. ``QK^T`` is the sum of one dot per segment, which is what
@@ -28,8 +29,8 @@ iff ``j <= i + NK - NQ`` (by index, whatever the positions). A query that sees n
 (possible when ``NQ > NK``) gets ``o = 0``, ``lse = -inf`` and zero gradients.
 
 Tried and not kept: V read through a TMA descriptor (forward, H200: 1-4% slower at 2K to
-16K tokens). Not tried: warp specialization, and packing the heads of a GQA group into one
-forward program so that a K tile is rotated once for the group.
+16K tokens). Triton 3.6's Hopper warp specialization aborts on the forward's key loop
+(``fused_rope/README.md``).
 """
 
 from __future__ import annotations

@@ -340,7 +340,7 @@ def _check_inputs(
     fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535  # the grid's second axis: B x HQ
     if impl == "auto":  # the faster path (README: measured on an H100 and an H200)
         # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel where it has work
-        # for every SM (0.68-0.82x the separate path's time forward there) or SDPA has no
+        # for every SM (0.65-0.81x the separate path's time forward there) or SDPA has no
         # bottom-right kernel; elsewhere RoPE then SDPA (cuDNN), 1.10-1.50x faster than the
         # fused kernel on square shapes.
         bottom_right = causal and NQ != NK
@@ -417,7 +417,7 @@ def rope_attention(
             causal, ``NQ <= NK``; under ``torch.compile``, which cannot trace SDPA's bottom-right
             mask, it raises for causal ``NQ != NK``. ``"auto"``: for a causal ``NQ < NK``
             prefill, the fused kernel where ``fused_prefill_wins`` (at least 16 queries and half
-            a program per SM: 0.68-0.82x the separate path's forward time on an H100) or where
+            a program per SM: 0.65-0.81x the separate path's forward time on an H100) or where
             SDPA has no bottom-right kernel (and always under ``torch.compile``), else
             "separate" (SDPA's decoding kernels win at a few queries); the fused kernel for
             ``return_lse=True``

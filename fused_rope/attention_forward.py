@@ -1,5 +1,6 @@
-"""The fused RoPE attention forward: FlashAttention-2 with q rotated once per query tile and k
-per key tile in registers (``_attention_common.py`` has the design and the shared helpers).
+"""The fused RoPE attention forward: FlashAttention-2 with q rotated once per query tile in
+registers and k rotated once per call by a small pass (``_attention_common.py`` has the design
+and the shared helpers).
 """
 
 from __future__ import annotations
