@@ -22,7 +22,7 @@ import torch
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from experiments.results_io import environment, markdown_table  # noqa: E402
+from experiments.results_io import environment, markdown_table, print_report  # noqa: E402
 from experiments.timing import input_sets, time_ms  # noqa: E402
 from fused_rope.attention import fused_prefill_wins, rope_attention  # noqa: E402
 
@@ -89,10 +89,7 @@ def main() -> None:
         "`fused_prefill_wins`. Written by `experiments/prefill_dispatch.py`.\n\n"
         + markdown_table(rows, list(rows[0]))
     )
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    print_report(text, args.out)
 
 
 if __name__ == "__main__":

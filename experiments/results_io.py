@@ -99,3 +99,11 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines) + "\n"
+
+
+def print_report(text: str, out: Path | None) -> None:
+    """Prints a markdown report and, where ``out`` is given, writes it there too."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)

@@ -25,7 +25,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from experiments.bench_rope_attention import DTYPES, SHAPES  # noqa: E402
-from experiments.results_io import environment, markdown_table  # noqa: E402
+from experiments.results_io import environment, markdown_table, print_report  # noqa: E402
 from experiments.timing import input_sets, time_ms  # noqa: E402
 
 BACKENDS = {
@@ -116,10 +116,7 @@ def main() -> None:
         "time (CUDA graph). Written by `experiments/sdpa_backends.py`.\n\n"
         + markdown_table(rows, columns)
     )
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    print_report(text, args.out)
 
 
 if __name__ == "__main__":
