@@ -36,6 +36,10 @@ from fused_rope.frequencies import default_inv_freq, rope_angles
 
 MAX_HEAD_DIM = 256
 IMPLS = ("auto", "fused", "separate")
+# The fused kernels add batch and head offsets in int64 but index within one (batch, head) in
+# int32 (fewer registers in the loops): a tensor whose rows of one head span this many elements
+# or more (a long sequence seen through a transpose of [B, N, H, D]) cannot run there.
+INDEX_LIMIT = 2**31
 
 # Each autotuned kernel with its full config list (pinned_config narrows the kernel's own).
 _AUTOTUNED = (
@@ -143,6 +147,8 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse, inv_freq, q_pos, k_pos = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
+    elif _head_span(do) >= INDEX_LIMIT:  # o is contiguous, so its cotangent can be too
+        do = do.contiguous()
     if dlse is None:
         dlse = torch.zeros_like(lse)
     dq, dk, dv = _bwd_op(do, dlse, q, k, v, o, lse, inv_freq, q_pos, k_pos, *ctx.args)
@@ -201,6 +207,12 @@ def _lower_right_backend(q, k, v) -> str:
     if can_use_flash_attention(params):
         return "flash"
     return "efficient" if can_use_efficient_attention(params) else "math"
+
+
+def _head_span(x: torch.Tensor) -> int:
+    """Elements between the first and last of one (batch, head) of ``x [B, H, N, D]``, plus 1."""
+    _, _, N, D = x.shape
+    return 1 + max(N - 1, 0) * x.stride(2) + max(D - 1, 0) * x.stride(3)
 
 
 def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
@@ -337,7 +349,10 @@ def _check_inputs(
     # SDPA returns no lse, and a causal query that sees no key (NQ > NK) has no SDPA kernel
     # that returns the fused kernel's 0 for it.
     separate_applies = not return_lse and (NQ <= NK or not causal)
-    fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535  # the grid's second axis: B x HQ
+    spans = {name: _head_span(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    widest = max(spans, key=spans.get)
+    # the grid's second axis is B x HQ
+    fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535 and spans[widest] < INDEX_LIMIT
     if impl == "auto":  # the faster path (README: measured on an H100 and an H200)
         # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel where it has work
         # for every SM (0.65-0.81x the separate path's time forward there) or SDPA has no
@@ -367,6 +382,13 @@ def _check_inputs(
     if impl == "fused" and not fused_fits:
         if D > MAX_HEAD_DIM:
             raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {D}")
+        if spans[widest] >= INDEX_LIMIT:
+            x = {"q": q, "k": k, "v": v}[widest]
+            raise ValueError(
+                f"{widest} spans {spans[widest]} elements within one (batch, head) (shape "
+                f"{tuple(x.shape)}, strides {tuple(x.stride())}), past the fused kernels' int32 "
+                f"indexing ({INDEX_LIMIT}): make it contiguous, or use impl='separate'"
+            )
         raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
     check_kernel_device(device, "q")
     return rope_dim, impl
@@ -423,7 +445,8 @@ def rope_attention(
             ``return_lse=True``
             and causal ``NQ > NK``; "separate" elsewhere (square causal attention: 1.10-1.50x
             faster than the fused kernel on an H100 and an H200), and where the fused kernel
-            cannot run (``D > 256``, ``B * HQ > 65535``), except for a prefill under compile,
+            cannot run (``D > 256``, ``B * HQ > 65535``, a head of q, k or v spanning
+            ``2**31`` elements or more), except for a prefill under compile,
             which then raises. See the README's benchmark.
 
     Returns:

@@ -636,6 +636,45 @@ def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(separate_calls, mon
         rope_attention(*_qkv(nq=5, nk=9, d=264), impl="fused")
 
 
+def test_a_head_past_int32_indexing_is_refused_by_fused_and_auto_takes_sdpa(
+    separate_calls, monkeypatch
+):
+    """The fused kernels index within one (batch, head) in int32: a q seen through a transpose
+    whose head spans INDEX_LIMIT elements (lowered here, so a small tensor reaches it) is
+    refused by "fused", and a prefill that "auto" would give the fused kernel (stubbed) runs
+    the separate path instead."""
+    monkeypatch.setattr(attention_module, "INDEX_LIMIT", 2000)
+    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: True)
+    q = torch.randn(1, 20, 4, 32, device=DEVICE).transpose(1, 2)  # head span 19 * 128 + 32
+    _, k, v = _qkv(nq=20, nk=37)  # head span 37 * 32
+    with pytest.raises(ValueError, match="q spans 2464 elements.*int32 indexing"):
+        rope_attention(q, k, v, impl="fused")
+    out = rope_attention(q, k, v)
+    assert len(separate_calls) == 1
+    assert torch.equal(out, rope_attention(q, k, v, impl="separate"))
+
+
+def test_a_cotangent_past_int32_indexing_is_made_contiguous(monkeypatch):
+    """do comes from whatever follows the attention: one whose head spans INDEX_LIMIT elements
+    reaches the fused backward contiguous, and the gradients are those of a contiguous do."""
+    monkeypatch.setattr(attention_module, "INDEX_LIMIT", 2000)  # q, k, v span 37 * 32 = 1184
+    seen, real = [], attention_module.rope_attention_bwd
+
+    def spy(do, *args):
+        seen.append(do.is_contiguous())
+        return real(do, *args)
+
+    monkeypatch.setattr(attention_module, "rope_attention_bwd", spy)
+    q, k, v = (x.requires_grad_() for x in _qkv(nq=37, nk=37))
+    do = torch.randn(1, 37, 4, 32, device=DEVICE).transpose(1, 2)  # head span 4640
+    grads = torch.autograd.grad(rope_attention(q, k, v, impl="fused"), (q, k, v), do)
+    o = rope_attention(q, k, v, impl="fused")
+    expected = torch.autograd.grad(o, (q, k, v), do.contiguous())
+    assert seen == [True, True]
+    for a, b in zip(grads, expected, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_lower_right_gqa_on_the_efficient_kernel_gets_every_head(monkeypatch):
     """causal_lower_right passes k and v to SDPA's memory-efficient kernel without expanding
     GQA heads; where that kernel is the one (stubbed here), the separate path repeats them, and
