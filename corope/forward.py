@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from fused_rope._trig import cos_sin
+from fused_rope._validation import INT32_INDEX_LIMIT, element_span
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -346,14 +347,11 @@ def check_index_span(G: int, queries: dict, keys: dict) -> None:
     ``[B, HKV, N, D]`` one a single head, and the launchers' own contiguous buffers at most
     ``product_heads(G) * N * D`` elements (N padded to 8; the forward's query copy pads the
     group's heads). ``queries``, ``keys``: name -> tensor."""
-    limit = 2**31
     for heads, tensors in ((G, queries), (1, keys)):
         for name, x in tensors.items():
             _, _, N, D = x.shape
-            span = 1 + sum(
-                (n - 1) * st for n, st in zip((heads, N, D), x.stride()[1:], strict=True)
-            )
-            if span >= limit:
+            span = element_span((heads, N, D), x.stride()[1:])
+            if span >= INT32_INDEX_LIMIT:
                 raise ValueError(
                     f"{name} spans {span} elements within one KV group (heads {heads}, N={N}, "
                     f"D={D}, strides {tuple(x.stride())}), past the kernels' int32 indexing "
@@ -361,7 +359,7 @@ def check_index_span(G: int, queries: dict, keys: dict) -> None:
                 )
     _, _, N, D = next(iter(queries.values())).shape
     heads = product_heads(G)
-    if heads * triton.cdiv(N, 8) * 8 * D >= limit:
+    if heads * triton.cdiv(N, 8) * 8 * D >= INT32_INDEX_LIMIT:
         padded = f" (G padded from {G})" if heads != G else ""
         raise ValueError(
             f"a KV group's G * N * D = {heads} * {N} * {D} elements{padded} pass the kernels' "

@@ -12,6 +12,16 @@ import torch
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("half", "interleaved")
+# The attention kernels add batch and head offsets in int64 but index within a head (fused RoPE
+# attention) or a KV group (Co-RoPE) in int32 (fewer registers in the loops): a block they
+# index that way must span fewer elements than this.
+INT32_INDEX_LIMIT = 2**31
+
+
+def element_span(sizes, strides) -> int:
+    """1 + the offset, in elements, from the first to the last element of a block of ``sizes``
+    with ``strides``: what int32 indexing within the block must hold."""
+    return 1 + sum(max(n - 1, 0) * st for n, st in zip(sizes, strides, strict=True))
 
 
 def check_float_tensor(

@@ -16,6 +16,7 @@ import math
 import torch
 
 from fused_rope._validation import (
+    INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
     check_float_tensor,
     check_inv_freq,
@@ -23,6 +24,7 @@ from fused_rope._validation import (
     check_layout,
     check_rope_dim,
     check_same_device,
+    element_span,
 )
 from fused_rope.attention_backward import (
     _DKDV_CONFIGS,
@@ -36,10 +38,6 @@ from fused_rope.frequencies import default_inv_freq, rope_angles
 
 MAX_HEAD_DIM = 256
 IMPLS = ("auto", "fused", "separate")
-# The fused kernels add batch and head offsets in int64 but index within one (batch, head) in
-# int32 (fewer registers in the loops): a tensor whose rows of one head span this many elements
-# or more (a long sequence seen through a transpose of [B, N, H, D]) cannot run there.
-INDEX_LIMIT = 2**31
 
 # Each autotuned kernel with its full config list (pinned_config narrows the kernel's own).
 _AUTOTUNED = (
@@ -147,7 +145,7 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse, inv_freq, q_pos, k_pos = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    elif _head_span(do) >= INDEX_LIMIT:  # o is contiguous, so its cotangent can be too
+    elif _head_span(do) >= INT32_INDEX_LIMIT:  # o is contiguous, so its cotangent can be too
         do = do.contiguous()
     if dlse is None:
         dlse = torch.zeros_like(lse)
@@ -210,9 +208,10 @@ def _lower_right_backend(q, k, v) -> str:
 
 
 def _head_span(x: torch.Tensor) -> int:
-    """Elements between the first and last of one (batch, head) of ``x [B, H, N, D]``, plus 1."""
-    _, _, N, D = x.shape
-    return 1 + max(N - 1, 0) * x.stride(2) + max(D - 1, 0) * x.stride(3)
+    """``element_span`` of one (batch, head) of ``x [B, H, N, D]``: the fused kernels index
+    within it in int32, so a head seen through a transpose of a long ``[B, N, H, D]`` buffer can
+    be past ``INT32_INDEX_LIMIT``."""
+    return element_span(x.shape[2:], x.stride()[2:])
 
 
 def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
@@ -352,7 +351,7 @@ def _check_inputs(
     spans = {name: _head_span(x) for name, x in (("q", q), ("k", k), ("v", v))}
     widest = max(spans, key=spans.get)
     # the grid's second axis is B x HQ
-    fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535 and spans[widest] < INDEX_LIMIT
+    fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535 and spans[widest] < INT32_INDEX_LIMIT
     if impl == "auto":  # the faster path (README: measured on an H100 and an H200)
         # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel where it has work
         # for every SM (0.65-0.81x the separate path's time forward there) or SDPA has no
@@ -382,12 +381,12 @@ def _check_inputs(
     if impl == "fused" and not fused_fits:
         if D > MAX_HEAD_DIM:
             raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {D}")
-        if spans[widest] >= INDEX_LIMIT:
+        if spans[widest] >= INT32_INDEX_LIMIT:
             x = {"q": q, "k": k, "v": v}[widest]
             raise ValueError(
                 f"{widest} spans {spans[widest]} elements within one (batch, head) (shape "
                 f"{tuple(x.shape)}, strides {tuple(x.stride())}), past the fused kernels' int32 "
-                f"indexing ({INDEX_LIMIT}): make it contiguous, or use impl='separate'"
+                f"indexing ({INT32_INDEX_LIMIT}): make it contiguous, or use impl='separate'"
             )
         raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
     check_kernel_device(device, "q")

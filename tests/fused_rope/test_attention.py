@@ -640,10 +640,10 @@ def test_a_head_past_int32_indexing_is_refused_by_fused_and_auto_takes_sdpa(
     separate_calls, monkeypatch
 ):
     """The fused kernels index within one (batch, head) in int32: a q seen through a transpose
-    whose head spans INDEX_LIMIT elements (lowered here, so a small tensor reaches it) is
+    whose head spans INT32_INDEX_LIMIT elements (lowered here, so a small tensor reaches it) is
     refused by "fused", and a prefill that "auto" would give the fused kernel (stubbed) runs
     the separate path instead."""
-    monkeypatch.setattr(attention_module, "INDEX_LIMIT", 2000)
+    monkeypatch.setattr(attention_module, "INT32_INDEX_LIMIT", 2000)
     monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: True)
     q = torch.randn(1, 20, 4, 32, device=DEVICE).transpose(1, 2)  # head span 19 * 128 + 32
     _, k, v = _qkv(nq=20, nk=37)  # head span 37 * 32
@@ -655,9 +655,9 @@ def test_a_head_past_int32_indexing_is_refused_by_fused_and_auto_takes_sdpa(
 
 
 def test_a_cotangent_past_int32_indexing_is_made_contiguous(monkeypatch):
-    """do comes from whatever follows the attention: one whose head spans INDEX_LIMIT elements
+    """do comes from whatever follows the attention: one whose head spans INT32_INDEX_LIMIT elements
     reaches the fused backward contiguous, and the gradients are those of a contiguous do."""
-    monkeypatch.setattr(attention_module, "INDEX_LIMIT", 2000)  # q, k, v span 37 * 32 = 1184
+    monkeypatch.setattr(attention_module, "INT32_INDEX_LIMIT", 2000)  # q, k, v span 37 * 32 = 1184
     seen, real = [], attention_module.rope_attention_bwd
 
     def spy(do, *args):
