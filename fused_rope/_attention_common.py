@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_rope._trig import cos_sin_of_angle
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
@@ -380,9 +382,10 @@ def _rope_table_kernel(
         pos = (offs + first).to(tl.float32)
     cols = tl.arange(0, HALF)
     angle = pos[:, None] * tl.load(INV_FREQ + cols, mask=cols < half_rope, other=0.0)[None, :]
+    cos, sin = cos_sin_of_angle(angle, False)  # accurate: a table serves every tile
     out = (b * rows + offs)[:, None] * HALF + cols[None, :]
-    tl.store(COS + out, tl.cos(angle).to(COS.dtype.element_ty), mask=mask[:, None])
-    tl.store(SIN + out, tl.sin(angle).to(SIN.dtype.element_ty), mask=mask[:, None])
+    tl.store(COS + out, cos.to(COS.dtype.element_ty), mask=mask[:, None])
+    tl.store(SIN + out, sin.to(SIN.dtype.element_ty), mask=mask[:, None])
 
 
 def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: torch.dtype) -> tuple:
