@@ -794,18 +794,28 @@ def corope_bwd(
     inv_freq = inv_freq.contiguous()
     half = R // 2
     f32 = dict(dtype=torch.float32, device=device)
+
+    def accumulator(heads: int) -> torch.Tensor:
+        """``[B, heads, N, D]`` fp32, stored positions-fastest (``[B, heads, D, N]`` in memory).
+        The sweep adds to dq and dk once a frequency, one channel of many rows or keys at a
+        time: with the positions contiguous a warp's add is a few 16-byte vector adds into
+        whole sectors (when N is a multiple of 4), where the row-major layout sent each of
+        its 32 elements to a cache line of its own (sm_90, G = 4, D = 128: 24 sector
+        writes a warp and frequency instead of 192, offline)."""
+        return torch.empty(B, heads, D, N, **f32).transpose(-1, -2)
+
     # Accumulated with atomic adds, so zeroed, by each attempt of the sweep: a launch that does
     # not fit fails before it writes, but a later slice's failure (a fallback) comes after the
     # earlier slices' adds. Every other output is fully written.
-    dq = torch.empty(B, HQ, N, D, **f32)
-    dk = torch.empty(B, HKV, N, D, **f32)
-    dv = torch.empty(B, HKV, N, D, **f32)
+    dq = accumulator(HQ)
+    dk = accumulator(HKV)
+    dv = accumulator(HKV)
     accumulators = [dq, dk, dv]
     # The leader rows' gate gradient dqL: its -Sg part added per key tile during the sweep,
     # its Gtot part after it (unused without the mileage).
     dql = dv
     if not detach_mileage:
-        dql = torch.empty(B, HKV, N, D, **f32)
+        dql = accumulator(HKV)
         accumulators.append(dql)
     dk_g = dk_t = dk
     if deterministic:
@@ -895,4 +905,6 @@ def corope_bwd(
             dq[:, ::G] += dql
         else:
             dq.unflatten(1, (HKV, G)).add_(dql.unsqueeze(2) / G)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return tuple(
+        t.to(x.dtype, memory_format=torch.contiguous_format) for t, x in ((dq, q), (dk, k), (dv, v))
+    )
