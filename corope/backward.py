@@ -30,7 +30,8 @@ every head of them. So a pair's sin/cos is computed once for the group, the head
 are in-thread, and dq's sum over the keys is in-thread up to 2 shuffle levels; only
 dk's sum over the queries crosses lanes (and, in the narrow tiles and the deterministic
 mode, warps: the 64-row tiles add one partial a warp). dq and dk are added per frequency
-with fp32 atomics, both halves of a rotary pair in one add.
+with fp32 atomics, both halves of a rotary pair in one add, into buffers stored
+positions-fastest so that those adds are vector adds into whole sectors.
 
 The descending sweep has ``sum_{j >= t} g[i, j]`` over its own keys at hand (a running
 suffix ``Sg``), not the prefix the mileage path needs. With ``T_s[i]`` the sum of ``g[i, j]``
