@@ -909,6 +909,9 @@ def corope_bwd(
             dq[:, ::G] += dql
         else:
             dq.unflatten(1, (HKV, G)).add_(dql.unsqueeze(2) / G)
+    # Row-major copies in the inputs' dtype (one pass each; `.to` would keep the accumulators'
+    # strides, and return them as they are for fp32 inputs).
     return tuple(
-        t.to(x.dtype, memory_format=torch.contiguous_format) for t, x in ((dq, q), (dk, k), (dv, v))
+        torch.empty(x.shape, dtype=x.dtype, device=device).copy_(t)
+        for t, x in ((dq, q), (dk, k), (dv, v))
     )

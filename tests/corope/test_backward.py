@@ -55,6 +55,9 @@ def _check(B, HQ, HKV, N, D, rope_dim=None, leader="first", detach_mileage=False
         ("dq", "dk", "dv"), grads, truth[2:], baseline, (q, k, v), strict=True
     ):
         assert out.dtype == like.dtype and out.shape == like.shape, name
+        # row-major, whatever layout the kernel accumulated in (what autograd and the
+        # custom op's fake implementation promise)
+        assert out.is_contiguous(), f"{name} strides {out.stride()}"
         if ref.abs().max() == 0:
             # N = 1: one key, P = 1, dS = 0, so dq = dk = 0 exactly; the kernel's dP - Drow
             # is a difference of two fp32 dot products and leaves rounding residue.
