@@ -130,7 +130,7 @@ def _corope_fwd_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_cqb, stride_cqh,  # QC: [B, HKV, N_PAD, R_PAD, HP] contiguous, q's dtype
+    stride_cqb, stride_cqh,  # QC: [B, HKV, N_PAD, HP, R_PAD] contiguous, q's dtype
     stride_ckb, stride_ckh,  # KC: [B, HKV, N_PAD, R_PAD] contiguous, fp32
     stride_ab,  # ANG: [B * HKV, N_ROWS * HALF_PAD] contiguous
     stride_ob, stride_oh, stride_on, stride_od,
@@ -189,11 +189,13 @@ def _corope_fwd_kernel(
     offs_c = tl.arange(0, DC)
     offs_k2 = tl.arange(0, 2 * DC)
     # QC rows of this program, [BLOCK_M, 2 * DC, HP] at chunk 0: (q1, q2) of a frequency
-    # side by side along the product's K axis, the heads last.
+    # side by side along the product's K axis, which is contiguous in memory (a head's
+    # channels), so the load reaches the product's operand layout without a second trip
+    # through shared memory (heads contiguous instead: 16-bit stores and loads a chunk).
     qc_ptrs = (
         QC + b * stride_cqb + g * stride_cqh
-        + (offs_i[:, None, None] * R_PAD + offs_k2[None, :, None]) * HP
-        + offs_hp[None, None, :]
+        + (offs_i[:, None, None] * HP + offs_hp[None, None, :]) * R_PAD
+        + offs_k2[None, :, None]
     )  # fmt: skip
     qc_ok = (offs_i < N)[:, None, None]
 
@@ -270,7 +272,7 @@ def _corope_fwd_kernel(
             kr1 = k1[None, :, :] * cos_p + k2[None, :, :] * sin_p
             kr2 = k2[None, :, :] * cos_p - k1[None, :, :] * sin_p
             kr = tl.reshape(tl.join(kr1, kr2), [BLOCK_M, BLOCK_N, 2 * DC]).to(QC.dtype.element_ty)
-            qc = tl.load(qc_ptrs + c * 2 * DC * HP, mask=qc_ok, other=0.0)
+            qc = tl.load(qc_ptrs + c * 2 * DC, mask=qc_ok, other=0.0)
             s3 = tl.dot(kr, qc, s3, input_precision=DOT_PRECISION)
         # [COLS, BLOCK_N]: the head blocks past G_PAD are zeros, so their sum is exact.
         s = tl.sum(tl.reshape(tl.permute(s3, (2, 0, 1)), [HP // G_PAD, COLS, BLOCK_N]), axis=0)
@@ -319,10 +321,10 @@ def pinned_config(index: int):
 def interleaved_pairs(
     x: torch.Tensor, rope_dim: int, n_pad: int, r_pad: int, g_pad: int, dtype=None
 ) -> torch.Tensor:
-    """The rotary channels of ``x`` ``[B, HKV, G, N, D]`` as ``[B, HKV, n_pad, r_pad, g_pad]``
+    """The rotary channels of ``x`` ``[B, HKV, G, N, D]`` as ``[B, HKV, n_pad, g_pad, r_pad]``
     (``[B, HKV, n_pad, r_pad]`` when ``g_pad`` is 1), in ``dtype`` (default x's), zero-padded:
     channel ``2 d + h`` holds ``x[..., h * R/2 + d]``, so a frequency's pair is adjacent along
-    the forward's tensor-core K axis, and the heads of a group are the last axis."""
+    the forward's tensor-core K axis, which is the contiguous one."""
     B, HKV, G, N, D = x.shape
     if rope_dim % 2 or not 0 < rope_dim <= D:
         raise ValueError(f"rope_dim must be even and in (0, {D}], got {rope_dim}")
@@ -334,10 +336,10 @@ def interleaved_pairs(
         if value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     half = rope_dim // 2
-    out = torch.zeros(B, HKV, n_pad, r_pad, g_pad, device=x.device, dtype=dtype or x.dtype)
+    out = torch.zeros(B, HKV, n_pad, g_pad, r_pad, device=x.device, dtype=dtype or x.dtype)
     pairs = x[..., :rope_dim].unflatten(-1, (2, half)).transpose(-1, -2).flatten(-2)
-    out[:, :, :N, :rope_dim, :G] = pairs.permute(0, 1, 3, 4, 2)
-    return out.squeeze(-1) if g_pad == 1 else out
+    out[:, :, :N, :G, :rope_dim] = pairs.transpose(2, 3)
+    return out.squeeze(3) if g_pad == 1 else out
 
 
 def check_index_span(G: int, queries: dict, keys: dict) -> None:

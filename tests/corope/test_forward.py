@@ -344,19 +344,19 @@ def test_launcher_refuses_inv_freq_of_the_wrong_length():
 
 
 def test_interleaved_pairs_layout():
-    """The forward's operand copies: channel 2 d + h holds x[..., h R/2 + d], heads last, and
-    the padding (positions, channels, heads) is zero, which the kernel's chunks rely on."""
+    """The forward's operand copies: channel 2 d + h holds x[..., h R/2 + d], channels last, and
+    the padding (positions, heads, channels) is zero, which the kernel's chunks rely on."""
     x = torch.randn(2, 3, 2, 5, 8, dtype=torch.bfloat16)  # [B, HKV, G, N, D]
     out = forward.interleaved_pairs(x, 6, 8, 16, 4)
     assert out.dtype == torch.bfloat16
-    assert out.shape == (2, 3, 8, 16, 4)
+    assert out.shape == (2, 3, 8, 4, 16)
     for d in range(3):
         for h in range(2):
-            assert torch.equal(out[:, :, :5, 2 * d + h, :2], x[..., h * 3 + d].permute(0, 1, 3, 2))
-    assert not out[:, :, 5:].any() and not out[:, :, :, 6:].any() and not out[..., 2:].any()
+            assert torch.equal(out[:, :, :5, :2, 2 * d + h], x[..., h * 3 + d].permute(0, 1, 3, 2))
+    assert not out[:, :, 5:].any() and not out[:, :, :, 2:].any() and not out[..., 6:].any()
     k = forward.interleaved_pairs(x[:, :, :1], 6, 8, 16, 1, torch.float32)
     assert k.shape == (2, 3, 8, 16) and k.dtype == torch.float32
-    assert torch.equal(k[:, :, :5, :6], out[:, :, :5, :6, 0].float())
+    assert torch.equal(k[:, :, :5, :6], out[:, :, :5, 0, :6].float())
     with pytest.raises(ValueError, match="rope_dim must be even and in"):
         forward.interleaved_pairs(x, 5, 8, 16, 4)
     for args, name in (((4, 16, 4), "n_pad must be at least 5"),
