@@ -350,7 +350,7 @@ def _corope_bwd_kernel(
         # that many frequencies ahead, less one (cp.async), as in the forward. Two
         # frequencies an iteration, so that one's sin/cos issue while the other's wait on
         # their loads (H200: -3% backward time at (1, 32/8, 128) N = 16K, -8% at (1, 8/2,
-        # 64) 4K; the second loop unrolled, or pipelined, lost 9-10%).
+        # 64) 4K; the second loop unrolled, or pipelined, lost 4-10%).
         for d in tl.range(HALF, num_stages=PASS1_STAGES, loop_unroll_factor=2):
             _w, q1, q2, _cs, _sn, kr1, kr2 = _frequency(
                 QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry_z, local, two_pi, inv_two_pi,
@@ -803,7 +803,8 @@ def corope_bwd(
         """``[B, heads, N, D]`` fp32, stored positions-fastest (``[B, heads, D, N]`` in memory).
         The sweep adds to dq and dk once a frequency, one channel of many rows or keys at a
         time: with the positions contiguous a warp's add is a few 16-byte vector adds into
-        whole sectors (when N is a multiple of 4), where the row-major layout sent each of
+        whole sectors (when N is a multiple of 16, which the launcher specialises on; else
+        scalar adds into the same sectors), where the row-major layout sent each of
         its 32 elements to a cache line of its own (sm_90, G = 4, D = 128: 24 sector
         writes a warp and frequency instead of 192, offline)."""
         return torch.empty(B, heads, D, N, **f32).transpose(-1, -2)
@@ -825,7 +826,7 @@ def corope_bwd(
     if deterministic:
         # One buffer per kind of add, so that each element gets one add per (query
         # tile, key tile) and per buffer, in query-tile order; summed in a fixed order.
-        dk_g, dk_t = torch.empty_like(dk), torch.empty_like(dk)
+        dk_g, dk_t = accumulator(HKV), accumulator(HKV)
         accumulators += [dk_g, dk_t]
     # The rotary pairs (x1, x2) of q and k side by side in fp32, [B, H, R/2, N] int64 views:
     # the frequency loops load a pair with one 8-byte load and convert nothing (their

@@ -85,7 +85,7 @@ def main() -> None:
     text = (
         f"# Prefills: the fused kernel against the separate path\n\n{env['gpu']} ({sms} SMs), "
         f"torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, {env['date']}; "
-        "fp16, causal, NQ < NK; ms: median GPU time (CUDA graph). \"auto takes\": "
+        'fp16, causal, NQ < NK; ms: median GPU time (CUDA graph). "auto takes": '
         "`fused_prefill_wins`. Written by `experiments/prefill_dispatch.py`.\n\n"
         + markdown_table(rows, list(rows[0]))
     )

@@ -50,11 +50,15 @@ POINTERS = {
 FLOATS = {"gate_scale", "qk_scale", "softmax_scale"}
 # Strides that are 1 in a launch (Triton's launcher turns an int argument equal to 1 into the
 # constant 1; leaving that out makes ptxas report spills that a real launch does not have).
-# stride_lock is 1 outside the deterministic mode (one counter a group).
+# stride_lock is 1 outside the deterministic mode (one counter a group). The backward's fp32
+# accumulators are stored positions-fastest, so their unit strides are along N.
 UNIT_STRIDES = {
     "stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_ln",
-    "stride_qld", "stride_dqd", "stride_dkd", "stride_lock",
+    "stride_qld", "stride_dqn", "stride_dkn", "stride_lock",
 }  # fmt: skip
+# Integer arguments compiled as multiples of 16, as a launch at every benchmark shape has them
+# (Triton's launcher specialises on it; the backward's vector atomic adds depend on N's).
+DIVISIBLE_INTS = {"N", "N_BUCKET"}
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # (G, D, R) shapes
 SHAPES = [(4, 64, 64), (4, 128, 128), (1, 128, 128), (2, 128, 128), (8, 128, 128),
@@ -80,7 +84,7 @@ def compile_sm90(fn, consts: dict, warps: int, stages: int, leader: str = "first
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-            if name.startswith("stride") or name == "N_BUCKET":
+            if name.startswith("stride") or name in DIVISIBLE_INTS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(
         ASTSource(fn, sig, consts, attrs),

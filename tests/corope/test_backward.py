@@ -393,8 +393,10 @@ GPU_CASES = [
     pytest.param(1, 8, 1, 4096, 64, None, "mean", id="G8-N4096-D64-mean"),
     pytest.param(2, 8, 2, 1000, 64, 32, "first", id="B2-G4-N1000-D64-R32"),
     pytest.param(1, 16, 1, 777, 128, None, "first", id="G16-N777-D128"),
-    # An odd number of frequencies (the first frequency loop is unrolled by two).
-    pytest.param(1, 4, 1, 301, 64, 42, "first", id="G4-N301-D64-R42"),
+    # Odd numbers of frequencies (the first frequency loop is unrolled by two), one of them
+    # pipelined (from 64 frequencies), at N divisible by 16 (the vector atomic adds).
+    pytest.param(1, 4, 1, 304, 64, 42, "first", id="G4-N304-D64-R42"),
+    pytest.param(1, 8, 2, 512, 256, 130, "first", id="G4-N512-D256-R130"),
 ]
 
 
