@@ -107,3 +107,18 @@ def test_sincos_rate_polynomial_matches_fp64():
     assert (s.double() - x64.sin()).abs().max().item() < 3e-6
     with pytest.raises(ValueError, match="x must be a 1-D float32"):
         fma_cos_sin(x.double())
+
+
+def test_time_corope_configs_parses_tiles():
+    """``time_corope_configs.py --extra``: a tile becomes a 4-warp forward config (registers 0:
+    no cap); anything but three integers is refused with the tile's text."""
+    import argparse
+
+    from experiments.time_corope_configs import parse_tile
+
+    config = parse_tile("32,64,168")
+    assert (config.kwargs, config.num_warps, config.maxnreg) == (
+        {"BLOCK_GM": 32, "BLOCK_N": 64}, 4, 168)  # fmt: skip
+    assert parse_tile("16,32,0").maxnreg is None
+    with pytest.raises(argparse.ArgumentTypeError, match="'32,64'"):
+        parse_tile("32,64")
