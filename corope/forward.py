@@ -64,9 +64,9 @@ def _configs() -> list[triton.Config]:
     # product, which bound its accumulators ([BLOCK_M, BLOCK_N, HP]) while HP <= BLOCK_GM; a
     # wider group takes one row a program.
     # maxnreg: the kernel waits on latency at two CTAs an SM (255 registers); at G = 4,
-    # (16, 64) fits 168 registers without spilling (offline, sm_90a): three CTAs an SM; 128
-    # registers make four, (32, 64) spilling in the key-tile loop only (taken at (1, 8/2, 64)
-    # N = 16K, -3% on an H100; corope/PERF_NOTES.md, session 19).
+    # (16, 64) fits 168 registers without spilling (offline, sm_90a): three CTAs an SM. Four
+    # (128 registers) or more, and 32-key tiles, were no faster on an H100
+    # (experiments/results/time_corope_configs_h100.md).
     return [
         triton.Config({"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=4, num_stages=1, maxnreg=regs)
         for gm, bn, regs in (
@@ -74,7 +74,6 @@ def _configs() -> list[triton.Config]:
             (16, 64, 128),
             (32, 64, None),
             (32, 64, 168),
-            (32, 64, 128),
             (32, 128, None),
             (64, 64, None),
         )
