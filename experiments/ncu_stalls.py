@@ -3,8 +3,10 @@
 ``ncu -i report.ncu-rep --page source --csv --print-source sass > source.csv`` lists every
 SASS instruction of every profiled kernel with its warp-state samples by stall reason. This
 prints, per kernel whose name contains ``--kernel``: the samples by reason (``selected`` is a
-warp issuing; the rest are why it could not), the instruction mix weighted by executions, and
-the instructions with the most samples (the three largest reasons of each).
+warp issuing; the rest are why it could not), the instruction mix weighted by executions, the
+loops (each backward branch's range of addresses: instructions, samples and their largest
+reasons, an enclosing loop's figures including its inner loops'), and the instructions with
+the most samples (the three largest reasons of each).
 
     python experiments/ncu_stalls.py source.csv --kernel _corope_fwd --top 30
 """
@@ -35,6 +37,26 @@ def kernels(path: Path) -> list[tuple[str, list[dict]]]:
     return out
 
 
+def address(row: dict) -> int:
+    return int(row["Address"], 16)
+
+
+def loops(rows: list[dict]) -> list[tuple[int, int]]:
+    """``(first, last)`` address of each loop: a branch to an address at or before its own
+    (ncu prints branch targets as absolute addresses; a target below the kernel's first
+    address is read as an offset from it)."""
+    base = min(address(r) for r in rows)
+    found = set()
+    for r in rows:
+        branch = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", r["Source"])
+        if branch:
+            target = int(branch.group(1), 16)
+            target = target + base if target < base else target
+            if target <= address(r):
+                found.add((target, address(r)))
+    return sorted(found)
+
+
 def summary(name: str, rows: list[dict], top: int) -> str:
     reasons = [c for c in rows[0] if c.startswith("stall_") and "(Not Issued)" not in c]
     count = lambda r, c: int(r.get(c) or 0)  # noqa: E731
@@ -52,6 +74,19 @@ def summary(name: str, rows: list[dict], top: int) -> str:
             mix[op.group(1)] += count(r, "Instructions Executed")
     lines += ["", "Instruction mix: " + ", ".join(
         f"{op} {v / max(executed, 1):.1%}" for op, v in mix.most_common(16))]  # fmt: skip
+    lines += ["", "| loop (addresses) | instructions | samples | share | executed | largest reasons |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for first, last in loops(rows):
+        body = [r for r in rows if first <= address(r) <= last]
+        got = sum(count(r, "Warp Stall Sampling (All Samples)") for r in body)
+        largest = sorted(((sum(count(r, c) for r in body), c[6:]) for c in reasons),
+                         reverse=True)[:3]  # fmt: skip
+        lines.append(
+            f"| {first:#x}-{last:#x} | {len(body)} | {got} | {got / max(samples, 1):.1%} | "
+            f"{sum(count(r, 'Instructions Executed') for r in body)} | "
+            + ", ".join(f"{c} {v / max(got, 1):.0%}" for v, c in largest if v)
+            + " |"
+        )
     lines += ["", "| address | samples | executed | instruction | largest reasons |",
               "|---|---|---|---|---|"]  # fmt: skip
     hot = sorted(rows, key=lambda r: -count(r, "Warp Stall Sampling (All Samples)"))[:top]

@@ -5,6 +5,7 @@ import csv
 import pytest
 
 from experiments.ncu_stalls import kernels, summary
+from experiments.ncu_stalls import loops as ncu_loops
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
           "stall_wait", "stall_selected", "stall_long_sb", "stall_wait (Not Issued)"]  # fmt: skip
@@ -49,3 +50,38 @@ def test_unknown_kernel_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["ncu_stalls.py", str(path), "--kernel", "_nope"])
     with pytest.raises(SystemExit, match="no kernel whose name contains '_nope'"):
         ncu_stalls.main()
+
+
+def test_loops_nest_and_take_absolute_or_relative_targets(tmp_path):
+    """Two loops, one inside the other: the inner loop's samples are in both rows; a branch
+    target printed as an offset from the kernel's start is read as one; a forward branch is no
+    loop."""
+    path = tmp_path / "source.csv"
+    base = 0x7F2A4D7A0000
+    rows = [
+        (0x00, "MOV R1, R2", 1, 0),
+        (0x10, "FFMA R1, R1, R2, R3", 10, 10),  # outer loop starts
+        (0x20, "MUFU.SIN R4, R1", 30, 0),  # inner loop starts
+        (0x30, f"@P0 BRA 0x{base + 0x20:x}", 5, 5),  # inner back edge, absolute target
+        (0x40, "@P1 BRA 0x60", 0, 0),  # forward branch
+        (0x50, "@P2 BRA 0x10", 4, 0),  # outer back edge, an offset
+        (0x60, "EXIT", 0, 0),
+    ]
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "_corope_fwd_kernel"])
+        w.writerow(HEADER)
+        for at, text, wait, long_sb in rows:
+            w.writerow([f"0x{base + at:x}", text, wait + long_sb, "1", wait, "0", long_sb, "0"])
+    ((name, found),) = kernels(path)
+    assert ncu_loops(found) == [(base + 0x10, base + 0x50), (base + 0x20, base + 0x30)]
+    text = summary(name, found, top=1)
+    # 65 samples in all: the outer loop 20+30+10+0+4 = 64, the inner 30+10 = 40.
+    assert (
+        f"| {base + 0x10:#x}-{base + 0x50:#x} | 5 | 64 | 98.5% | 5 | wait 77%, long_sb 23% |"
+        in text
+    )
+    assert (
+        f"| {base + 0x20:#x}-{base + 0x30:#x} | 2 | 40 | 61.5% | 2 | wait 88%, long_sb 12% |"
+        in text
+    )
