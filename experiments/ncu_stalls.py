@@ -42,7 +42,7 @@ def address(row: dict) -> int:
 
 
 def loops(rows: list[dict]) -> list[tuple[int, int]]:
-    """``(first, last)`` address of each loop: a branch to an address at or before its own
+    """``(first, last)`` address of each loop: a branch to an address before its own
     (ncu prints branch targets as absolute addresses; a target below the kernel's first
     address is read as an offset from it)."""
     base = min(address(r) for r in rows)
@@ -52,7 +52,7 @@ def loops(rows: list[dict]) -> list[tuple[int, int]]:
         if branch:
             target = int(branch.group(1), 16)
             target = target + base if target < base else target
-            if target <= address(r):
+            if target < address(r):  # (a branch to itself ends a kernel: no loop)
                 found.add((target, address(r)))
     return sorted(found)
 

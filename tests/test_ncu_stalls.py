@@ -54,8 +54,8 @@ def test_unknown_kernel_is_an_error(tmp_path, monkeypatch):
 
 def test_loops_nest_and_take_absolute_or_relative_targets(tmp_path):
     """Two loops, one inside the other: the inner loop's samples are in both rows; a branch
-    target printed as an offset from the kernel's start is read as one; a forward branch is no
-    loop."""
+    target printed as an offset from the kernel's start is read as one; a forward branch and a
+    branch to itself are no loops."""
     path = tmp_path / "source.csv"
     base = 0x7F2A4D7A0000
     rows = [
@@ -66,6 +66,7 @@ def test_loops_nest_and_take_absolute_or_relative_targets(tmp_path):
         (0x40, "@P1 BRA 0x60", 0, 0),  # forward branch
         (0x50, "@P2 BRA 0x10", 4, 0),  # outer back edge, an offset
         (0x60, "EXIT", 0, 0),
+        (0x70, f"BRA 0x{base + 0x70:x}", 0, 0),  # the branch to itself after EXIT: no loop
     ]
     with path.open("w", newline="") as f:
         w = csv.writer(f)
