@@ -64,9 +64,9 @@ def _configs() -> list[triton.Config]:
     # product, which bound its accumulators ([BLOCK_M, BLOCK_N, HP]) while HP <= BLOCK_GM; a
     # wider group takes one row a program.
     # maxnreg: the kernel waits on latency at two CTAs an SM (255 registers); at G = 4,
-    # (16, 64) fits 168 registers without spilling (offline, sm_90a): three CTAs an SM. Four
-    # (128 registers) or more, and 32-key tiles, were no faster on an H100
-    # (experiments/results/time_corope_configs_h100.md).
+    # (16, 64) fits 168 registers without spilling (offline, sm_90a): three CTAs an SM.
+    # (32, 64) at 128 registers (four CTAs) and 32-key tiles at three to six CTAs were no
+    # faster on an H100 (experiments/results/time_corope_configs_h100.md).
     return [
         triton.Config({"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=4, num_stages=1, maxnreg=regs)
         for gm, bn, regs in (
@@ -254,7 +254,7 @@ def _corope_fwd_kernel(
         # the group) @ [2 DC, HP heads] (the row's queries).
         s3 = tl.zeros([BLOCK_M, BLOCK_N, HP], tl.float32)
         # Two chunks an iteration: the second's sin/cos issue while the first's wait on their
-        # loads and product (-4 to -6%, H100; 16 frequencies a chunk instead: +8 to +21%;
+        # loads and product (-4 to -6%, H100; 16 frequencies a chunk instead: +4 to +21%;
         # four chunks: +2 to +16%). The loads run one iteration ahead (num_stages=2; three
         # stages held 11 KB more shared memory and were 1-5% slower, H100).
         for c in tl.range(0, tl.cdiv(HALF, DC), num_stages=2, loop_unroll_factor=2):

@@ -44,11 +44,13 @@ def address(row: dict) -> int:
 def loops(rows: list[dict]) -> list[tuple[int, int]]:
     """``(first, last)`` address of each loop: a branch to an address before its own
     (ncu prints branch targets as absolute addresses; a target below the kernel's first
-    address is read as an offset from it)."""
+    address is read as an offset from it). Any backward branch counts, so a jump back from
+    code the compiler placed out of line also makes a row, and two back edges to one head
+    make two."""
     base = min(address(r) for r in rows)
     found = set()
     for r in rows:
-        branch = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", r["Source"])
+        branch = re.search(r"\bBRA(?:\.\w+)*\s+(?:`\()?0x([0-9a-f]+)", r["Source"])
         if branch:
             target = int(branch.group(1), 16)
             target = target + base if target < base else target

@@ -13,7 +13,8 @@ loop does (phase, sin/cos, two products of the rotation), and programs may alter
 
 It prints (and with ``--out`` writes ``sincos_rate.md``) the time, sines and cosines a
 second, the same a clock an SM at the 1.98 GHz of the floor's count (both counted, as the
-floor counts them: its 16 a clock an SM), and each variant's largest error against fp64. Session 19 (``corope/PERF_NOTES.md``) has the H100's numbers and what they say.
+floor counts them: its 16 a clock an SM), and each variant's largest error against fp64 (of
+its fp32 sums over the phases, relative to the largest sum). Session 19 (``corope/PERF_NOTES.md``) has the H100's numbers and what they say.
 
     python experiments/sincos_rate.py --out experiments/results    # GPU (or the interpreter)
 """
@@ -44,7 +45,9 @@ from fused_rope._trig import INV_TWO_PI, TWO_PI_HI, cos_sin  # noqa: E402
 # Chebyshev nodes of [-pi/2, pi/2]): S = sqrt2 sin h = y (sqrt2/2 + y^2 P(y^2)) and
 # C = sqrt2 cos h = sqrt2 + y^2 Q(y^2), and the double angle sin y = S C, cos y = C^2 - 1
 # (the sqrt2 in both makes each one instruction): 14 FMA-pipe instructions a pair, against
-# the special-function path's 3 (one scaling multiply, two MUFU).
+# the special-function path's 3 (one scaling multiply, two MUFU). Error: the sin polynomial
+# ~1.5e-6 (near |y| = 1.2), the one-constant reduction about as much again at 80 radians
+# (k * (2 pi - fp32(2 pi)) ~ 2e-6), 4e-6 at 134 (a 128-key tile's largest phase).
 ROUND_MAGIC = tl.constexpr(12582912.0)
 SQRT2 = tl.constexpr(1.4142135381698608)
 HALF_SQRT2 = tl.constexpr(0.7071067690849304)
@@ -64,7 +67,7 @@ def _full(x, c):
 @triton.jit
 def cos_sin_fma(x):
     """``(cos x, sin x)`` for fp32 ``x`` up to about a hundred radians, FMA pipes only;
-    absolute error about 3e-6 up to 80 radians (the reduction's rounding)."""
+    absolute error below 3e-6 up to 80 radians, 4e-6 at 134."""
     k = tl.fma(x, _full(x, INV_TWO_PI), _full(x, ROUND_MAGIC)) - ROUND_MAGIC
     y = tl.fma(k, _full(x, -TWO_PI_HI), x)
     y2 = y * y
@@ -88,6 +91,7 @@ def fma_cos_sin(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos_sin_fma`` of a 1-D fp32 tensor ``x`` (any length), as ``(cos x, sin x)``."""
     if x.dtype != torch.float32 or x.dim() != 1:
         raise ValueError(f"x must be a 1-D float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    x = x.contiguous()  # the kernel reads it with unit stride
     c, s = torch.empty_like(x), torch.empty_like(x)
     _cos_sin_fma_kernel[(triton.cdiv(x.numel(), 1024),)](x, c, s, x.numel(), BLOCK=1024)
     return c, s
@@ -129,13 +133,14 @@ def _rate_kernel(X, OUT, ITERS: tl.constexpr, PERIOD: tl.constexpr, BLOCK: tl.co
 
 
 def reference(x: torch.Tensor, iters: int) -> torch.Tensor:
-    """What ``_rate_kernel`` computes, in fp64."""
-    x = x.double()
-    total = torch.zeros_like(x)
+    """What ``_rate_kernel`` computes, in fp64 from the kernel's fp32 phases (so that the
+    error column holds the sin/cos error and the fp32 sums' rounding, not the phases')."""
+    total = torch.zeros_like(x, dtype=torch.float64)
     for t in range(iters):
-        phase = x + torch.tensor(t * 0.01, dtype=torch.float32).double()
+        phase = (x + torch.tensor(t * 0.01, dtype=torch.float32)).double()
         c, s = phase.cos(), phase.sin()
-        total += (x / 2 * c + x / 4 * s) + (x / 4 * c - x / 2 * s)
+        x64 = x.double()
+        total += (x64 / 2 * c + x64 / 4 * s) + (x64 / 4 * c - x64 / 2 * s)
     return total
 
 

@@ -57,13 +57,32 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget")
     ap.add_argument("--out", type=Path, help="folder for time_corope_configs_<label>.md")
     args = ap.parse_args()
+    if args.only_extra and not args.extra:
+        ap.error("--only-extra needs --extra tiles")
     if not torch.cuda.is_available():
         raise SystemExit("time_corope_configs.py times GPU kernels; no CUDA device here")
+    first = len(forward.FWD_CONFIGS)
+    # pinned_config indexes this list, which is also the autotuner's: the extras leave it
+    # when the runs are done.
+    forward.FWD_CONFIGS.extend(args.extra)
+    try:
+        rows = time_configs(
+            args, range(first if args.only_extra else 0, first + len(args.extra)), first
+        )
+    finally:
+        del forward.FWD_CONFIGS[first:]
+    text = (f"### forward configs, pinned: {args.label} ({torch.cuda.get_device_name()})\n\n"
+            + markdown_table(rows, list(rows[0])))  # fmt: skip
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"time_corope_configs_{args.label}.md").write_text(text)
+
+
+def time_configs(args: argparse.Namespace, indices: range, first: int) -> list[dict]:
+    """One row per (case, config index): the forward's median time at that config, pinned."""
     import triton.testing
 
-    first = len(forward.FWD_CONFIGS)
-    forward.FWD_CONFIGS.extend(args.extra)  # pinned_config indexes this list
-    indices = range(first if args.only_extra else 0, len(forward.FWD_CONFIGS))
     cases = [tuple(int(x) for x in c.split(",")) for c in args.cases] if args.cases else CASES
     rows = []
     for B, HQ, HKV, D, N in cases:
@@ -88,12 +107,7 @@ def main() -> None:
                 "max_rel_diff": f"{diff:.1e}",
             })  # fmt: skip
             print(rows[-1], flush=True)
-    text = (f"### forward configs, pinned: {args.label} ({torch.cuda.get_device_name()})\n\n"
-            + markdown_table(rows, list(rows[0])))  # fmt: skip
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"time_corope_configs_{args.label}.md").write_text(text)
+    return rows
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_loops_nest_and_take_absolute_or_relative_targets(tmp_path):
         (0x20, "MUFU.SIN R4, R1", 30, 0),  # inner loop starts
         (0x30, f"@P0 BRA 0x{base + 0x20:x}", 5, 5),  # inner back edge, absolute target
         (0x40, "@P1 BRA 0x60", 0, 0),  # forward branch
-        (0x50, "@P2 BRA 0x10", 4, 0),  # outer back edge, an offset
+        (0x50, "@P2 BRA.U 0x10", 4, 0),  # outer back edge, an offset, a modifier
         (0x60, "EXIT", 0, 0),
         (0x70, f"BRA 0x{base + 0x70:x}", 0, 0),  # the branch to itself after EXIT: no loop
     ]
