@@ -87,7 +87,7 @@ def _cos_sin_fma_kernel(X, C, S, n, BLOCK: tl.constexpr):
     tl.store(S + offs, s, mask=offs < n)
 
 
-def fma_cos_sin(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def run_cos_sin_fma(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos_sin_fma`` of a 1-D fp32 tensor ``x`` (any length), as ``(cos x, sin x)``."""
     if x.dtype != torch.float32 or x.dim() != 1:
         raise ValueError(f"x must be a 1-D float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")

@@ -54,6 +54,12 @@ def floor_ms(B: int, HKV: int, N: int, R: int) -> float:
     return 2 * B * HKV * (N * N / 2) * (R / 2) / SINCOS_PER_S * 1e3
 
 
+def describe_config(config) -> str:
+    """A forward ``triton.Config`` as ``(BLOCK_GM, BLOCK_N, warps, registers)`` text."""
+    return (f"({config.kwargs['BLOCK_GM']}, {config.kwargs['BLOCK_N']}, {config.num_warps} "
+            f"warps, {config.maxnreg or 255} registers)")  # fmt: skip
+
+
 def load_version(root: Path, index: int) -> tuple[ModuleType, ModuleType]:
     """``corope/forward.py`` and ``corope/backward.py`` of the copy at ``root``, as modules of
     their own. While the copy's backward loads, ``sys.modules["corope.forward"]`` is the copy's
@@ -137,12 +143,7 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
                   False)  # fmt: skip
         block_m, block_n, *_ = bwd_mod._FITTED[("sweep", *fitted)]
         tiles_default = bwd_mod._key_tiles_per_program(B * HKV, N, block_m, block_n, dev)
-        config = "-"
-        if best is not None:
-            config = (
-                f"({best.kwargs['BLOCK_GM']}, {best.kwargs['BLOCK_N']}, {best.num_warps} warps, "
-                f"{best.maxnreg or 255} registers)"
-            )
+        config = "-" if best is None else describe_config(best)
         rows.append(
             {
                 "version": label,

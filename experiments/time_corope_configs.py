@@ -26,7 +26,7 @@ import triton  # noqa: E402
 
 from corope import forward  # noqa: E402
 from experiments.results_io import markdown_table  # noqa: E402
-from experiments.time_corope import CASES, floor_ms, kernel_inputs  # noqa: E402
+from experiments.time_corope import CASES, describe_config, floor_ms, kernel_inputs  # noqa: E402
 
 
 def parse_tile(text: str) -> triton.Config:
@@ -40,11 +40,6 @@ def parse_tile(text: str) -> triton.Config:
     return triton.Config(
         {"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=4, num_stages=1, maxnreg=regs or None
     )
-
-
-def describe(config: triton.Config) -> str:
-    return (f"({config.kwargs['BLOCK_GM']}, {config.kwargs['BLOCK_N']}, {config.num_warps} "
-            f"warps, {config.maxnreg or 255} registers)")  # fmt: skip
 
 
 def main() -> None:
@@ -101,7 +96,7 @@ def time_configs(args: argparse.Namespace, indices: range, first: int) -> list[d
             diff = ((o - reference).abs().max() / reference.abs().max()).item()
             rows.append({
                 "shape": f"({B}, {HQ}/{HKV}, {D})", "N": N,
-                "config": describe(forward.FWD_CONFIGS[index]),
+                "config": describe_config(forward.FWD_CONFIGS[index]),
                 "extra": "yes" if index >= first else "",
                 "fwd_ms": f"{ms:.3f}", "fwd/floor": f"{ms / floor_ms(B, HKV, N, D):.2f}",
                 "max_rel_diff": f"{diff:.1e}",

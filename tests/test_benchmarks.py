@@ -98,19 +98,19 @@ def test_sincos_rate_polynomial_matches_fp64():
     """``experiments/sincos_rate.py``'s FMA-pipe sin/cos: within 3e-6 of fp64 over the phases
     the Co-RoPE forward forms with 64-key tiles (up to ``2 pi + 64 w``, w <= 1), at a length
     that is not a multiple of its block; a strided input is read as such."""
-    from experiments.sincos_rate import fma_cos_sin
+    from experiments.sincos_rate import run_cos_sin_fma
     from tests.helpers import DEVICE
 
     x = torch.linspace(-1.0, 80.0, 100_003, device=DEVICE)
-    c, s = fma_cos_sin(x)
+    c, s = run_cos_sin_fma(x)
     c, s, x = c.cpu(), s.cpu(), x.cpu()
     x64 = x.double()
     assert (c.double() - x64.cos()).abs().max().item() < 3e-6
     assert (s.double() - x64.sin()).abs().max().item() < 3e-6
-    c2, _ = fma_cos_sin(x[::2].to(DEVICE))
+    c2, _ = run_cos_sin_fma(x[::2].to(DEVICE))
     assert torch.equal(c2.cpu(), c[::2])
     with pytest.raises(ValueError, match="x must be a 1-D float32"):
-        fma_cos_sin(x.double())
+        run_cos_sin_fma(x.double())
 
 
 def test_time_corope_configs_parses_tiles():
