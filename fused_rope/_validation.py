@@ -7,8 +7,11 @@ value or device) with the argument's name and what it got.
 from __future__ import annotations
 
 import os
+import re
 
+import numpy
 import torch
+import triton
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("half", "interleaved")
@@ -55,11 +58,42 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``"3.6.0"`` or ``"2.4.0rc1"``."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def interpreter_blocker(triton_version: str | None = None, numpy_version: str | None = None):
+    """Why Triton's interpreter cannot run this package's kernels with the installed (or
+    given) Triton and numpy, or ``None`` where it can.
+
+    Triton 3.6's interpreter turns a run-time loop bound into a Python int with ``int()`` of
+    a one-element array, which numpy 2.4 no longer allows (triton-lang/triton#9171, fixed
+    in 3.7): every kernel with such a loop fails with "only 0-dimensional arrays can be
+    converted to Python scalars". The ``dev`` extra pins ``numpy<2.4``; an environment that
+    bypasses it (a preinstalled image) gets this message instead of that one.
+    """
+    triton_version = triton_version or triton.__version__
+    numpy_version = numpy_version or numpy.__version__
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (
+            f"Triton {triton_version}'s interpreter cannot run these kernels with numpy "
+            f"{numpy_version} (triton-lang/triton#9171, fixed in Triton 3.7): install "
+            "'numpy<2.4' (the dev extra does) or Triton >= 3.7"
+        )
+    return None
+
+
 def check_kernel_device(device: torch.device, name: str) -> None:
-    """Triton kernels run on CUDA, or on the CPU through the interpreter only."""
+    """Triton kernels run on CUDA, or on the CPU through the interpreter only, which must be
+    able to run them (``interpreter_blocker``)."""
     if device.type == "cuda":
         return
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        blocker = interpreter_blocker()
+        if blocker is not None:
+            raise RuntimeError(f"{name} is on the CPU, for the interpreter, but {blocker}")
         return
     raise ValueError(
         f"{name} is on {device}: the Triton kernels need a CUDA tensor "

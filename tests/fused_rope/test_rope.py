@@ -7,12 +7,14 @@ Triton interpreter (fp32/fp16, small shapes); on a GPU the same tests also run b
 shapes (``gpu`` marker).
 """
 
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from fused_rope._trig import reduce_angle
+from fused_rope._validation import check_kernel_device, interpreter_blocker
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref
 from fused_rope.rope import TileConfig, apply_rope, apply_rope_qk, rope_fwd
@@ -492,6 +494,26 @@ def test_cpu_tensor_without_the_interpreter_is_refused(monkeypatch):
         apply_rope(x, torch.zeros(8, 8))
     with pytest.raises(ValueError, match="q is on cpu"):
         apply_rope_qk(x, x, torch.zeros(8, 8))
+
+
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, blocked",
+    [("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.0rc1", False),
+     ("3.9.0", "2.5.1", False), ("3.5.1", "2.4.0", True), ("3.6.0+git1a2b", "1.26.4", False)],
+)  # fmt: skip
+def test_interpreter_blocker_names_the_broken_pair(triton_version, numpy_version, blocked):
+    reason = interpreter_blocker(triton_version, numpy_version)
+    assert (reason is not None) == blocked
+    if blocked:
+        assert triton_version in reason and numpy_version in reason and "numpy<2.4" in reason
+
+
+def test_cpu_tensor_with_a_broken_interpreter_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(np, "__version__", "2.4.0")
+    with pytest.raises(RuntimeError, match=r"x is on the CPU.*install 'numpy<2.4'"):
+        check_kernel_device(torch.device("cpu"), "x")
 
 
 def test_empty_inputs():
