@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from fused_rope._validation import check_float_tensor, check_same_device
 
-# Per scaling type: (required keys, optional keys) besides "type"/"rope_type" and "rope_theta".
+# Per scaling type: (required keys, optional keys) besides "type"/"rope_type", "rope_theta" and
+# the keys any type may carry (_check_shared_keys).
 _SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "default": ((), ()),
     "linear": (("factor",), ()),
@@ -40,10 +42,14 @@ _SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 SCALING_TYPES = tuple(_SCALING_KEYS)
+# Qwen2-VL / Qwen2.5-VL checkpoints store {"type": "mrope", "mrope_section": [...]}; transformers'
+# configs of those models turn that type into "default" (M-RoPE changes positions, not inv_freq).
+_TYPE_ALIASES = {"mrope": "default"}
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number: Python's or numpy's (``numbers.Real``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _number(params: Mapping, key: str, kind: str, *, minimum: float = 0.0, strict: bool = True):
@@ -59,11 +65,11 @@ def _number(params: Mapping, key: str, kind: str, *, minimum: float = 0.0, stric
 
 def _positive_int(params: Mapping, key: str, kind: str) -> int:
     value = params[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(
             f"scaling[{key!r}] for type {kind!r} must be a positive int, got {value!r}"
         )
-    return value
+    return int(value)
 
 
 def _check_rope_dim(rope_dim) -> None:
@@ -74,30 +80,69 @@ def _check_rope_dim(rope_dim) -> None:
 
 
 def _check_theta(theta) -> None:
-    if not _is_number(theta) or theta <= 0:
-        raise ValueError(f"theta must be a finite positive number, got {theta!r}")
+    if not _is_number(theta):
+        raise ValueError(
+            f"theta must be a finite real number, got {theta!r} of type {type(theta).__name__}"
+        )
+    # theta ** (-2d / R) decreases with d only for theta > 1 (theta = 1: every slot turns at one
+    # frequency), and YaRN divides by log(theta).
+    if theta <= 1:
+        raise ValueError(f"theta must be > 1, got {theta!r}")
 
 
-def _parse_scaling(scaling: Mapping | None, theta: float) -> tuple[str, dict]:
-    """The scaling type and its parameters; keys set to None count as absent."""
+def _check_shared_keys(params: dict, rope_dim: int) -> None:
+    """Check and remove from ``params`` the keys of transformers 5 ``rope_parameters`` that any
+    type may carry and that leave ``inv_freq`` as it is.
+
+    ``partial_rotary_factor`` is the fraction of the head that rotates: the caller's
+    ``rope_dim`` is already ``int(head_dim * partial_rotary_factor)`` and the head size is not
+    known here, so only the factor's range is checked. ``mrope_section`` (checked to sum to
+    ``rope_dim // 2``, which also catches a ``rope_dim`` that forgot the partial factor) and
+    ``mrope_interleaved`` are the ``sections`` and ``interleaved`` of ``mrope_angles``.
+    """
+    if "partial_rotary_factor" in params:
+        factor = params.pop("partial_rotary_factor")
+        if not _is_number(factor) or not 0 < factor <= 1:
+            raise ValueError(
+                f"scaling['partial_rotary_factor'] must be a number in (0, 1], got {factor!r}"
+            )
+    interleaved = params.pop("mrope_interleaved", False)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"scaling['mrope_interleaved'] must be a bool, got {interleaved!r}")
+    if "mrope_section" in params:
+        _check_sections(params.pop("mrope_section"), rope_dim // 2, "scaling['mrope_section']")
+
+
+def _parse_scaling(scaling: Mapping | None, theta: float, rope_dim: int) -> tuple[str, dict]:
+    """The scaling type and its parameters; keys set to None count as absent (but see yarn's
+    ``truncate``)."""
     if scaling is None:
         return "default", {}
     if not isinstance(scaling, Mapping):
         raise TypeError(f"scaling must be None or a mapping, got {type(scaling).__name__}")
     params = {k: v for k, v in scaling.items() if v is not None}
-    kinds = [params.pop(k) for k in ("type", "rope_type") if k in params]
-    if len(kinds) == 2 and kinds[0] != kinds[1]:
-        raise ValueError(
-            f"scaling has 'type' {kinds[0]!r} and 'rope_type' {kinds[1]!r} that disagree"
-        )
-    kind = kinds[0] if kinds else "default"
+    # transformers takes "type" only where "rope_type" is absent (standardize_rope_params:
+    # setdefault("rope_type", get("type"))), so rope_type wins and a differing type is ignored.
+    key = "rope_type" if "rope_type" in params else "type"
+    kind = params.get(key, "default")
+    params.pop("type", None)
+    params.pop("rope_type", None)
+    if isinstance(kind, str):
+        kind = _TYPE_ALIASES.get(kind, kind)
     if not isinstance(kind, str) or kind not in _SCALING_KEYS:
-        raise ValueError(f"scaling['type'] must be one of {SCALING_TYPES}, got {kind!r}")
+        raise ValueError(
+            f"scaling[{key!r}] must be one of {SCALING_TYPES + tuple(_TYPE_ALIASES)}, got {kind!r}"
+        )
+    if kind == "yarn" and "truncate" in scaling and scaling["truncate"] is None:
+        # None counts as absent elsewhere, as in transformers, but its yarn reads
+        # get("truncate", True) and tests `if truncate:`, so there None turns truncation off.
+        params["truncate"] = False
     # transformers 5 keeps rope_theta inside rope_parameters; accept it when it agrees.
     if "rope_theta" in params and params.pop("rope_theta") != theta:
         raise ValueError(
             f"scaling['rope_theta']={scaling['rope_theta']!r} disagrees with theta={theta!r}"
         )
+    _check_shared_keys(params, rope_dim)
     required, optional = _SCALING_KEYS[kind]
     missing = [k for k in required if k not in params]
     if missing:
@@ -258,9 +303,15 @@ def rope_frequencies(
     """Inverse frequencies of RoPE, with the context-extension schedules checkpoints use.
 
     Unscaled: ``inv_freq[d] = theta ** (-2d / R)`` (RoFormer, Su et al. 2021). ``scaling``
-    is None or a mapping with ``"type"`` (or transformers' ``"rope_type"``) and the keys
-    below, named as in Hugging Face configs (``rope_scaling`` / ``rope_parameters``; a
-    ``"rope_theta"`` key is accepted when it equals ``theta``). ``L0`` is
+    is None or a mapping with ``"rope_type"`` (or the older ``"type"``, ignored when both are
+    there, as transformers does) and the keys below, named as in Hugging Face configs
+    (``rope_scaling`` / ``rope_parameters``). Keys set to None count as absent, except yarn's
+    ``truncate``. Any type also accepts the keys of transformers 5 ``rope_parameters`` that
+    leave ``inv_freq`` as it is: ``rope_theta`` (when it equals ``theta``),
+    ``partial_rotary_factor`` (in ``(0, 1]``; ``rope_dim`` must already be
+    ``int(head_dim * partial_rotary_factor)``), and M-RoPE's ``mrope_section`` (summing to
+    ``R/2``) and ``mrope_interleaved``, which are for ``mrope_angles``; type ``"mrope"``
+    (Qwen2-VL's checkpoints) means ``"default"``. ``L0`` is
     ``original_max_position_embeddings``, ``f`` is ``factor``:
 
     * ``"default"``: unscaled.
@@ -274,7 +325,8 @@ def rope_frequencies(
       slot ``d`` blends
       ``inv_freq`` (extrapolation) into ``inv_freq / f`` (interpolation) by a ramp that is 0
       below the slot turning ``beta_fast`` (32) times over ``L0`` and 1 above the one turning
-      ``beta_slow`` (1) times (ramp ends floored/ceiled when ``truncate``, default True).
+      ``beta_slow`` (1) times (ramp ends floored/ceiled when ``truncate``: default True when
+      the key is absent, but an explicit None is false, as in transformers).
       ``attention_factor`` defaults to ``0.1 ln f + 1``, or with ``mscale`` and
       ``mscale_all_dim`` both set and non-zero to ``(0.1 mscale ln f + 1) /
       (0.1 mscale_all_dim ln f + 1)`` (transformers' rule). Keys: ``factor``, ``L0``;
@@ -294,7 +346,7 @@ def rope_frequencies(
 
     Args:
         rope_dim: ``R``, the rotated channels per head (positive, even).
-        theta: the base.
+        theta: the base, a real number > 1 (Python's or numpy's).
         scaling: see above; ``None`` or type ``"default"`` for plain RoPE.
         seq_len: the current sequence length (max position + 1), a Python int; only
             ``dynamic`` and ``longrope`` depend on it, the other types ignore it.
@@ -313,7 +365,7 @@ def rope_frequencies(
         isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0
     ):
         raise ValueError(f"seq_len must be None or a positive int, got {seq_len!r}")
-    kind, params = _parse_scaling(scaling, theta)
+    kind, params = _parse_scaling(scaling, theta, rope_dim)
     inv = float(theta) ** -_ladder_exponent(rope_dim)
     inv, attention_factor = _SCHEDULES[kind](inv, params, rope_dim, float(theta), seq_len)
     return inv.to(device=device, dtype=torch.float32), float(attention_factor)
@@ -338,15 +390,20 @@ def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str) ->
     """The unscaled ``inv_freq`` ``[rope_dim // 2]`` fp32 on ``device``, made once per
     (rope_dim, theta, device) and shared: kernels that default to it then do no host-to-device
     copy per call, which also keeps them capturable in CUDA graphs. Treat it as read-only.
+    It is never an inference tensor, even when first asked for under ``torch.inference_mode()``.
     Under ``torch.compile`` it is computed in the graph instead (Dynamo does not trace caches)."""
     if torch.compiler.is_compiling():
         return rope_frequencies(rope_dim, theta, device=device)[0]
+    _check_theta(theta)  # before float(): a bool or a string must not pass as a number
     return _cached_inv_freq(rope_dim, float(theta), torch.device(device))
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_inv_freq(rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    return rope_frequencies(rope_dim, theta, device=device)[0]
+    # The first call for a key may run under torch.inference_mode(); a tensor made there is an
+    # inference tensor, which autograd refuses to save for backward in every later call.
+    with torch.inference_mode(False):
+        return rope_frequencies(rope_dim, theta, device=device)[0]
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -369,13 +426,13 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
     return positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
 
 
-def _check_sections(sections, half: int) -> list[int]:
+def _check_sections(sections, half: int, name: str = "sections") -> list[int]:
     if isinstance(sections, (str, bytes, torch.Tensor)) or not isinstance(sections, Sequence):
-        raise TypeError(f"sections must be a list of ints, got {type(sections).__name__}")
+        raise TypeError(f"{name} must be a list of ints, got {type(sections).__name__}")
     ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections)
     if not sections or not ok or sum(sections) != half:
         raise ValueError(
-            f"sections must be non-negative ints summing to rope_dim // 2 = {half}, "
+            f"{name} must be non-negative ints summing to rope_dim // 2 = {half}, "
             f"got {list(sections)}"
         )
     return list(sections)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from fused_rope.frequencies import (
+    _cached_inv_freq,
+    default_inv_freq,
     mrope_angles,
     nd_rope_angles,
     nd_rope_frequencies,
@@ -69,6 +72,24 @@ def _hf_frequencies(rope_dim, theta, scaling, seq_len=None, partial_rotary_facto
     kwargs = {} if seq_len is None else {"seq_len": seq_len}
     inv_freq, attention_factor = rope_utils.ROPE_INIT_FUNCTIONS[kind](config, "cpu", **kwargs)
     return inv_freq, attention_factor
+
+
+def _hf_classes(module: str, config_name: str, rotary_name: str):
+    """transformers' config class and rotary-embedding module of one model, or a skip."""
+    models = pytest.importorskip(f"transformers.models.{module}")
+    modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    config_cls, rotary_cls = (
+        getattr(models, config_name, None),
+        getattr(modeling, rotary_name, None),
+    )
+    if config_cls is None or rotary_cls is None:
+        import transformers
+
+        pytest.skip(
+            f"transformers {transformers.__version__} predates {config_name} / {rotary_name}, "
+            "the oracle of this case (pyproject allows transformers >= 4.45)"
+        )
+    return config_cls, rotary_cls
 
 
 def _factors(n: int, low: float, high: float, seed: int) -> list[float]:
@@ -165,6 +186,19 @@ HF_CASES = [
         None,
         1.0,
         id="yarn-gpt-oss-no-truncate",
+    ),
+    pytest.param(  # transformers tests `if truncate:`, so an explicit None does not truncate
+        64,
+        150000.0,
+        {
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": None,
+        },
+        None,
+        1.0,
+        id="yarn-truncate-none",
     ),
     pytest.param(
         96,
@@ -300,6 +334,130 @@ def test_rope_frequencies_match_transformers(rope_dim, theta, scaling, seq_len, 
     _assert_scalar("attention_factor", factor, hf_factor)
 
 
+_PHI4_MINI = {  # Phi-4-mini's shape: head_dim 128 of which 96 rotate, longrope
+    "hidden_size": 3072,
+    "num_attention_heads": 24,
+    "partial_rotary_factor": 0.75,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": _factors(48, 1.0, 2.0, 5),
+        "long_factor": _factors(48, 1.0, 60.0, 6),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "module, config_name, rotary_name, config_kwargs, seq_len, keys",
+    [
+        pytest.param(
+            "phi3",
+            "Phi3Config",
+            "Phi3RotaryEmbedding",
+            {},
+            None,
+            ["partial_rotary_factor"],
+            id="phi3",
+        ),
+        pytest.param(
+            "phi3",
+            "Phi3Config",
+            "Phi3RotaryEmbedding",
+            _PHI4_MINI,
+            None,
+            ["type", "partial_rotary_factor"],
+            id="phi4-mini-longrope-short",
+        ),
+        pytest.param(
+            "phi3",
+            "Phi3Config",
+            "Phi3RotaryEmbedding",
+            _PHI4_MINI,
+            5000,
+            ["type", "partial_rotary_factor"],
+            id="phi4-mini-longrope-long",
+        ),
+        pytest.param(
+            "gpt_neox",
+            "GPTNeoXConfig",
+            "GPTNeoXRotaryEmbedding",
+            {},
+            None,
+            ["partial_rotary_factor"],
+            id="gpt-neox",
+        ),
+        pytest.param(
+            "qwen2_vl",
+            "Qwen2VLTextConfig",
+            "Qwen2VLRotaryEmbedding",
+            {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+            None,
+            ["type", "mrope_section"],
+            id="qwen2-vl",
+        ),
+        pytest.param(
+            "qwen3_vl",
+            "Qwen3VLTextConfig",
+            "Qwen3VLTextRotaryEmbedding",
+            {
+                "max_position_embeddings": 786432,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 5e6,
+                    "factor": 3.0,
+                    "original_max_position_embeddings": 262144,
+                    "mrope_section": [24, 20, 20],
+                    "mrope_interleaved": True,
+                },
+            },
+            None,
+            ["mrope_section", "mrope_interleaved"],
+            id="qwen3-vl-yarn",
+        ),
+        pytest.param(
+            "glm4v",
+            "Glm4vTextConfig",
+            "Glm4vTextRotaryEmbedding",
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                    "mrope_section": [8, 12, 12],
+                }
+            },
+            None,
+            ["partial_rotary_factor", "mrope_section"],
+            id="glm-4v-partial",
+        ),
+    ],
+)
+def test_transformers_rope_parameters_are_accepted(
+    module, config_name, rotary_name, config_kwargs, seq_len, keys
+):
+    """A real config's rope_parameters, as transformers 5 stores them, give its model's
+    frequencies, with ``rope_dim`` the model's rotated width."""
+    config_cls, rotary_cls = _hf_classes(module, config_name, rotary_name)
+    config = config_cls(**config_kwargs)
+    if not hasattr(config, "rope_parameters"):
+        pytest.skip("transformers 4 has no rope_parameters, the subject of this test")
+    rotary = rotary_cls(config)
+    hf_inv, hf_factor = rotary.inv_freq, rotary.attention_scaling
+    if seq_len is not None:
+        rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+        init = rope_utils.ROPE_INIT_FUNCTIONS[rotary.rope_type]
+        hf_inv, hf_factor = init(config, "cpu", seq_len=seq_len)
+    scaling = dict(config.rope_parameters)
+    assert set(keys) <= set(scaling), scaling  # the keys this case is about
+    if scaling["rope_type"] == "longrope":  # without factor, transformers reads the config's
+        scaling["max_position_embeddings"] = config.max_position_embeddings
+    rope_dim = 2 * hf_inv.shape[0]
+    inv, factor = rope_frequencies(rope_dim, scaling["rope_theta"], scaling, seq_len=seq_len)
+    _assert_ratio_one("inv_freq / transformers'", inv, hf_inv, FREQ_RTOL)
+    _assert_scalar("attention_factor", factor, hf_factor)
+
+
 def test_scaled_schedules_change_the_frequencies():
     """Guards the comparison above against schedules that silently fall back to plain RoPE."""
     for rope_dim, theta, scaling, seq_len, _ in (case.values for case in HF_CASES):
@@ -316,6 +474,20 @@ def test_plain_frequencies_are_the_rounded_float64_ladder(rope_dim, theta):
     ref = torch.tensor([math.pow(theta, -2 * d / rope_dim) for d in range(rope_dim // 2)])
     assert inv.dtype == torch.float32 and factor == 1.0
     _assert_ratio_one("inv_freq / math.pow", inv, ref, 1.2e-7)  # one fp32 rounding
+
+
+def test_default_inv_freq_first_made_in_inference_mode_works_with_autograd():
+    """The shared tensor must not be an inference tensor, or every later call that autograd
+    saves it for (any op with an input requiring grad) fails."""
+    _cached_inv_freq.cache_clear()  # so that this test makes the first entry
+    with torch.inference_mode():
+        first = default_inv_freq(64, 10000.0, DEVICE)
+    inv = default_inv_freq(64, 10000.0, DEVICE)
+    assert inv is first and not inv.is_inference()
+    assert torch.equal(inv, rope_frequencies(64, 10000.0, device=DEVICE)[0])
+    x = torch.ones(32, device=DEVICE, requires_grad=True)
+    (x * inv).sum().backward()  # mul saves inv for the gradient of x
+    assert torch.equal(x.grad, inv)
 
 
 def test_dynamic_depends_on_seq_len_only_beyond_the_original_context():
@@ -337,12 +509,40 @@ def test_scaling_spellings_agree():
         {"type": "llama3", "rope_type": "llama3", **base},
         {"rope_type": "llama3", "rope_theta": 500000.0, **base},  # transformers 5 rope_parameters
         {"type": "llama3", "beta_fast": None, **base},  # unset keys (None) count as absent
+        {"type": "linear", "rope_type": "llama3", **base},  # rope_type wins, as in transformers
+        {"rope_type": "llama3", "partial_rotary_factor": 0.5, **base},  # R is already partial
+        {"rope_type": "llama3", "mrope_section": [16, 24, 24], "mrope_interleaved": False, **base},
     ):
         inv, factor = rope_frequencies(128, 500000.0, scaling)
         assert torch.equal(inv, ref[0]) and factor == ref[1]
     plain = rope_frequencies(64)
-    for scaling in (None, {}, {"type": None}, {"type": "default"}, {"rope_type": "default"}):
+    for scaling in (
+        None,
+        {},
+        {"type": None},
+        {"type": "default"},
+        {"rope_type": "default"},
+        {"type": "mrope", "mrope_section": [8, 12, 12]},  # Qwen2-VL's checkpoints
+        {"type": "mrope", "rope_type": "default", "mrope_section": [8, 12, 12]},  # its config
+        {"rope_type": "default", "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        {"rope_type": "default", "partial_rotary_factor": 0.25, "rope_theta": 10000.0},
+    ):
         assert torch.equal(rope_frequencies(64, scaling=scaling)[0], plain[0])
+
+
+def test_numpy_scalars_are_numbers():
+    """Values read through numpy (np.float32, np.int64) count as the Python numbers they hold."""
+    scaling = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096}
+    ref = rope_frequencies(64, 1e4, scaling)
+    for theta in (np.float32(1e4), np.float64(1e4), np.int64(10000)):
+        numpy_scaling = {
+            **scaling,
+            "factor": np.float32(8.0),
+            "original_max_position_embeddings": np.int64(4096),
+            "rope_theta": theta,
+        }
+        inv, factor = rope_frequencies(64, theta, numpy_scaling)
+        assert torch.equal(inv, ref[0]) and factor == ref[1]
 
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
@@ -373,13 +573,24 @@ LONGROPE = {
         ({"theta": 0.0}, ValueError, "theta"),
         ({"theta": -1.0}, ValueError, "theta"),
         ({"theta": float("inf")}, ValueError, "theta"),
-        ({"theta": "10000"}, ValueError, "theta"),
+        ({"theta": "10000"}, ValueError, "theta must be a finite real number, got '10000' of type"),
+        ({"theta": 1.0}, ValueError, "theta must be > 1"),  # every slot at one frequency
+        ({"theta": 0.5}, ValueError, "theta must be > 1"),  # an increasing ladder
+        ({"theta": np.float32(0.5)}, ValueError, "theta must be > 1"),
+        ({"theta": 1.0, "scaling": YARN}, ValueError, "theta"),  # YaRN divides by log(theta)
         ({"seq_len": 0}, ValueError, "seq_len"),
         ({"seq_len": 2.5}, ValueError, "seq_len"),
         ({"scaling": "yarn"}, TypeError, "scaling"),
         ({"scaling": {"type": "ntk"}}, ValueError, "'ntk'"),
         ({"scaling": {"type": ["yarn"]}}, ValueError, "type"),
-        ({"scaling": {"type": "linear", "rope_type": "yarn"}}, ValueError, "disagree"),
+        ({"scaling": {"type": "linear", "rope_type": "ntk"}}, ValueError, "'rope_type'"),
+        ({"scaling": {"rope_type": "mrope", "factor": 2.0}}, ValueError, "factor"),
+        ({"scaling": {"partial_rotary_factor": 0}}, ValueError, "partial_rotary_factor"),
+        ({"scaling": {"partial_rotary_factor": 1.5}}, ValueError, "partial_rotary_factor"),
+        ({"scaling": {"partial_rotary_factor": "0.5"}}, ValueError, "partial_rotary_factor"),
+        ({"scaling": {"mrope_section": [16, 24, 24]}}, ValueError, r"mrope_section.*= 32"),
+        ({"scaling": {"mrope_section": "16,8,8"}}, TypeError, "mrope_section"),
+        ({"scaling": {"mrope_interleaved": "yes"}}, ValueError, "mrope_interleaved"),
         (
             {"scaling": {"type": "linear", "factor": 2.0, "rope_theta": 1e6}},
             ValueError,
@@ -526,19 +737,7 @@ def test_mrope_angles_with_equal_axes_are_rope_angles(interleaved):
 
 
 def _hf_rotary(module: str, config_name: str, rotary_name: str, rope_parameters: dict, head_dim):
-    models = pytest.importorskip(f"transformers.models.{module}")
-    modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
-    config_cls, rotary_cls = (
-        getattr(models, config_name, None),
-        getattr(modeling, rotary_name, None),
-    )
-    if config_cls is None or rotary_cls is None:
-        import transformers
-
-        pytest.skip(
-            f"transformers {transformers.__version__} predates {config_name} / {rotary_name}, "
-            "the oracle of this case (pyproject allows transformers >= 4.45)"
-        )
+    config_cls, rotary_cls = _hf_classes(module, config_name, rotary_name)
     config = config_cls(
         hidden_size=2 * head_dim,
         num_attention_heads=2,
@@ -713,6 +912,7 @@ def test_nd_rope_mixed_layout():
         ({"n_axes": 2.0}, TypeError, "n_axes"),
         ({"rope_dim": 63}, ValueError, "rope_dim"),
         ({"theta": -1.0}, ValueError, "theta"),
+        ({"theta": 1.0}, ValueError, "theta"),
         ({"layout": "axial"}, ValueError, "layout"),
         ({"sections": [32, 32]}, ValueError, "n_axes"),
         ({"sections": [16, 16, 16]}, ValueError, "sections"),
