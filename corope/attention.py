@@ -14,7 +14,12 @@ import torch
 from corope.backward import corope_bwd
 from corope.forward import SUPPORTED_HEAD_DIMS, corope_fwd
 from corope.naive import check_corope_inputs, corope_inv_freq
-from fused_rope._validation import KERNEL_DTYPES, check_kernel_device
+from fused_rope._validation import (
+    KERNEL_DTYPES,
+    check_bool,
+    check_constant,
+    check_kernel_device,
+)
 
 
 @torch.library.custom_op("corope::attention", mutates_args=())
@@ -136,10 +141,13 @@ def corope_attention(
             f"q, k, v must be one of {[str(d) for d in KERNEL_DTYPES]} for the kernels, got "
             f"{q.dtype} (corope_attention_ref runs float64)"
         )
-    check_kernel_device(q.device, "q")
+    check_bool(detach_mileage, "detach_mileage")
+    check_bool(deterministic, "deterministic")
+    check_constant(inv_freq, "inv_freq", "corope.corope_attention_ref")
+    check_kernel_device(q.device, "q", dot_dtype=q.dtype)
     D = q.shape[-1]
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
     w = corope_inv_freq(R, theta, inv_freq, q.device)
-    o, _ = _attention_op(q, k, v, w, s, R, leader, bool(detach_mileage), bool(deterministic))
+    o, _ = _attention_op(q, k, v, w, s, R, leader, detach_mileage, deterministic)
     return o

@@ -66,7 +66,6 @@ ordered split-K reductions also assume.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
@@ -80,10 +79,12 @@ from fused_rope._device import num_sms
 from fused_rope._trig import cos_sin
 from fused_rope._validation import (
     KERNEL_DTYPES,
+    check_bool,
     check_float_tensor,
     check_inv_freq,
     check_kernel_device,
     check_same_device,
+    interpreting,
 )
 
 
@@ -580,10 +581,6 @@ def _gate_tail_kernel(
     )
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): query rows and keys of a tile, warps, for programs that
     take ``group`` heads (at most SLICE_HEADS: ``_launch_configs``).
@@ -602,7 +599,7 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     ``corope/PERF_NOTES.md``, "Backward v2". The interpreter, whose cost is per tile, runs the
     half-precision rule for every dtype.
     """
-    if dtype == torch.float32 and not _interpreted():
+    if dtype == torch.float32 and not interpreting():
         return 16, 16, 8
     gp = triton.next_power_of_2(group)
     row_bytes = gp * max(16, triton.next_power_of_2(head_dim)) * dtype.itemsize
@@ -653,7 +650,7 @@ def _key_tiles_per_program(
     costs only its start (the gates of the key tiles above it, one product a tile)."""
     key_tiles = triton.cdiv(seq_len, block_n)
     query_tiles = triton.cdiv(seq_len, block_m)
-    if _interpreted() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return key_tiles
     target = 8 * num_sms(device)
     if groups * query_tiles >= target:
@@ -774,9 +771,8 @@ def corope_bwd(
         raise ValueError(f"lse must be [B, HQ, N] = {(B, HQ, N)}, got {tuple(lse.shape)}")
     check_inv_freq(inv_freq, R, dtypes=(torch.float32,))
     device = check_same_device(q=q, k=k, v=v, do=do, o=o, lse=lse, inv_freq=inv_freq)
-    check_kernel_device(device, "q")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_kernel_device(device, "q", dot_dtype=q.dtype)
+    check_bool(deterministic, "deterministic")
     if key_tiles_per_program is not None:
         if type(key_tiles_per_program) is not int:
             raise TypeError(
@@ -873,7 +869,7 @@ def corope_bwd(
                 DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
                 BLOCK_M=block_m, BLOCK_N=block_n,
                 MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
-                FAST_TRIG=not _interpreted() and q.dtype != torch.float32,
+                FAST_TRIG=not interpreting() and q.dtype != torch.float32,
                 DK_PARTS=_dk_parts(block_m, num_warps, deterministic),
                 PASS1_STAGES=_pass1_stages(half),
                 num_warps=num_warps, num_stages=SWEEP_NUM_STAGES,

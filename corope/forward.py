@@ -24,16 +24,15 @@ phase, the sin/cos and the rotation."""
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from fused_rope._trig import cos_sin
-from fused_rope._validation import INT32_INDEX_LIMIT, element_span
+from fused_rope._validation import INT32_INDEX_LIMIT, element_span, interpreting
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = interpreting()
 
 LOG2E = 1.4426950408889634
 # Frequencies per tensor-core product in the forward (its K axis is their 2 * 8 channels).

@@ -12,12 +12,15 @@ The reference processes queries in chunks of rows: a chunk of ``M`` rows holds
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fused_rope._validation import check_float_tensor, check_inv_freq, check_rope_dim
+from fused_rope._validation import (
+    check_float_tensor,
+    check_inv_freq,
+    check_rope_dim,
+    check_softmax_scale,
+)
 from fused_rope.frequencies import default_inv_freq
 
 LEADERS = ("first", "mean")
@@ -52,19 +55,15 @@ def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale):
             f"k must be [B={B}, HKV, N={N}, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
         )
     HKV = k.shape[1]
-    if HKV == 0 or HQ % HKV:
-        raise ValueError(f"q's head count {HQ} must be a multiple of k's head count {HKV}")
+    if HKV == 0 or HQ == 0 or HQ % HKV:
+        raise ValueError(
+            f"q's head count {HQ} must be a positive multiple of k's head count {HKV} (each KV "
+            "group needs a leader query)"
+        )
     if leader not in LEADERS:
         raise ValueError(f"leader must be one of {LEADERS}, got {leader!r}")
     R = check_rope_dim(rope_dim, D)
-    if softmax_scale is not None and (
-        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float)
-    ):
-        raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
-    s = D**-0.5 if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(s) and s > 0):
-        raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
-    return R, s
+    return R, check_softmax_scale(softmax_scale, D)
 
 
 def leader_query(qg: torch.Tensor, leader: str) -> torch.Tensor:

@@ -43,8 +43,9 @@ import triton
 import triton.language as tl
 
 from fused_rope._trig import cos_sin_of_angle
+from fused_rope._validation import interpreting
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = interpreting()
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
 

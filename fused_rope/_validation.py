@@ -6,6 +6,7 @@ value or device) with the argument's name and what it got.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -15,6 +16,9 @@ import triton
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("half", "interleaved")
+# Frequencies and angles: a half-precision frequency is off by ~1e-3 of itself, which at
+# position 1e4 is radians.
+FREQ_DTYPES = (torch.float32, torch.float64)
 # The attention kernels add batch and head offsets in int64 but index within a head (fused RoPE
 # attention) or a KV group (Co-RoPE) in int32 (fewer registers in the loops): a block they
 # index that way must span fewer elements than this.
@@ -85,15 +89,35 @@ def interpreter_blocker(triton_version: str | None = None, numpy_version: str | 
     return None
 
 
-def check_kernel_device(device: torch.device, name: str) -> None:
+# The values Triton's own reading of a boolean variable takes as true (Triton 3.6 and 3.9).
+_TRUE_WORDS = ("1", "true", "on", "yes", "y")
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter: ``TRITON_INTERPRET`` read as Triton
+    reads it (``triton.knobs.runtime.interpret``, whose C getter Dynamo cannot trace), set
+    before the kernels are imported."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE_WORDS
+
+
+def check_kernel_device(
+    device: torch.device, name: str, dot_dtype: torch.dtype | None = None
+) -> None:
     """Triton kernels run on CUDA, or on the CPU through the interpreter only, which must be
-    able to run them (``interpreter_blocker``)."""
+    able to run them (``interpreter_blocker``). ``dot_dtype``: the dtype of the kernel's
+    tensor-core products, for kernels that have them; the interpreter computes bf16 ones
+    wrongly (by ~1e9 on random inputs), so bf16 there is refused rather than returned."""
     if device.type == "cuda":
         return
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cpu" and interpreting():
         blocker = interpreter_blocker()
         if blocker is not None:
             raise RuntimeError(f"{name} is on the CPU, for the interpreter, but {blocker}")
+        if dot_dtype == torch.bfloat16:
+            raise TypeError(
+                f"{name} is bfloat16 on the CPU: Triton's interpreter has no bf16 arithmetic "
+                "(its bf16 products come out wrong); run bf16 on a GPU, or fp16/fp32 here"
+            )
         return
     raise ValueError(
         f"{name} is on {device}: the Triton kernels need a CUDA tensor "
@@ -102,13 +126,44 @@ def check_kernel_device(device: torch.device, name: str) -> None:
     )
 
 
-def check_inv_freq(inv_freq, rope_dim: int, dtypes=None) -> None:
-    """``inv_freq`` is a floating-point ``[rope_dim // 2]`` tensor (of one of ``dtypes``)."""
+def check_bool(value, name: str) -> None:
+    """``value`` is a ``bool`` (not a truthy string or number, which would switch an option on
+    silently: ``"False"`` is true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_constant(x: torch.Tensor | None, name: str, reference: str) -> None:
+    """The kernels give no gradient for ``x`` (frequencies, angles, positions): refuse one that
+    autograd would expect a gradient for, rather than return none. ``reference``: the PyTorch
+    function that does differentiate it."""
+    if x is not None and x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name} requires grad, but the Triton kernels treat it as a constant (no "
+            f"gradient); pass {name}.detach() to train the rest, or use {reference}"
+        )
+
+
+def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:
+    """``inv_freq`` is a ``[rope_dim // 2]`` tensor of one of ``dtypes`` (default fp32 or fp64:
+    frequencies rounded to half precision put far positions off by whole radians)."""
     check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=dtypes)
     if inv_freq.shape[0] != rope_dim // 2:
         raise ValueError(
             f"inv_freq must have rope_dim // 2 = {rope_dim // 2} entries, got {inv_freq.shape[0]}"
         )
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` as a float: a positive finite number, or ``1 / sqrt(head_dim)`` for
+    None."""
+    if softmax_scale is None:
+        return head_dim**-0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float):
+        raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
+    return float(softmax_scale)
 
 
 def check_rope_dim(rope_dim: int | None, head_dim: int) -> int:

@@ -11,19 +11,21 @@ iff ``j <= i + NK - NQ`` (by index, whatever the positions). A query that sees n
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
+    check_bool,
+    check_constant,
     check_float_tensor,
     check_inv_freq,
     check_kernel_device,
     check_layout,
     check_rope_dim,
     check_same_device,
+    check_softmax_scale,
     element_span,
 )
 from fused_rope.attention_backward import (
@@ -323,20 +325,14 @@ def _check_inputs(
         raise ValueError(f"q and k need at least one position, got NQ={NQ}, NK={NK}")
     check_layout(layout)
     rope_dim = check_rope_dim(rope_dim, D)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is not None and not (
-        isinstance(softmax_scale, (int, float))
-        and math.isfinite(softmax_scale)
-        and softmax_scale > 0
-    ):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    if inv_freq is None:
-        if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
-            raise ValueError(f"theta must be a positive finite number, got {theta!r}")
-    else:
+    check_bool(causal, "causal")
+    check_bool(return_lse, "return_lse")
+    check_softmax_scale(softmax_scale, D)
+    if inv_freq is not None:  # theta is checked where its frequencies are made
         check_inv_freq(inv_freq, rope_dim)
         check_same_device(q=q, inv_freq=inv_freq)
+    for name, x in (("inv_freq", inv_freq), ("positions", positions), ("q_positions", q_positions)):
+        check_constant(x, name, "fused_rope.naive.rope_attention_ref")
     _check_positions(positions, "positions", B, NK, device)
     _check_positions(q_positions, "q_positions", B, NQ, device)
     if q_positions is None and positions is not None and NQ > NK:
@@ -389,7 +385,7 @@ def _check_inputs(
                 f"indexing ({INT32_INDEX_LIMIT}): make it contiguous, or use impl='separate'"
             )
         raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
-    check_kernel_device(device, "q")
+    check_kernel_device(device, "q", dot_dtype=q.dtype if impl == "fused" else None)
     return rope_dim, impl
 
 
@@ -469,9 +465,9 @@ def rope_attention(
     B, HQ, NQ, D = q.shape
     NK = k.shape[2]
     if inv_freq is None:
-        inv_freq = default_inv_freq(rope_dim, float(theta), q.device)
+        inv_freq = default_inv_freq(rope_dim, theta, q.device)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = check_softmax_scale(softmax_scale, D)
     if impl == "separate":
         return _rope_then_sdpa(
             q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim

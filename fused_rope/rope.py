@@ -20,6 +20,7 @@ from fused_rope._trig import cos_sin_of_angle
 from fused_rope._validation import (
     KERNEL_DTYPES,
     check_angles,
+    check_constant,
     check_float_tensor,
     check_inv_freq,
     check_kernel_device,
@@ -486,11 +487,7 @@ def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **
             f"{name} must be float32 (in half precision, far positions are off by whole "
             f"radians), got {t.dtype}"
         )
-    if t.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            f"{name} requires grad, but the RoPE kernels give no gradient for it; pass "
-            f"{name}.detach() to train through x only, or use fused_rope.naive.apply_rope_ref"
-        )
+    check_constant(t, name, "fused_rope.naive.apply_rope_ref")
     check_kernel_device(check_same_device(**inputs, **{name: t}), next(iter(inputs)))
     return t
 

@@ -204,14 +204,14 @@ def test_key_tiles_per_program_splits_only_short_sequences(monkeypatch):
 
     choose = backward._key_tiles_per_program.__wrapped__  # uncached: the patches apply
     monkeypatch.setattr(backward, "num_sms", lambda device: 132)
-    monkeypatch.setattr(backward, "_interpreted", lambda: False)
+    monkeypatch.setattr(backward, "interpreting", lambda: False)
     cuda = torch.device("cuda")
     # (B * HKV, N) -> key tiles a program, with the 64 x 32 tiles of G <= 4
     expected = {(8, 1024): 3, (2, 4096): 8, (2, 16384): 125, (8, 16384): 512, (1, 64): 2}
     for (groups, n), tiles in expected.items():
         assert choose(groups, n, 64, 32, cuda) == tiles, (groups, n)
     assert choose(8, 1024, 64, 32, torch.device("cpu")) == 32
-    monkeypatch.setattr(backward, "_interpreted", lambda: True)
+    monkeypatch.setattr(backward, "interpreting", lambda: True)
     assert choose(8, 1024, 64, 32, cuda) == 32
 
 
@@ -382,7 +382,7 @@ def test_backward_validates_inputs():
         call(leader="last")
     with pytest.raises(ValueError, match="^rope_dim must be even"):
         call(rope_dim=7)
-    with pytest.raises(ValueError, match="must be a multiple of"):
+    with pytest.raises(ValueError, match="must be a positive multiple of"):
         call(k=torch.randn(1, 3, 8, 64, device=DEVICE), v=torch.randn(1, 3, 8, 64, device=DEVICE))
     with pytest.raises(TypeError, match="^q must have dtype in"):
         call(q=q.double(), k=k.double(), v=v.double(), do=do.double(), o=q.double())

@@ -256,6 +256,16 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         (lambda: _small(), {"leader": "last"}, ValueError, "leader"),
         (lambda: _small(), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
         (lambda: _small(), {"inv_freq": torch.ones(5)}, ValueError, "inv_freq"),
+        (lambda: _small(), {"inv_freq": torch.ones(32).half()}, TypeError, "inv_freq must have"),
+        (
+            lambda: _small(),
+            {"inv_freq": torch.ones(32).requires_grad_()},
+            ValueError,
+            r"inv_freq requires grad.*corope_attention_ref",
+        ),
+        (lambda: _small(), {"detach_mileage": "False"}, TypeError, "detach_mileage must be a bool"),
+        (lambda: _small(), {"deterministic": 1}, TypeError, "deterministic must be a bool"),
+        (lambda: _small(HQ=0, HKV=1), {}, ValueError, "positive multiple"),
     ],
     ids=[
         "HQ-not-multiple",
@@ -270,6 +280,11 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         "bad-leader",
         "negative-scale",
         "inv-freq-length",
+        "inv-freq-fp16",
+        "inv-freq-with-grad",
+        "detach-mileage-str",
+        "deterministic-int",
+        "HQ0",
     ],
 )
 def test_bad_inputs_raise(make, kwargs, exc, words):
@@ -283,6 +298,12 @@ def test_mixed_devices_refused_gpu():
     q, k, v = _small()
     with pytest.raises(ValueError, match="device"):
         corope_attention(q, k.cpu(), v)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's bf16 products: a CPU question")
+def test_bf16_refused_in_the_interpreter():
+    with pytest.raises(TypeError, match="q is bfloat16 on the CPU: Triton's interpreter"):
+        corope_attention(*(x.bfloat16() for x in _small()))
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU tensors are refused only when the interpreter is off")

@@ -380,17 +380,23 @@ def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opt
 
 
 def test_separate_path_strided_inputs_and_frequencies_with_grad():
-    """The separate path takes what the fused kernel takes: a strided last dimension, and
-    frequencies or positions that require grad (neither gets a gradient, as in the fused one)."""
+    """The separate path takes what the fused kernel takes: a strided last dimension; and both
+    refuse frequencies or positions that require grad (no kernel differentiates them) rather
+    than leave their gradient silently None, except under no_grad."""
     q = torch.randn(1, 2, 30, 64, device=DEVICE, requires_grad=True)[..., ::2]  # stride 2
     k, v = (torch.randn(1, 1, 30, 32, device=DEVICE) for _ in range(2))
-    inv_freq = rope_frequencies(32)[0].to(DEVICE).requires_grad_()
-    pos = torch.arange(30.0, device=DEVICE).requires_grad_()
-    kw = dict(inv_freq=inv_freq, positions=pos)
-    o = rope_attention(q, k, v, impl="separate", **kw)
-    assert_close("o", o, rope_attention(q, k, v, impl="fused", **kw), atol=2e-5, rtol=1e-5)
-    o.sum().backward()
-    assert inv_freq.grad is None and pos.grad is None
+    kw = dict(
+        inv_freq=rope_frequencies(32)[0].to(DEVICE), positions=torch.arange(30.0, device=DEVICE)
+    )
+    o = {impl: rope_attention(q, k, v, impl=impl, **kw) for impl in ("separate", "fused")}
+    assert_close("o", o["separate"], o["fused"], atol=2e-5, rtol=1e-5)
+    for name in ("inv_freq", "positions"):
+        learned = {**kw, name: kw[name].clone().requires_grad_()}
+        for impl in ("separate", "fused"):
+            with pytest.raises(ValueError, match=f"{name} requires grad"):
+                rope_attention(q, k, v, impl=impl, **learned)
+            with torch.no_grad():
+                assert torch.equal(rope_attention(q, k, v, impl=impl, **learned), o[impl])
 
 
 def test_size_limits_bind_only_the_fused_kernel():
@@ -451,7 +457,8 @@ BAD_INPUTS = [
         ValueError,
         "rope_dim must be even",
     ),
-    ("theta", lambda q, k, v: (q, k, v, {"theta": -1.0}), ValueError, "theta must be a positive"),
+    ("theta", lambda q, k, v: (q, k, v, {"theta": -1.0}), ValueError, "theta must be > 1"),
+    ("theta 1", lambda q, k, v: (q, k, v, {"theta": 1.0}), ValueError, "theta must be > 1"),
     (
         "scale",
         lambda q, k, v: (q, k, v, {"softmax_scale": 0.0}),
@@ -459,6 +466,37 @@ BAD_INPUTS = [
         "softmax_scale must be",
     ),
     ("causal", lambda q, k, v: (q, k, v, {"causal": 1}), TypeError, "causal must be a bool"),
+    (
+        "return_lse str",
+        lambda q, k, v: (q, k, v, {"return_lse": "no"}),
+        TypeError,
+        "return_lse must be a bool",
+    ),
+    ("theta bool", lambda q, k, v: (q, k, v, {"theta": True}), ValueError, "theta must be a fin"),
+    ("scale bool", lambda q, k, v: (q, k, v, {"softmax_scale": True}), TypeError, "must be a num"),
+    (
+        "inv_freq fp16",
+        lambda q, k, v: (q, k, v, {"inv_freq": torch.ones(16, device=q.device).half()}),
+        TypeError,
+        "inv_freq must have dtype",
+    ),
+    (
+        "inv_freq with grad",
+        lambda q, k, v: (q, k, v, {"inv_freq": torch.ones(16, device=q.device).requires_grad_()}),
+        ValueError,
+        r"inv_freq requires grad.*rope_attention_ref",
+    ),
+    (
+        "positions with grad",
+        lambda q, k, v: (
+            q,
+            k,
+            v,
+            {"positions": torch.arange(8.0, device=q.device).requires_grad_()},
+        ),
+        ValueError,
+        "positions requires grad",
+    ),
     (
         "inv_freq len",
         lambda q, k, v: (q, k, v, {"inv_freq": torch.ones(3, device=q.device)}),
@@ -524,6 +562,17 @@ def test_validation_size_limits():
     q, k, v = (x.expand(65536, -1, -1, -1) for x in _qkv(d=16, hq=1, hkv=1, nq=2, nk=2))
     with pytest.raises(ValueError, match="batch x query heads must be at most 65535"):
         rope_attention(q, k, v, impl="fused")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's bf16 products: a CPU question")
+def test_bf16_refused_in_the_interpreter_where_the_fused_kernel_would_run_it():
+    """The interpreter's bf16 products come out ~1e9 off: refused, not returned. The separate
+    path (the RoPE kernel has no products, then PyTorch's SDPA) is right in bf16 and runs."""
+    q, k, v = (x.bfloat16() for x in _qkv(device="cpu"))
+    with pytest.raises(TypeError, match="q is bfloat16 on the CPU: Triton's interpreter"):
+        rope_attention(q, k, v, impl="fused")
+    ref = rope_attention(*(x.float() for x in (q, k, v)), impl="separate")
+    assert (rope_attention(q, k, v, impl="separate").float() - ref).abs().max() < 0.05
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU tensors are refused only when the interpreter is off")

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from fused_rope._trig import reduce_angle
-from fused_rope._validation import check_kernel_device, interpreter_blocker
+from fused_rope._validation import check_kernel_device, interpreter_blocker, interpreting
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref
 from fused_rope.rope import TileConfig, apply_rope, apply_rope_qk, rope_fwd
@@ -506,6 +506,14 @@ def test_interpreter_blocker_names_the_broken_pair(triton_version, numpy_version
     assert (reason is not None) == blocked
     if blocked:
         assert triton_version in reason and numpy_version in reason and "numpy<2.4" in reason
+
+
+@pytest.mark.parametrize(
+    "value", ["1", "true", "TRUE", "on", "yes", "y", "0", "off", "no", "", "2"]
+)
+def test_interpreting_reads_the_variable_as_triton_does(value, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() == triton.knobs.runtime.interpret
 
 
 def test_cpu_tensor_with_a_broken_interpreter_is_refused_with_the_fix(monkeypatch):
