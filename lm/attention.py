@@ -144,7 +144,10 @@ def _rope_dim(cfg: Any, head_dim: int) -> int:
 
 class RopeAttention(Attention):
     """RoPE on q and k (positions ``0..N-1``), then causal SDPA. The attention factor of the
-    scaled schedules (YaRN's mscale) multiplies q and k, as HF's scaled cos/sin do."""
+    scaled schedules (YaRN's mscale) multiplies q and k, as HF's scaled cos/sin do when the
+    whole head rotates; with ``rope_dim < head_dim`` it scales the pass-through channels too,
+    where HF's scales only the rotated ones (both paths here alike: the kernels take one
+    output scale)."""
 
     def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
         super().__init__(cfg, d_model, n_head, n_kv_head)
