@@ -154,14 +154,23 @@ def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:
         )
 
 
+def is_finite(x) -> bool:
+    """``math.isfinite`` for a real number, written with comparisons (NaN fails both) so that
+    Dynamo traces it where the number is symbolic: ``torch.compile(dynamic=True)`` makes float
+    arguments, defaults included, symbolic, and has no ``math.isfinite`` for them."""
+    return -math.inf < x < math.inf
+
+
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     """``softmax_scale`` as a float: a positive finite number, or ``1 / sqrt(head_dim)`` for
     None."""
     if softmax_scale is None:
-        return head_dim**-0.5
+        # int(): under torch.compile(dynamic=True) the head dim is symbolic; the kernels
+        # specialise on it anyway, and a symbolic scale would reach the numeric checks.
+        return int(head_dim) ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+    if not (is_finite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -169,7 +178,7 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
 def check_rope_dim(rope_dim: int | None, head_dim: int) -> int:
     """Resolves ``rope_dim`` (default: the head dim) and checks it is even and at most D."""
     if rope_dim is None:
-        rope_dim = head_dim
+        rope_dim = int(head_dim)  # a Python int under torch.compile(dynamic=True), as above
     if isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
         raise TypeError(f"rope_dim must be an int, got {type(rope_dim).__name__}")
     if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:

@@ -280,14 +280,11 @@ def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, la
         # causal_lower_right hands the memory-efficient kernel k and v as they are, without
         # the GQA head expansion of its other branches (torch 2.5-2.13): give it every head.
         k_rot, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k_rot, v))
+    # enable_gqa must be a bool, which a head-count comparison is not under
+    # torch.compile(dynamic=True) (a SymBool); a branch on it is guarded into one.
+    gqa = {"enable_gqa": True} if q_rot.shape[1] != k_rot.shape[1] else {}
     return torch.nn.functional.scaled_dot_product_attention(
-        q_rot,
-        k_rot,
-        v,
-        attn_mask=mask,
-        is_causal=causal and mask is None,
-        scale=scale,
-        enable_gqa=q_rot.shape[1] != k_rot.shape[1],
+        q_rot, k_rot, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, **gqa
     )
 
 
@@ -345,7 +342,10 @@ def _check_inputs(
     # that returns the fused kernel's 0 for it.
     separate_applies = not return_lse and (NQ <= NK or not causal)
     spans = {name: _head_span(x) for name, x in (("q", q), ("k", k), ("v", v))}
-    widest = max(spans, key=spans.get)
+    widest = "q"  # a loop, not max(key=): Dynamo traces neither max nor sorted by symbolic keys
+    for name in ("k", "v"):
+        if spans[name] > spans[widest]:
+            widest = name
     # the grid's second axis is B x HQ
     fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535 and spans[widest] < INT32_INDEX_LIMIT
     if impl == "auto":  # the faster path (README: measured on an H100 and an H200)

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fused_rope._validation import check_float_tensor, check_same_device
+from fused_rope._validation import check_float_tensor, check_same_device, is_finite
 
 # Per scaling type: (required keys, optional keys) besides "type"/"rope_type", "rope_theta" and
 # the keys any type may carry (_check_shared_keys).
@@ -49,7 +49,7 @@ _TYPE_ALIASES = {"mrope": "default"}
 
 def _is_number(value) -> bool:
     """A finite real number: Python's or numpy's (``numbers.Real``), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and is_finite(value)
 
 
 def _number(params: Mapping, key: str, kind: str, *, minimum: float = 0.0, strict: bool = True):

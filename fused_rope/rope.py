@@ -8,7 +8,6 @@ that torch.compile sees, then the public functions ``apply_rope`` and ``apply_ro
 """
 
 # No ``from __future__ import annotations``: torch.library.custom_op reads the real annotations.
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from fused_rope._validation import (
     check_layout,
     check_rope_dim,
     check_same_device,
+    is_finite,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def _(x, angles, layout, rope_dim, scale):
 def _check_scale(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
-    if not math.isfinite(value):
+    if not is_finite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
 

@@ -206,14 +206,16 @@ def test_autograd_through_public_function():
         assert_close(name, g, r, atol=1e-4, rtol=1e-5)
 
 
-def test_compile_fullgraph_traces_custom_op():
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compile_fullgraph_traces_custom_op(dynamic):
     # aot_eager runs the fake implementations and the registered autograd through the
     # compiler's tracing without generating code, so it also works in the interpreter. The
     # deterministic backward makes bitwise equality the right check (on a GPU the default
-    # one's atomic adds may land in another order).
+    # one's atomic adds may land in another order). dynamic=True makes the head dim and the
+    # float defaults (theta) symbolic, which the input checks must trace.
     q, k, v = (x.requires_grad_() for x in _inputs(1, 2, 1, 17, 64, torch.float32))
     fn = lambda q, k, v: corope_attention(q, k, v, deterministic=True).square().sum()
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
     g_eager = torch.autograd.grad(fn(q, k, v), (q, k, v))
     g_comp = torch.autograd.grad(compiled(q, k, v), (q, k, v))
     for a, b in zip(g_comp, g_eager, strict=True):

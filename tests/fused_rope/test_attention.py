@@ -813,9 +813,11 @@ def test_gpu_every_config(index, dtype):
         )
 
 
-def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch):
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch, dynamic):
     """Fake-tensor and autograd registrations: fullgraph tracing (aot_eager, any device) gives
-    the eager gradients, for default and for explicit positions."""
+    the eager gradients, for default and for explicit positions; with dynamic=True too (the
+    sizes and the float defaults symbolic, which the input checks and dispatch must trace)."""
     q, k, v = (torch.randn(1, 4, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
     pos = torch.arange(40, device=DEVICE) * 2
 
@@ -831,7 +833,7 @@ def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch):
     # the prefill's eager dispatch as under compile (a GPU could take SDPA's kernel for it)
     monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
     eager = torch.autograd.grad(f(q, k, v), (q, k, v))
-    traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    traced = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)(q, k, v)
     for name, a, b in zip(
         ("dq", "dk", "dv"), eager, torch.autograd.grad(traced, (q, k, v)), strict=True
     ):

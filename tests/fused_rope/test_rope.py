@@ -358,13 +358,14 @@ def _compile_case(dtype):
     return fn, (q, k, angles)
 
 
-def _check_compiled(backend, dtype):
+def _check_compiled(backend, dtype, dynamic=None):
     torch._dynamo.reset()
     fn, args = _compile_case(dtype)
     q, k, _ = args
     eager = fn(*args)
     dq, dk = torch.autograd.grad(eager, (q, k))
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)(*args)  # fails on a graph break
+    # fullgraph: fails on a graph break
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic)(*args)
     cdq, cdk = torch.autograd.grad(compiled, (q, k))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
@@ -372,9 +373,11 @@ def _check_compiled(backend, dtype):
     torch.testing.assert_close(cdk, dk, rtol=tol, atol=tol)
 
 
-def test_fullgraph_trace_without_inductor():
-    """Dynamo + AOTAutograd trace through the custom ops (fake and autograd registrations)."""
-    _check_compiled("aot_eager", torch.float32)
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_fullgraph_trace_without_inductor(dynamic):
+    """Dynamo + AOTAutograd trace through the custom ops (fake and autograd registrations),
+    also with symbolic sizes and float arguments (dynamic=True)."""
+    _check_compiled("aot_eager", torch.float32, dynamic)
 
 
 @gpu
