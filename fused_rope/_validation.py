@@ -7,6 +7,7 @@ value or device) with the argument's name and what it got.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 
@@ -168,7 +169,7 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
         # int(): under torch.compile(dynamic=True) the head dim is symbolic; the kernels
         # specialise on it anyway, and a symbolic scale would reach the numeric checks.
         return int(head_dim) ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, int | float):
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
     if not (is_finite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
@@ -179,13 +180,13 @@ def check_rope_dim(rope_dim: int | None, head_dim: int) -> int:
     """Resolves ``rope_dim`` (default: the head dim) and checks it is even and at most D."""
     if rope_dim is None:
         rope_dim = int(head_dim)  # a Python int under torch.compile(dynamic=True), as above
-    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral):
         raise TypeError(f"rope_dim must be an int, got {type(rope_dim).__name__}")
     if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
         raise ValueError(
             f"rope_dim must be even, positive and at most the head dim {head_dim}, got {rope_dim}"
         )
-    return rope_dim
+    return int(rope_dim)
 
 
 def check_layout(layout: str) -> None:
