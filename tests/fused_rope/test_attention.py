@@ -734,7 +734,7 @@ def test_lower_right_gqa_on_the_efficient_kernel_gets_every_head(monkeypatch):
     heads, real = [], CausalBias._dispatch
 
     def spy(q, k, v, *args, **kwargs):  # where SDPA hands a bottom-right mask to its kernels
-        heads.append((q.shape[1], k.shape[1], v.shape[1], kwargs["enable_gqa"]))
+        heads.append((q.shape[1], k.shape[1], v.shape[1], kwargs.get("enable_gqa", False)))
         return real(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(CausalBias, "_dispatch", staticmethod(spy))
