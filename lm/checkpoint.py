@@ -1,7 +1,8 @@
 """Checkpoints that resume a run exactly and load with ``torch.load(weights_only=True)``.
 
 A checkpoint holds only tensors and primitive containers: the model, optimizer and
-scheduler state dicts, the step, the RNG states and the trainer's own small state. The
+scheduler state dicts, the step, the RNG states, the trainer's own small state and the
+resolved config of the run (``config_changes`` compares it with a resuming run's). The
 data is a function of (data seed, step), so it needs no state. Writes go to a temporary
 file in the same directory, then ``os.replace``: a crash mid-write leaves the previous
 checkpoint intact.
@@ -10,6 +11,7 @@ checkpoint intact.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,42 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """The state saved by ``save_checkpoint``, on the CPU."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def config_changes(
+    saved: dict, now: dict, compared: Callable[[str], bool]
+) -> tuple[list[str], list[str]]:
+    """How two resolved configs (nested dicts of primitives and lists) differ, as
+    ``"key: saved -> now"`` lines sorted by dotted key: ``(changed, one_sided)``, the keys both
+    have with different values, and the keys only one has (a field the code added or removed
+    between the two runs: its value may well be the one the older run had implicitly).
+
+    Args:
+        saved: the config stored in a checkpoint.
+        now: the config of the run that would resume from it.
+        compared: whether a dotted key (``"model.d_model"``) must be equal; the others may
+            differ.
+    """
+    saved, now = _flatten(saved), _flatten(now)
+    keys = [key for key in sorted(saved.keys() | now.keys()) if compared(key)]
+    line = lambda key: f"{key}: {_shown(saved, key)} -> {_shown(now, key)}"
+    both = [key for key in keys if key in saved and key in now]
+    return (
+        [line(key) for key in both if saved[key] != now[key]],
+        [line(key) for key in keys if key not in both],
+    )
+
+
+def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"dotted.key": value}`` of a nested dict; lists are values."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _shown(flat: dict[str, Any], key: str) -> str:
+    return repr(flat[key]) if key in flat else "(absent)"

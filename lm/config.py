@@ -127,7 +127,13 @@ class LoopConfig:
     # writes summary.json (with stopped_early) as at its last step; resume=true goes on to
     # `steps`. null = no limit. For GPU blocks where every job must finish in time.
     max_minutes: float | None = None
-    resume: bool = False  # continue from ckpt_path if it exists
+    # Continue from ckpt_path if it exists, with the same config (cadences, device, logger and
+    # attention.impl aside; lm.training._NOT_THE_RUN): another config fails naming the keys.
+    resume: bool = False
+    # Start from step 0 even where ckpt_path holds a checkpoint, replacing it and the run's
+    # metrics. With neither resume nor overwrite, an existing checkpoint fails the start.
+    overwrite: bool = False
+    # A relative path is under the run's output directory (each sweep job has its own).
     ckpt_path: str | None = None  # null = <output dir>/checkpoint.pt
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # Intra-op threads when training on the CPU (null = torch's default, one per core). One

@@ -53,10 +53,9 @@ def broadcast(obj, info: DistInfo):
     return box[0]
 
 
-def mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """The mean of a scalar tensor over the ranks (a copy; the input is untouched)."""
+def all_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The sum of ``value`` over the ranks (a detached copy; the input is untouched)."""
     value = value.detach().clone()
     if info.world_size > 1:
         dist.all_reduce(value)
-        value /= info.world_size
     return value

@@ -25,6 +25,11 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+def metric_names(kind: str) -> tuple[str, ...]:
+    """What ``evaluate_split`` reports for a dataset of ``kind`` ("lm" or "task")."""
+    return ("loss", "acc", "ppl") if kind == "lm" else ("loss", "acc", "seq_acc", "err")
+
+
 @torch.no_grad()
 def evaluate_split(model: nn.Module, batches, kind: str, device: torch.device) -> dict[str, float]:
     """Metrics of ``model`` over ``batches`` of ``(x, y)``, int64 ``(B, L)``, ``-100`` = no target."""
@@ -44,14 +49,15 @@ def evaluate_split(model: nn.Module, batches, kind: str, device: torch.device) -
         seqs_right += int(((hit | ~mask).all(1) & has_target).sum())
     if tokens == 0:
         raise ValueError("an eval split yielded no target tokens (every y is -100)")
-    loss = loss_sum.item() / tokens
-    out = {"loss": loss, "acc": correct / tokens}
-    if kind == "lm":
-        out["ppl"] = math.exp(min(loss, 700.0))
-    else:
-        out["seq_acc"] = seqs_right / seqs
-        out["err"] = 1.0 - out["seq_acc"]
-    return out
+    loss, seq_acc = loss_sum.item() / tokens, seqs_right / seqs
+    values = {
+        "loss": loss,
+        "acc": correct / tokens,
+        "ppl": math.exp(min(loss, 700.0)),
+        "seq_acc": seq_acc,
+        "err": 1.0 - seq_acc,
+    }
+    return {name: values[name] for name in metric_names(kind)}
 
 
 def evaluate(

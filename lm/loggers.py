@@ -1,7 +1,8 @@
 """Experiment loggers, built by ``hydra.utils.instantiate(cfg.logger, ...)`` on rank 0.
 
 ``metrics.jsonl`` and ``summary.json`` are written by the trainer whatever the logger;
-a logger only mirrors them to a tracking service.
+a logger only mirrors them to a tracking service. Its ``run_id`` (None: no service) goes
+into the checkpoint, and the trainer passes it back as ``run_id`` when the run resumes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ log = logging.getLogger(__name__)
 
 
 class NullLogger:
-    """``logger=none``: logs nowhere."""
+    """``logger=none``: logs nowhere; takes (and ignores) ``WandbLogger``'s arguments."""
+
+    run_id = None
 
     def __init__(self, **_: Any) -> None:
         pass
@@ -30,15 +33,18 @@ class NullLogger:
 
 
 class WandbLogger:
-    """One wandb run per training run (so per multirun job).
+    """One wandb run per training run (so per multirun job), resumed runs included.
 
     Args:
         project, entity, mode: wandb's; ``mode="offline"`` needs no account nor network
-            (``wandb sync <run_dir>/wandb/offline-run-*`` uploads later).
+            (``wandb sync <run_dir>/wandb/offline-run-*`` uploads later; a resumed run
+            adds an offline directory with the same run id).
         run_dir: the Hydra output directory; wandb writes under ``run_dir/wandb``.
         name: the run's name; group: the experiment name; tags: the command-line overrides.
         run_config: the resolved config.
         summaries: metric name -> ``"min"``/``"max"``/``"last"``: what the run summary keeps.
+        run_id: the id of the wandb run to continue (a resumed training run's); None: a
+            new run with a new id. ``self.run_id`` is the run's id either way.
     """
 
     def __init__(
@@ -52,6 +58,7 @@ class WandbLogger:
         run_config: dict,
         summaries: dict[str, str],
         entity: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         import wandb
 
@@ -64,7 +71,10 @@ class WandbLogger:
             group=group,
             tags=[t[:64] for t in tags],
             config=run_config,
+            id=run_id,
+            resume="allow",  # continue the run of that id if there is one
         )
+        self.run_id = self.run.id
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         for key, summary in summaries.items():

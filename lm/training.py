@@ -6,7 +6,13 @@ clipping, bf16 autocast on CUDA, DDP under torchrun. Rank 0 evaluates every
 
     metrics.jsonl    one JSON object per log/eval event ({"step": ..., "train/loss": ...})
     summary.json     the final metrics, speed and run facts (what experiments/collect.py reads)
-    checkpoint.pt    model, optimizer, scheduler, step, RNG states (``train.resume=true``)
+    checkpoint.pt    model, optimizer, scheduler, step, RNG states, the resolved config and
+                     the logger's run id (``train.resume=true``)
+
+The training loss is the mean cross-entropy over the target tokens of the global batch
+(under DDP too, where ranks hold different numbers of targets). A run refuses to start
+over an existing checkpoint unless ``train.resume`` (the same config) or
+``train.overwrite`` says what to do with it.
 
 Speed (in ``summary.json`` and the logs), measured over the training steps after the
 first (which pays for kernel compilation and warm-up) and excluding evaluation:
@@ -36,13 +42,43 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lm import distributed
 from lm.attention import attention_class, resolve_impl
-from lm.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from lm.checkpoint import (
+    config_changes,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from lm.data import build_dataset
-from lm.evaluation import autocast, evaluate
+from lm.data.base import IGNORE_INDEX, check_fraction, check_int
+from lm.evaluation import autocast, evaluate, metric_names
 from lm.model import GPT
 from lm.profiling import AttentionTimer, model_flops_per_token, peak_bf16_flops
 
 log = logging.getLogger(__name__)
+
+# Settings of how a run is carried out and watched, not of what it trains (the kernels and
+# the PyTorch path of attention.impl compute the same model): a resumed run may change them
+# while the rest of its config must equal the checkpoint's, and the wandb run's name leaves
+# them out. Each covers the keys under it too.
+_NOT_THE_RUN = (
+    "name",
+    "metric",
+    "logger",
+    "attention.impl",
+    "train.log_every",
+    "train.eval_every",
+    "train.ckpt_every",
+    "train.eval_batch_size",
+    "train.resume",
+    "train.overwrite",
+    "train.max_minutes",
+    "train.progress",
+    "train.device",
+    "train.cpu_threads",
+    "train.time_attention",
+    "train.ckpt_path",
+)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -76,7 +112,21 @@ def _embeddings(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _overrides() -> list[str]:
+    """The command-line overrides of the run's config (Hydra's own, ``hydra.*``, aside)."""
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _defines_the_run(key: str) -> bool:
+    """Whether the dotted config ``key`` is part of what the run trains (not in
+    ``_NOT_THE_RUN``)."""
+    return not any(key == k or key.startswith(k + ".") for k in _NOT_THE_RUN)
+
+
+def _run_name(out_dir: Path) -> str:
+    """The logger's run name: the overrides that define the run (``attention=rope seed=1``),
+    the same when it resumes; without any, the output directory's name."""
+    keys = {o: o.split("=", 1)[0].lstrip("+~") for o in _overrides()}
+    return " ".join(o for o, key in keys.items() if _defines_the_run(key)) or out_dir.name
 
 
 def _output_dir(output_dir: str | None) -> Path:
@@ -87,14 +137,91 @@ def _output_dir(output_dir: str | None) -> Path:
     return Path(output_dir)
 
 
-def _summaries(splits: list[str], kind: str) -> dict[str, str]:
-    """What wandb's run summary keeps per metric: the best loss, the final accuracy."""
-    out = {}
-    for split in splits:
-        out[f"{split}/loss"] = "min"
-        out[f"{split}/acc"] = "last"
-        out[f"{split}/{'ppl' if kind == 'lm' else 'err'}"] = "last"
-    return out
+def _checkpoint_path(ckpt_path: str | None, out_dir: Path) -> Path:
+    """``train.ckpt_path``: a relative path is under ``out_dir``, the run's output directory
+    (so every job of a sweep has its own); null is ``out_dir/checkpoint.pt``."""
+    return out_dir / (ckpt_path or "checkpoint.pt")  # an absolute ckpt_path replaces out_dir
+
+
+def _checkpoint_to_resume(cfg: DictConfig, path: Path) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` that ``train.resume=true`` continues, or None to start at
+    step 0 (no checkpoint there, or ``train.overwrite=true``).
+
+    Raises:
+        FileExistsError: ``path`` exists and neither train.resume nor train.overwrite is set.
+        ValueError: the checkpoint's config differs from ``cfg`` (outside ``_NOT_THE_RUN``).
+    """
+    t = cfg.train
+    if not path.exists():
+        if t.resume:
+            log.info("train.resume: no checkpoint at %s, starting from step 0", path)
+        return None
+    if t.overwrite:
+        log.info("train.overwrite: starting from step 0; %s will be replaced", path)
+        return None
+    if not t.resume:
+        raise FileExistsError(
+            f"{path} holds the checkpoint of an earlier run: train.resume=true continues it, "
+            "train.overwrite=true starts again and replaces it (and its metrics), or choose "
+            "another output directory"
+        )
+    ckpt = load_checkpoint(path)
+    if "config" not in ckpt:
+        log.warning("%s holds no config (an older run): resuming it unchecked", path)
+        return ckpt
+    changed, one_sided = config_changes(
+        ckpt["config"], OmegaConf.to_container(cfg, resolve=True), _defines_the_run
+    )
+    if changed:
+        raise ValueError(
+            f"train.resume=true: {path} was trained with another config (saved -> now):\n  "
+            + "\n  ".join(changed)
+            + "\nResume with the same config, or start the new one in another output directory"
+        )
+    if one_sided:
+        log.warning(
+            "resuming %s, whose config lacks or has keys this code's does not (a config field "
+            "added or removed since): %s",
+            path,
+            "; ".join(one_sided),
+        )
+    return ckpt
+
+
+def _check_options(cfg: DictConfig) -> None:
+    """ValueError (TypeError) naming the first loop or optimizer option out of range, and an
+    unknown attention, before any data is loaded."""
+    attention_class(cfg.attention)
+    t, optim = cfg.train, cfg.optim
+    for key in ("steps", "batch_size", "eval_batch_size"):
+        check_int(f"train.{key}", t[key], 1)
+    for key in ("log_every", "eval_every", "ckpt_every"):  # 0 = only at the end
+        check_int(f"train.{key}", t[key], 0)
+    if t.max_minutes is not None:
+        _check_positive("train.max_minutes", t.max_minutes)
+    if t.resume and t.overwrite:
+        raise ValueError("train.resume=true and train.overwrite=true: pick one")
+    _check_positive("optim.lr", optim.lr)
+    check_int("optim.warmup_steps", optim.warmup_steps, 0)
+    check_fraction("optim.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
+    if not optim.grad_clip >= 0:  # NaN too
+        raise ValueError(f"optim.grad_clip must be >= 0 (0 = no clipping), got {optim.grad_clip}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    """ValueError naming ``name`` unless ``value`` is a finite number above 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number, got {value}")
+
+
+def _eval_keys(dataset) -> list[str]:
+    """The keys of ``evaluate``'s metrics: ``<split>/<metric>``."""
+    return [f"{s}/{m}" for s in dataset.eval_splits() for m in metric_names(dataset.kind)]
+
+
+def _summaries(dataset) -> dict[str, str]:
+    """What wandb's run summary keeps per metric: the best loss, the final others."""
+    return {key: "min" if key.endswith("/loss") else "last" for key in _eval_keys(dataset)}
 
 
 class _Jsonl:
@@ -123,22 +250,26 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         output_dir: where logs and checkpoints go; default: Hydra's run directory.
 
     Raises:
+        ValueError, TypeError: an option out of range (naming it), an unknown ``metric``, or
+            ``train.resume=true`` with a config other than the checkpoint's; before anything
+            is written.
+        FileExistsError: the output directory holds a checkpoint and neither
+            ``train.resume`` nor ``train.overwrite`` is set; before anything is written.
         FloatingPointError: a non-finite loss or gradient norm, naming the step; the last
             checkpoint (from an earlier step) is kept.
     """
-    attention_class(cfg.attention)  # an unknown name fails before any data is loaded
-    minutes = cfg.train.max_minutes
-    if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
-        raise ValueError(f"train.max_minutes must be a positive number or null, got {minutes}")
+    _check_options(cfg)
     info = distributed.setup(cfg.train.device)
     try:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
+        ckpt_path = _checkpoint_path(cfg.train.ckpt_path, out_dir)
+        ckpt = _checkpoint_to_resume(cfg, ckpt_path)  # fails before the data is loaded
         if info.device.type == "cpu" and cfg.train.cpu_threads:
             torch.set_num_threads(cfg.train.cpu_threads)
         torch.manual_seed(cfg.seed)
         dataset = build_dataset(cfg.data)
         model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len).to(info.device)
-        run = _Run(cfg, info, out_dir, dataset, model)
+        run = _Run(cfg, info, out_dir, dataset, model, ckpt_path, ckpt)
         try:
             return run.loop()
         except BaseException:
@@ -150,14 +281,31 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
 
 
 class _Run:
-    """The state of one training run; ``loop()`` runs it to the end."""
+    """The state of one training run; ``loop()`` runs it to the end.
 
-    def __init__(self, cfg: DictConfig, info, out_dir: Path, dataset, model: GPT) -> None:
+    Args:
+        cfg: the root config; info: this process's ``distributed.DistInfo``.
+        out_dir: the run's output directory (rank 0's on every rank).
+        dataset, model: what to train on and what to train (on ``info.device``).
+        ckpt_path: where the checkpoints go; ckpt: the checkpoint to resume from, or None.
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        info,
+        out_dir: Path,
+        dataset,
+        model: GPT,
+        ckpt_path: Path,
+        ckpt: dict[str, Any] | None,
+    ) -> None:
         self.cfg, self.info, self.out_dir = cfg, info, out_dir
         self.dataset, self.model = dataset, model
         self.t = cfg.train
         self.opt, self.sched = build_optimizer(model, cfg.optim, self.t.steps)
-        self.ckpt_path = Path(self.t.ckpt_path) if self.t.ckpt_path else out_dir / "checkpoint.pt"
+        self.ckpt_path = ckpt_path
+        self.run_config = OmegaConf.to_container(cfg, resolve=True)
         self.step = 0
         # Carried through checkpoints, so a resumed run reports the whole run's speed.
         self.state = {
@@ -168,9 +316,13 @@ class _Run:
             "timed_tokens": 0,
             # Training losses since the last log line: a resumed run logs the same averages.
             "pending_losses": [],
+            # The logger's run (wandb's id): a resumed run logs into the same one.
+            "logger_run_id": None,
         }
         self.last_ckpt_step: int | None = None
-        resumed = self._maybe_resume()
+        self.stopped_early = False
+        if ckpt is not None:
+            self._resume(ckpt)
         self.ddp = (
             DistributedDataParallel(
                 model, device_ids=[info.device] if info.device.type == "cuda" else None
@@ -181,28 +333,36 @@ class _Run:
         self.timer = AttentionTimer(info.device) if self.t.time_attention else None
         for block in model.blocks:
             block.attn.timer = self.timer
+        self._check_metric()  # before anything is written
         self.logger = None
         if info.main:
             out_dir.mkdir(parents=True, exist_ok=True)
-            self.jsonl = _Jsonl(out_dir / "metrics.jsonl", self.step if resumed else None)
+            self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
             self.logger = instantiate(
                 cfg.logger,
                 run_dir=str(out_dir),
-                name=out_dir.name,
+                name=_run_name(out_dir),
                 group=cfg.name,
                 tags=_overrides(),
-                run_config=OmegaConf.to_container(cfg, resolve=True),
-                summaries=_summaries(dataset.eval_splits(), dataset.kind),
+                run_config=self.run_config,
+                summaries=_summaries(dataset),
+                run_id=self.state.get("logger_run_id"),  # absent from older checkpoints
                 _recursive_=False,
                 _convert_="all",  # run_config holds _target_ keys: keep them as data
             )
+            self.state["logger_run_id"] = self.logger.run_id
 
-    def _maybe_resume(self) -> bool:
-        if not (self.t.resume and self.ckpt_path.exists()):
-            if self.t.resume:
-                log.info("train.resume: no checkpoint at %s, starting from step 0", self.ckpt_path)
-            return False
-        ckpt = load_checkpoint(self.ckpt_path)
+    def _check_metric(self) -> None:
+        """``metric`` (what train.py returns to sweepers) must be a key of the summary."""
+        # The keys from the function that makes the summary, the evaluation's values aside
+        keys = list(self._summary(dict.fromkeys(_eval_keys(self.dataset), math.nan)))
+        if self.cfg.metric not in keys:
+            raise ValueError(
+                f"metric={self.cfg.metric!r} is not a key of the run's summary: "
+                f"pick one of {', '.join(keys)}"
+            )
+
+    def _resume(self, ckpt: dict[str, Any]) -> None:
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
@@ -210,7 +370,6 @@ class _Run:
         self.step = self.last_ckpt_step = ckpt["step"]
         self.state = ckpt["state"]
         log.info("resumed from %s at step %d", self.ckpt_path, self.step)
-        return True
 
     def _save(self) -> None:
         if self.info.main:
@@ -223,6 +382,7 @@ class _Run:
                     "rng": rng_state(),
                     "step": self.step,
                     "state": self.state,
+                    "config": self.run_config,
                 },
             )
         self.last_ckpt_step = self.step
@@ -232,14 +392,21 @@ class _Run:
         self.logger.log(metrics, self.step)
 
     def _train_step(self) -> tuple[float, int]:
-        """One optimizer step; returns (loss averaged over ranks, tokens in the global batch)."""
+        """One optimizer step; returns (the global batch's loss, tokens in the global batch)."""
         t, info = self.t, self.info
         x, y = self.dataset.train_batch(self.step, t.batch_size, info.rank, info.world_size)
         x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
         with autocast(info.device):
             logits = self.ddp(x)  # (B, L, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
-        loss_value = distributed.mean(loss, info).item()
+        summed = F.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        # The mean over the global batch's target tokens, as one process would compute it,
+        # however they fall between the ranks (a flip-flop row has as many as it has reads):
+        # this rank's sum over the global count, times world_size as DDP averages gradients.
+        targets = distributed.all_sum((y != IGNORE_INDEX).sum(), info)
+        loss = summed / targets * info.world_size
+        loss_value = (distributed.all_sum(summed, info) / targets).item()
         if not math.isfinite(loss_value):
             self._fail(f"loss is {loss_value}")
         self.opt.zero_grad(set_to_none=True)
@@ -288,7 +455,6 @@ class _Run:
         losses = self.state.setdefault("pending_losses", [])
         eval_metrics: dict[str, float] = {}
         deadline = None if t.max_minutes is None else time.monotonic() + 60 * t.max_minutes
-        self.stopped_early = False
         with logging_redirect_tqdm():
             while self.step < t.steps:
                 start = time.perf_counter()
@@ -308,9 +474,8 @@ class _Run:
                     self.stopped_early = distributed.broadcast(time.monotonic() >= deadline, info)
                 last = self.step == t.steps or self.stopped_early
                 if info.main and ((t.log_every and self.step % t.log_every == 0) or last):
-                    self._record(
-                        {"train/loss": sum(losses) / len(losses), "lr": self.lr, **self._speed()}
-                    )
+                    speed = self._speed() if self.state["timed_steps"] else {}  # none timed yet
+                    self._record({"train/loss": sum(losses) / len(losses), "lr": self.lr, **speed})
                     losses.clear()
                 if last or (t.eval_every and self.step % t.eval_every == 0):
                     if info.main:
@@ -332,13 +497,14 @@ class _Run:
         return self._finish(eval_metrics)
 
     def _speed(self) -> dict[str, float | None]:
+        """The speed figures (module docstring) over the timed steps; None where the device
+        has no such figure, and before the first timed step."""
         s, info = self.state, self.info
-        if s["timed_steps"] == 0:
-            return {}
-        tokens_per_s = s["timed_tokens"] / s["train_s"]
+        timed = s["timed_steps"] > 0
+        tokens_per_s = s["timed_tokens"] / s["train_s"] if timed else None
         peak = peak_bf16_flops(info.device)
         mfu = None
-        if peak is not None:
+        if peak is not None and timed:
             cfg = self.cfg.model
             seq_len = s["timed_tokens"] / (s["timed_steps"] * self.t.batch_size * info.world_size)
             flops = model_flops_per_token(
@@ -347,18 +513,19 @@ class _Run:
             mfu = flops * tokens_per_s / (peak * info.world_size)
         return {
             "tokens_per_s": tokens_per_s,
-            "step_ms": 1e3 * s["train_s"] / s["timed_steps"],
-            "attn_time_frac": s["attn_s"] / s["train_s"] if self.timer else None,
+            "step_ms": 1e3 * s["train_s"] / s["timed_steps"] if timed else None,
+            "attn_time_frac": s["attn_s"] / s["train_s"] if self.timer and timed else None,
             "mfu": mfu,
             "peak_mem_mib": torch.cuda.max_memory_allocated(info.device) / 2**20
             if info.device.type == "cuda"
             else None,
         }
 
-    def _finish(self, eval_metrics: dict[str, float]) -> dict[str, Any]:
+    def _summary(self, eval_metrics: dict[str, float]) -> dict[str, Any]:
+        """The run's summary: ``eval_metrics`` (``evaluate``'s), the speed and run facts."""
         first = self.dataset.eval_splits()[0]
         impl = self.cfg.attention.get("impl")
-        summary: dict[str, Any] = {
+        return {
             **eval_metrics,
             "val_loss": eval_metrics[f"{first}/loss"],
             "best_val_loss": self.state["best_val_loss"],
@@ -376,6 +543,9 @@ class _Run:
             "world_size": self.info.world_size,
             "overrides": _overrides(),
         }
+
+    def _finish(self, eval_metrics: dict[str, float]) -> dict[str, Any]:
+        summary = self._summary(eval_metrics)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.logger.finish(summary)
         log.info("final | %s", _final_line(summary, self.dataset.eval_splits(), self.dataset.kind))
@@ -390,7 +560,7 @@ def _final_line(summary: dict[str, Any], splits: list[str], kind: str) -> str:
         f"{s} loss {summary[f'{s}/loss']:.4f} {quality} {summary[f'{s}/{quality}']:.4f}"
         for s in splits
     ]
-    if "tokens_per_s" in summary:
+    if summary["tokens_per_s"] is not None:
         parts.append(f"{summary['tokens_per_s']:.0f} tok/s, {summary['step_ms']:.1f} ms/step")
         if summary["mfu"] is not None:
             parts.append(f"MFU {100 * summary['mfu']:.1f}%")

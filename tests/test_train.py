@@ -2,6 +2,7 @@
 failures with clear messages."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.checkpoint import load_checkpoint
+import lm.training
+from lm.checkpoint import load_checkpoint, save_checkpoint
 from lm.training import lr_lambda, train
 from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
 
@@ -38,17 +40,24 @@ def train_losses(run_dir: Path) -> list[tuple[int, float]]:
     ]
 
 
+def wandb_run_record(run_file: Path):
+    """The ``run`` record of an offline wandb run file: its id, name, config."""
+    return next(
+        r.run for r in wandb_offline_records(run_file) if r.WhichOneof("record_type") == "run"
+    )
+
+
 @pytest.mark.slow
 def test_train_py_end_to_end_with_wandb_offline(tmp_path):
-    run = run_cli(
-        "train.py",
+    args = [
         *SMALL,
         "logger=wandb",
         "train.steps=6",
         "train.eval_every=3",
         "train.log_every=2",
         f"hydra.run.dir={tmp_path}",
-    )
+    ]
+    run = run_cli("train.py", *args)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "final | step 6 | test loss" in run.stdout + run.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -77,6 +86,21 @@ def test_train_py_end_to_end_with_wandb_offline(tmp_path):
     best = min(r["test/loss"] for r in records if "test/loss" in r)
     assert logged["test/loss"]["min"] == pytest.approx(best)
     assert config["data"]["name"] == "counting" and config["data"]["max_statements"] == 8
+    # Named after the overrides that define the run (not those of how it is run, nor hydra.*).
+    first = wandb_run_record(run_file)
+    watching = ("logger", "train.progress", "train.eval_batch_size")
+    assert first.display_name == " ".join(
+        o for o in SMALL + ["train.steps=6"] if o.split("=")[0] not in watching
+    )
+
+    # Resuming (here a finished run: it evaluates the saved model) logs into the same run.
+    resumed = run_cli("train.py", *args, "train.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2
+    for run_file in run_files:
+        record = wandb_run_record(run_file)
+        assert (record.run_id, record.display_name) == (first.run_id, first.display_name)
 
 
 # log_every=2 with ckpt_every=3: the checkpoint falls between two log lines, so the losses
@@ -184,6 +208,10 @@ def test_missing_data_file_fails_naming_it(tmp_path):
         ("model.n_layers=2", "n_layers"),
         ("attention=alibi", "attention/alibi"),
         ("train.max_minutes=0", "train.max_minutes must be a positive number"),
+        ("train.eval_batch_size=0", "train.eval_batch_size must be >= 1, got 0"),
+        ("train.log_every=-1", "train.log_every must be >= 0, got -1"),
+        ("optim.grad_clip=-1", "optim.grad_clip must be >= 0 (0 = no clipping), got -1.0"),
+        ("metric=test/error", "metric='test/error' is not a key of the run's summary"),
     ],
 )
 def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path):
@@ -193,12 +221,141 @@ def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["train.steps=0"], "train.steps must be >= 1, got 0"),
+        (["train.batch_size=0"], "train.batch_size must be >= 1, got 0"),
+        (["train.eval_every=-1"], "train.eval_every must be >= 0, got -1"),
+        (["train.ckpt_every=-2"], "train.ckpt_every must be >= 0, got -2"),
+        (["optim.lr=0"], "optim.lr must be a positive number, got 0.0"),
+        (["optim.warmup_steps=-1"], "optim.warmup_steps must be >= 0, got -1"),
+        (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio must be in [0.0, 1.0], got 1.5"),
+        (["optim.min_lr_ratio=-0.1"], "optim.min_lr_ratio must be in [0.0, 1.0], got -0.1"),
+        (["train.resume=true", "train.overwrite=true"], "train.overwrite=true: pick one"),
+    ],
+)
+def test_bad_loop_options_fail_before_the_data_is_loaded(
+    overrides, expected, tmp_path, monkeypatch
+):
+    def no_data(cfg):
+        raise AssertionError("the data was loaded")
+
+    monkeypatch.setattr(lm.training, "build_dataset", no_data)
+    with pytest.raises(ValueError) as info:
+        train(compose_cfg(*SMALL, *overrides), output_dir=str(tmp_path))
+    assert expected in str(info.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_resume_with_another_config_fails_naming_the_keys(tmp_path):
+    """Only how the run is carried out and watched may change on resume; anything it trains
+    (model, data, optimizer, seed, steps) must match the checkpoint's config."""
+    common = [*SMALL, "train.steps=2", "train.eval_every=0"]
+    train(compose_cfg(*common), output_dir=str(tmp_path))
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    changed = compose_cfg(*common, "train.resume=true", "model.d_model=32", "optim.lr=1e-2")
+    with pytest.raises(ValueError) as info:
+        train(changed, output_dir=str(tmp_path))
+    message = str(info.value)
+    listed = [line.strip() for line in message.splitlines() if line.startswith("  ")]
+    assert listed == ["model.d_model: 64 -> 32", "optim.lr: 0.003 -> 0.01"]  # not train.resume
+    assert "Resume with the same config" in message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+
+    watched_otherwise = compose_cfg(
+        *common,
+        "train.resume=true",
+        "train.log_every=1",
+        "train.eval_every=1",
+        "train.ckpt_every=1",
+        "train.eval_batch_size=8",
+        "train.max_minutes=5",
+        "train.device=cpu",
+        "attention.impl=torch",
+        "metric=test/err",
+    )
+    assert train(watched_otherwise, output_dir=str(tmp_path))["steps"] == 2
+
+
+def test_resume_of_a_checkpoint_without_config_warns(tmp_path, caplog):
+    """Checkpoints of older runs hold no config: they resume, unchecked, with a warning."""
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
+    train(cfg, output_dir=str(tmp_path))
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    del ckpt["config"]
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    cfg.train.resume = True
+    with caplog.at_level(logging.WARNING, logger="lm.training"):
+        assert train(cfg, output_dir=str(tmp_path))["steps"] == 2
+    assert "checkpoint.pt holds no config" in caplog.text
+
+
+def test_resume_across_a_config_field_added_or_removed_warns(tmp_path, caplog):
+    """A key only one config has (the code gained or lost a field between the two runs) is
+    not a change of the run: it resumes, naming the keys in a warning; a differing value of a
+    key both have still fails."""
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
+    train(cfg, output_dir=str(tmp_path))
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    del ckpt["config"]["model"]["norm_eps"]  # a field this code has and the older run lacked
+    ckpt["config"]["model"]["retired_option"] = 3  # and one the older code had
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    cfg.train.resume = True
+    with caplog.at_level(logging.WARNING, logger="lm.training"):
+        assert train(cfg, output_dir=str(tmp_path))["steps"] == 2
+    assert "model.norm_eps: (absent) -> 1e-06; model.retired_option: 3 -> (absent)" in caplog.text
+    ckpt["config"]["model"]["n_layer"] += 1
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    with pytest.raises(ValueError, match="model.n_layer: 2 -> 1"):
+        train(cfg, output_dir=str(tmp_path))
+
+
+def test_rerun_over_a_checkpoint_needs_resume_or_overwrite(tmp_path):
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
+    train(cfg, output_dir=str(tmp_path))
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(
+        FileExistsError, match=r"checkpoint\.pt .*train\.resume=true.*train\.overwrite=true"
+    ):
+        train(cfg, output_dir=str(tmp_path))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+
+    cfg.train.overwrite, cfg.train.steps = True, 1  # a new run: its config may differ
+    assert train(cfg, output_dir=str(tmp_path))["steps"] == 1
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 1
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 1]
+
+
+def test_relative_ckpt_path_is_under_each_runs_output_dir(tmp_path, monkeypatch):
+    """Two jobs of a sweep with train.ckpt_path=ckpt/last.pt keep a checkpoint each."""
+    monkeypatch.chdir(tmp_path)  # the launch directory
+    cfg = compose_cfg(*SMALL, "train.steps=1", "train.eval_every=0", "train.ckpt_path=ckpt/last.pt")
+    for job in ("0", "1"):
+        train(cfg, output_dir=str(tmp_path / "sweep" / job))
+    for job in ("0", "1"):
+        assert load_checkpoint(tmp_path / "sweep" / job / "ckpt" / "last.pt")["step"] == 1
+    assert not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.slow
-def test_ddp_two_cpu_processes_match_one_process(tmp_path):
-    """Rank r trains on rows r::2 of the global batch: 2 ranks x 2 rows = 1 process x 4 rows
-    (every counting example has one answer token, so the mean losses agree)."""
+@pytest.mark.parametrize(
+    "data",
+    [
+        SMALL[len(TINY) :],  # counting: one answer token a row
+        # flip-flop: a row has as many answer tokens as reads (1 to 7 here), so the ranks'
+        # shares of the batch hold different numbers of targets
+        ["data=flipflop", "data.num_instructions=8", "data.seq_len=16", "data.eval_samples=16"],
+    ],
+    ids=["counting", "flipflop"],
+)
+def test_ddp_two_cpu_processes_match_one_process(tmp_path, data):
+    """Rank r trains on rows r::2 of the global batch: 2 ranks x 2 rows = 1 process x 4 rows,
+    the same losses and updates (the loss is a mean over the global batch's target tokens)."""
     common = [
-        *SMALL,
+        *TINY,
+        *data,
         "train.steps=4",
         "train.log_every=1",
         "train.eval_every=0",

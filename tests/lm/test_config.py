@@ -1,11 +1,16 @@
 """configs/ as a user composes it: every attention variant and data source builds and runs a
 forward pass; bad overrides fail at start-up with the key's name."""
 
+import datetime
+from pathlib import Path
+
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf.errors import ConfigKeyError
 
+from lm.config import register_configs
 from lm.data import build_dataset
 from lm.model import GPT
 from tests.lm.harness import CONFIGS, TINY, compose_cfg
@@ -27,6 +32,18 @@ def forward_one_batch(cfg) -> torch.Tensor:
     logits = model(x)
     assert logits.shape == (*x.shape, dataset.vocab_size)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def test_output_dirs_of_runs_started_in_the_same_second_differ():
+    """``hydra.run.dir`` and ``hydra.sweep.dir`` are stamped to the microsecond, under the
+    date's folder."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        first, second = (compose("train", return_hydra_config=True).hydra for _ in range(2))
+    today = datetime.date.today().isoformat()
+    for key in ("run", "sweep"):
+        a, b = Path(first[key].dir), Path(second[key].dir)
+        assert a != b and a.parent.name == b.parent.name == today, (a, b)
 
 
 def test_default_is_rope_on_flipflop():
