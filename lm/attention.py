@@ -180,8 +180,11 @@ class RopeAttention(Attention):
 
 
 class CoRopeAttention(Attention):
-    """Co-RoPE-GQA. The frequencies follow the same scaling options as RoPE; the attention
-    factor is not applied (Co-RoPE's scale also sets the gates' temperature)."""
+    """Co-RoPE-GQA. The frequencies follow the same scaling options as RoPE, but not their
+    attention factor (Co-RoPE's softmax scale also sets the gates' temperature, so the two
+    cannot be read the same way): a schedule whose factor is not 1 (YaRN's mscale) is refused
+    rather than dropped; ``attention.scaling.attention_factor=1.0`` takes its frequencies
+    alone."""
 
     def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
         super().__init__(cfg, d_model, n_head, n_kv_head)
@@ -190,9 +193,16 @@ class CoRopeAttention(Attention):
             raise ValueError(f"attention.leader must be 'first' or 'mean', got {cfg.leader!r}")
         self.rope_dim = _rope_dim(cfg, self.head_dim)
         self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
+        if self.freqs.attention_factor != 1.0:
+            raise ValueError(
+                f"attention.scaling of type {cfg.scaling.type!r} gives an attention factor of "
+                f"{self.freqs.attention_factor:.4g}, which Co-RoPE does not apply (its softmax "
+                "scale is also the gates' temperature): set attention.scaling.attention_factor="
+                "1.0 to take the schedule's frequencies alone"
+            )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        inv_freq, _ = self.freqs.for_length(q.shape[2])
+        inv_freq, _ = self.freqs.for_length(q.shape[2])  # the factor is 1 (checked above)
         kwargs = dict(
             inv_freq=inv_freq,
             rope_dim=self.rope_dim,

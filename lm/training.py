@@ -90,6 +90,12 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of one rank's training step: a fixed function of the three (hashes of
+    ints do not vary between processes, unlike those of strings)."""
+    return hash((seed, step, rank)) & (2**63 - 1)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: Any, total_steps: int):
     """AdamW with decay on matrices only, and its warmup + cosine ``LambdaLR``."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -394,6 +400,10 @@ class _Run:
     def _train_step(self) -> tuple[float, int]:
         """One optimizer step; returns (the global batch's loss, tokens in the global batch)."""
         t, info = self.t, self.info
+        # Dropout's masks from a seed of (seed, step, rank): each rank draws its own (one seed
+        # for all gave every rank the same masks), and a resumed run draws the masks of the
+        # uninterrupted one on every rank (a checkpoint holds rank 0's RNG state only).
+        torch.manual_seed(step_seed(self.cfg.seed, self.step, info.rank))
         x, y = self.dataset.train_batch(self.step, t.batch_size, info.rank, info.world_size)
         x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
         with autocast(info.device):

@@ -13,7 +13,7 @@ import torch
 
 import lm.training
 from lm.checkpoint import load_checkpoint, save_checkpoint
-from lm.training import lr_lambda, train
+from lm.training import lr_lambda, step_seed, train
 from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +140,19 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch, 
     assert len(train_losses(tmp_path / "full")) == 8 // log_every
     for key in ("test/loss", "ood_long/loss", "best_val_loss"):
         assert resumed[key] == full[key], key
+
+
+def test_step_seed_differs_by_rank_and_step_and_not_by_process():
+    """Dropout's per-step seed: every (step, rank) its own, the same in another process (a
+    resumed run, another rank) whatever its hash randomisation."""
+    assert len({step_seed(0, s, r) for s in range(50) for r in range(8)}) == 400
+    assert step_seed(1, 3, 0) != step_seed(0, 3, 0)
+    script = "from lm.training import step_seed; print(step_seed(7, 11, 3))"
+    for hash_seed in ("1", "123"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert int(run.stdout.strip()) == step_seed(7, 11, 3), run.stderr[-2000:]
 
 
 def test_max_minutes_stops_evaluates_and_resumes_to_the_same_run(tmp_path, monkeypatch):

@@ -115,11 +115,27 @@ def test_scaling_dict_drops_unset_keys():
         ("rope", {"rope_dim": 7}, "attention.rope_dim"),
         ("rope", {"layout": "diagonal"}, "attention.layout"),
         ("corope", {"leader": "last"}, "attention.leader"),
+        (
+            "corope",
+            {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+            r"attention factor of 1.139.*attention.scaling.attention_factor=1.0",
+        ),
     ],
 )
 def test_bad_attention_settings_name_the_key(name, overrides, match):
     with pytest.raises(ValueError, match=match):
         build_attention(attn_cfg(name, **overrides), 64, 4, 2)
+
+
+def test_corope_takes_a_schedules_frequencies_when_its_factor_is_one():
+    """YaRN with attention_factor=1.0: Co-RoPE gets YaRN's frequencies, nothing is dropped."""
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    attn = build_attention(
+        attn_cfg("corope", scaling={**scaling, "attention_factor": 1.0}), 64, 4, 2
+    )
+    expected, factor = rope_frequencies(16, 10000.0, {**scaling, "attention_factor": 1.0})
+    assert factor == 1.0 and torch.equal(attn.freqs.inv_freq, expected)
+    assert not torch.equal(expected, rope_frequencies(16, 10000.0)[0])
 
 
 def test_unknown_attention_lists_the_known_ones():
