@@ -7,11 +7,17 @@ Every run directory under the root counts (a Hydra multirun's ``0/``, ``1/``, ..
 ``run_parallel.py``'s ``000-.../``): finished runs by their ``summary.json``; runs stopped
 early (``run_parallel.py --job-timeout``, a killed job) by the last evaluation in their
 ``metrics.jsonl`` and their ``.hydra/`` overrides, marked partial (``*`` on their steps), as are
-runs that ``train.max_minutes`` stopped (``stopped_early`` in their summary).
+runs that ``train.max_minutes`` stopped (``stopped_early`` in their summary). Runs that ended
+with an error (``failed.json``) are left out and listed, with the error, under the tables
+and on stderr.
 
-A cell is one setting of the overrides that vary between runs (``seed`` aside, and the keys
-of ``--ignore``: runs of two launches that differ only in, say, ``train.max_minutes`` share a
-cell; the shared overrides head the table). The task of a cell is its varying
+A cell is one setting of the overrides that vary between runs (``seed`` aside, as are the keys
+of how a run is carried out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resume`` or
+``train.max_minutes`` but for those that change its speed (``SPEED_KEYS``: ``attention.impl``,
+``train.device``, ``train.cpu_threads``), and those of ``--ignore``; each with the keys under it: runs of two
+launches that differ only in those share a cell; the shared overrides head the table). A seed
+run twice in a cell (a subset re-run into the same root) counts once: the run with the most
+steps, then the newest; the others are listed like failed runs. The task of a cell is its varying
 ``experiment`` / ``data`` / ``data.*`` overrides (or ``summary["data"]``), its variant the rest (``attention=...``).
 Each metric is ``mean ± std`` over the cell's seeds (sample standard deviation; ``±``
 omitted for one seed); with several tasks, one table per task.
@@ -46,6 +52,7 @@ import yaml  # noqa: E402
 # Run as a script (`python experiments/collect.py`): the repository root is not on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.results_io import markdown_table  # noqa: E402
+from lm.config import RUN_CONDUCT_KEYS, is_under  # noqa: E402
 
 SEED_KEYS = ("seed",)
 TASK_KEYS = ("experiment", "data")  # and every data.* key
@@ -53,6 +60,10 @@ TASK_KEYS = ("experiment", "data")  # and every data.* key
 DEFAULT_SUFFIXES = ("/err", "/ppl")
 DEFAULT_KEYS = ("best_val_loss", "tokens_per_s")
 ALL_RUNS = "(all runs)"
+# Of RUN_CONDUCT_KEYS, those that change the speed a summary reports (tokens_per_s, step_ms,
+# mfu): the same model, but a speed comparison of them needs a cell each (--ignore merges them).
+SPEED_KEYS = ("attention.impl", "train.device", "train.cpu_threads")
+NO_CELL_KEYS = tuple(k for k in RUN_CONDUCT_KEYS if k not in SPEED_KEYS)
 
 
 @dataclass
@@ -67,6 +78,14 @@ class Run:
     def losses(self) -> list[tuple[int, float]]:
         """``(step, train/loss)`` of every training log line of ``metrics.jsonl``."""
         return [(r["step"], r["train/loss"]) for r in _records(self.path) if "train/loss" in r]
+
+
+@dataclass
+class LeftOut:
+    """A run directory that counts in no cell, and why (it failed, or repeats a seed)."""
+
+    path: Path
+    reason: str
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -101,16 +120,29 @@ def _partial_summary(run_dir: Path) -> dict | None:
     }
 
 
-def load_runs(root: Path) -> list[Run]:
+def _failure(run_dir: Path) -> str | None:
+    """Why the run failed (its ``failed.json``, written by a training loop that raised), or
+    None."""
+    path = run_dir / "failed.json"
+    if not path.exists():
+        return None
+    failed = json.loads(path.read_text())
+    return f"failed after step {failed['step']}: {failed['error']}: {failed['message']}"
+
+
+def load_runs(root: Path) -> tuple[list[Run], list[LeftOut]]:
     """Every run under ``root``: finished ones (``summary.json``) and stopped ones that
-    evaluated at least once (``metrics.jsonl``); others (failed at start-up, or stopped
-    before the first evaluation) are named on stderr and left out."""
+    evaluated at least once (``metrics.jsonl``), then the failed ones (``failed.json``);
+    others (failed at start-up, or stopped before the first evaluation) are named on stderr
+    and left out."""
     # .hydra, stdout.log (run_parallel.py's): a run that failed early
-    markers = ("summary.json", "metrics.jsonl", ".hydra", "stdout.log")
+    markers = ("summary.json", "metrics.jsonl", "failed.json", ".hydra", "stdout.log")
     dirs = sorted({p.parent for name in markers for p in root.rglob(name)})
-    runs = []
+    runs, failed = [], []
     for d in dirs:
-        if (d / "summary.json").exists():
+        if (reason := _failure(d)) is not None:
+            failed.append(LeftOut(d, reason))
+        elif (d / "summary.json").exists():
             summary = json.loads((d / "summary.json").read_text())
             runs.append(Run(d, summary, partial=bool(summary.get("stopped_early"))))
         elif (summary := _partial_summary(d)) is not None:
@@ -119,18 +151,20 @@ def load_runs(root: Path) -> list[Run]:
             print(f"collect: {d} has no summary and no evaluation yet; left out", file=sys.stderr)
     if not runs:
         raise FileNotFoundError(
-            f"no summary.json or metrics.jsonl under {root} (is it a run root?)"
+            f"no summary.json or metrics.jsonl of a run that did not fail under {root} "
+            f"({len(failed)} failed; is it a run root?)"
         )
-    return runs
+    return runs, failed
 
 
 def drop_overrides(runs: list[Run], keys: list[str]) -> None:
-    """Removes the overrides of ``keys`` from every run's summary: they define no cell."""
+    """Removes the overrides of ``keys`` and of the keys under them (``logger.mode`` under
+    ``logger``) from every run's summary: they define no cell."""
     for run in runs:
         run.summary["overrides"] = [
             o
             for o in run.summary.get("overrides", [])
-            if o.split("=", 1)[0].lstrip("+~") not in keys
+            if not is_under(o.split("=", 1)[0].lstrip("+~"), keys)
         ]
 
 
@@ -195,15 +229,42 @@ def _steps(runs: list[Run]) -> str:
     return text + ("*" if any(r.partial for r in runs) else "")
 
 
+def _cell_keys(runs: list[Run]) -> list[tuple[str, str, str]]:
+    """Each run's ``(task, variant, cell)``."""
+    summaries = [r.summary for r in runs]
+    labels = cells(summaries)[0]
+    return [(*tv, label) for tv, label in zip(tasks_and_variants(summaries), labels, strict=True)]
+
+
+def _recency(run: Run) -> float:
+    """When the run last wrote its summary or metrics (the newest mtime)."""
+    files = [run.path / name for name in ("summary.json", "metrics.jsonl")]
+    return max((f.stat().st_mtime for f in files if f.exists()), default=0.0)
+
+
+def drop_repeats(runs: list[Run]) -> tuple[list[Run], list[LeftOut]]:
+    """One run per cell and seed: where a seed ran more than once in a cell (a subset re-run
+    into the same root gets new directories), the run with the most steps, then the newest,
+    is kept (in ``runs``' order) and the others are left out."""
+    by_seed: dict[tuple, list[Run]] = {}
+    for key, run in zip(_cell_keys(runs), runs, strict=True):
+        by_seed.setdefault((*key, run.summary.get("seed")), []).append(run)
+    kept_ids, left_out = set(), []
+    for (*_, cell, seed), members in by_seed.items():
+        best = max(members, key=lambda r: (r.summary.get("steps") or 0, _recency(r)))
+        kept_ids.add(id(best))
+        reason = f"repeats seed {seed} of cell {cell}; {best.path} counts"
+        left_out += [LeftOut(r.path, reason) for r in members if r is not best]
+    return [r for r in runs if id(r) in kept_ids], left_out
+
+
 def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
     """One row per cell: ``cell``, ``task``, ``variant``, ``seeds``, ``steps`` (``*``: some
     runs stopped early) and per metric ``(mean, std)`` (std NaN for one seed; metrics a run
     lacks or has as null are skipped for that run), sorted by task, then variant."""
-    summaries = [r.summary for r in runs]
-    labels = cells(summaries)[0]
     by_cell: dict[tuple[str, str, str], list[Run]] = {}
-    for label, tv, run in zip(labels, tasks_and_variants(summaries), runs, strict=True):
-        by_cell.setdefault((*tv, label), []).append(run)
+    for key, run in zip(_cell_keys(runs), runs, strict=True):
+        by_cell.setdefault(key, []).append(run)
     rows = []
     for (task, variant, cell), members in sorted(by_cell.items()):
         row: dict = {
@@ -247,8 +308,15 @@ def markdown(rows: list[dict], metrics: list[str], label: str = "cell") -> str:
     return markdown_table(table, [label, "seeds", *shown, *(["steps"] if steps else [])])
 
 
-def report(rows: list[dict], metrics: list[str], common: dict[str, str], command: str) -> str:
-    """``results.md``: the shared overrides, one table (or one per task), the command."""
+def report(
+    rows: list[dict],
+    metrics: list[str],
+    common: dict[str, str],
+    command: str,
+    left_out: list[LeftOut],
+) -> str:
+    """``results.md``: the shared overrides, one table (or one per task), the runs left out
+    (failed, repeated seeds) and the command."""
     parts = [f"Every run: {' '.join(f'{k}={v}' for k, v in common.items())}\n"] if common else []
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     if len(tasks) == 1:
@@ -261,6 +329,10 @@ def report(rows: list[dict], metrics: list[str], common: dict[str, str], command
             )
     if any(r["steps"].endswith("*") for r in rows):
         parts.append("`*`: some runs stopped early; their last evaluation is counted.\n")
+    if left_out:
+        parts.append(
+            "Left out:\n\n" + "".join(f"- `{run.path}`: {run.reason}\n" for run in left_out)
+        )
     parts.append(f"Made by `{command}`.\n")
     return "\n".join(parts)
 
@@ -419,12 +491,17 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--ignore",
         default="",
-        help="comma-separated override keys that define no cell (e.g. train.max_minutes)",
+        help="comma-separated override keys that define no cell, with the keys under them "
+        "(e.g. data.eval_samples; lm.config.RUN_CONDUCT_KEYS but SPEED_KEYS always are)",
     )
     parser.add_argument("--out", type=Path, help="output directory (default: multirun_dir)")
     args = parser.parse_args(argv)
-    runs = load_runs(args.multirun_dir)
-    drop_overrides(runs, [k for k in args.ignore.split(",") if k])
+    runs, failed = load_runs(args.multirun_dir)
+    drop_overrides(runs, [*NO_CELL_KEYS, *(k for k in args.ignore.split(",") if k)])
+    runs, repeats = drop_repeats(runs)
+    left_out = failed + repeats
+    for run in left_out:
+        print(f"collect: {run.path} left out: {run.reason}", file=sys.stderr)
     summaries = [r.summary for r in runs]
     metrics = args.metrics.split(",") if args.metrics else default_metrics(summaries)
     missing = [m for m in metrics if not any(m in s for s in summaries)]
@@ -436,7 +513,7 @@ def main(argv: list[str] | None = None) -> str:
     command = shlex.join(
         ["python", "experiments/collect.py", *(sys.argv[1:] if argv is None else argv)]
     )
-    table = report(rows, metrics, cells(summaries)[1], command)
+    table = report(rows, metrics, cells(summaries)[1], command, left_out)
     (out / "results.md").write_text(table)
     write_csvs(runs, rows, metrics, out)
     plot(rows, metrics, out / "results.png")

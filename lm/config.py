@@ -14,6 +14,35 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+# Settings of how a run is carried out and watched, not of what it trains (the kernels and
+# the PyTorch path of attention.impl compute the same model): a resumed run may change them
+# while the rest of its config must equal the checkpoint's, and the wandb run's name and
+# experiments/collect.py's cells leave them out. Each covers the keys under it too.
+RUN_CONDUCT_KEYS = (
+    "name",
+    "metric",
+    "logger",
+    "attention.impl",
+    "train.log_every",
+    "train.eval_every",
+    "train.ckpt_every",
+    "train.eval_batch_size",
+    "train.resume",
+    "train.overwrite",
+    "train.max_minutes",
+    "train.progress",
+    "train.device",
+    "train.cpu_threads",
+    "train.time_attention",
+    "train.ckpt_path",
+)
+
+
+def is_under(key: str, keys: tuple[str, ...] | list[str]) -> bool:
+    """Whether the dotted config ``key`` is one of ``keys`` or under one (``logger.mode``
+    under ``logger``)."""
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
 
 @dataclass
 class RopeScalingConfig:
@@ -128,7 +157,7 @@ class LoopConfig:
     # `steps`. null = no limit. For GPU blocks where every job must finish in time.
     max_minutes: float | None = None
     # Continue from ckpt_path if it exists, with the same config (cadences, device, logger and
-    # attention.impl aside; lm.training._NOT_THE_RUN): another config fails naming the keys.
+    # attention.impl aside; lm.config.RUN_CONDUCT_KEYS): another config fails naming the keys.
     resume: bool = False
     # Start from step 0 even where ckpt_path holds a checkpoint, replacing it and the run's
     # metrics. With neither resume nor overwrite, an existing checkpoint fails the start.

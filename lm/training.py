@@ -6,6 +6,7 @@ clipping, bf16 autocast on CUDA, DDP under torchrun. Rank 0 evaluates every
 
     metrics.jsonl    one JSON object per log/eval event ({"step": ..., "train/loss": ...})
     summary.json     the final metrics, speed and run facts (what experiments/collect.py reads)
+    failed.json      only if the loop raised an error: the step, the error's type and message
     checkpoint.pt    model, optimizer, scheduler, step, RNG states, the resolved config and
                      the logger's run id (``train.resume=true``)
 
@@ -49,6 +50,7 @@ from lm.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from lm.config import RUN_CONDUCT_KEYS, is_under
 from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, check_fraction, check_int
 from lm.evaluation import autocast, evaluate, metric_names
@@ -56,29 +58,6 @@ from lm.model import GPT
 from lm.profiling import AttentionTimer, model_flops_per_token, peak_bf16_flops
 
 log = logging.getLogger(__name__)
-
-# Settings of how a run is carried out and watched, not of what it trains (the kernels and
-# the PyTorch path of attention.impl compute the same model): a resumed run may change them
-# while the rest of its config must equal the checkpoint's, and the wandb run's name leaves
-# them out. Each covers the keys under it too.
-_NOT_THE_RUN = (
-    "name",
-    "metric",
-    "logger",
-    "attention.impl",
-    "train.log_every",
-    "train.eval_every",
-    "train.ckpt_every",
-    "train.eval_batch_size",
-    "train.resume",
-    "train.overwrite",
-    "train.max_minutes",
-    "train.progress",
-    "train.device",
-    "train.cpu_threads",
-    "train.time_attention",
-    "train.ckpt_path",
-)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -124,8 +103,8 @@ def _overrides() -> list[str]:
 
 def _defines_the_run(key: str) -> bool:
     """Whether the dotted config ``key`` is part of what the run trains (not in
-    ``_NOT_THE_RUN``)."""
-    return not any(key == k or key.startswith(k + ".") for k in _NOT_THE_RUN)
+    ``RUN_CONDUCT_KEYS``)."""
+    return not is_under(key, RUN_CONDUCT_KEYS)
 
 
 def _run_name(out_dir: Path) -> str:
@@ -155,7 +134,7 @@ def _checkpoint_to_resume(cfg: DictConfig, path: Path) -> dict[str, Any] | None:
 
     Raises:
         FileExistsError: ``path`` exists and neither train.resume nor train.overwrite is set.
-        ValueError: the checkpoint's config differs from ``cfg`` (outside ``_NOT_THE_RUN``).
+        ValueError: the checkpoint's config differs from ``cfg`` (outside ``RUN_CONDUCT_KEYS``).
     """
     t = cfg.train
     if not path.exists():
@@ -230,6 +209,14 @@ def _summaries(dataset) -> dict[str, str]:
     return {key: "min" if key.endswith("/loss") else "last" for key in _eval_keys(dataset)}
 
 
+def _clear_outcome(out_dir: Path) -> None:
+    """Removes an earlier run's ``summary.json`` and ``failed.json`` (overwritten or resumed),
+    so that either belongs to the run that last got that far: a run killed before its end
+    has neither, and collect.py reads it from ``metrics.jsonl`` as stopped early."""
+    for name in ("summary.json", "failed.json"):
+        (out_dir / name).unlink(missing_ok=True)
+
+
 class _Jsonl:
     """``metrics.jsonl``; on resume it keeps only the records up to the checkpoint's step,
     so the file reads as one uninterrupted run."""
@@ -262,7 +249,8 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         FileExistsError: the output directory holds a checkpoint and neither
             ``train.resume`` nor ``train.overwrite`` is set; before anything is written.
         FloatingPointError: a non-finite loss or gradient norm, naming the step; the last
-            checkpoint (from an earlier step) is kept.
+            checkpoint (from an earlier step) is kept. Any error of the loop also writes
+            ``failed.json``; a start removes an earlier run's ``summary.json`` and ``failed.json``.
     """
     _check_options(cfg)
     info = distributed.setup(cfg.train.device)
@@ -278,7 +266,10 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         run = _Run(cfg, info, out_dir, dataset, model, ckpt_path, ckpt)
         try:
             return run.loop()
-        except BaseException:
+        except BaseException as error:
+            # A killed run (KeyboardInterrupt, SystemExit) stopped early; only an error failed it
+            if isinstance(error, Exception):
+                run.write_failure(error)
             if run.logger is not None:
                 run.logger.abort()
             raise
@@ -343,6 +334,7 @@ class _Run:
         self.logger = None
         if info.main:
             out_dir.mkdir(parents=True, exist_ok=True)
+            _clear_outcome(out_dir)
             self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
             self.logger = instantiate(
                 cfg.logger,
@@ -553,6 +545,14 @@ class _Run:
             "world_size": self.info.world_size,
             "overrides": _overrides(),
         }
+
+    def write_failure(self, error: Exception) -> None:
+        """Rank 0 writes ``failed.json``: the last step completed, the error's type and message
+        (collect.py lists such runs instead of averaging them in)."""
+        if not self.info.main:
+            return
+        failure = {"step": self.step, "error": type(error).__name__, "message": str(error)}
+        (self.out_dir / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
 
     def _finish(self, eval_metrics: dict[str, float]) -> dict[str, Any]:
         summary = self._summary(eval_metrics)

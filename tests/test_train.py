@@ -206,6 +206,34 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, monke
     ):
         train(cfg, output_dir=str(tmp_path))
     assert load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 4
+    failed = json.loads((tmp_path / "failed.json").read_text())
+    assert failed["step"] == 4 and failed["error"] == "FloatingPointError"
+    assert "loss is nan at step 5" in failed["message"]
+    assert not (tmp_path / "summary.json").exists()
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    cfg.train.resume = True  # the resumed run ends well: the failure was an earlier run's
+    train(cfg, output_dir=str(tmp_path))
+    assert not (tmp_path / "failed.json").exists() and (tmp_path / "summary.json").exists()
+
+
+def test_a_run_killed_after_an_overwrite_leaves_no_summary(tmp_path, monkeypatch):
+    """The summary of the run that train.overwrite replaces goes when the new run starts, so a
+    kill leaves none to pass for the new run's result (and a killed run has not failed)."""
+    from lm.data.base import LMDataset
+
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
+    train(cfg, output_dir=str(tmp_path))
+    assert (tmp_path / "summary.json").exists()
+
+    def killed(self, step, *args, **kwargs):
+        raise KeyboardInterrupt("simulated kill")
+
+    monkeypatch.setattr(LMDataset, "train_batch", killed)
+    cfg.train.overwrite = True
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, output_dir=str(tmp_path))
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "failed.json").exists()
 
 
 def test_missing_data_file_fails_naming_it(tmp_path):

@@ -1,29 +1,107 @@
 """experiments/collect.py on hand-written run directories (no training)."""
 
 import json
+import os
+
+import yaml
 
 from experiments.collect import main
 
 
-def _run(root, name, overrides, err):
+def _run(root, name, overrides, err, steps=10):
+    """A finished run: its ``summary.json`` (the seed that of ``overrides``)."""
     d = root / name
     d.mkdir(parents=True)
-    summary = {"overrides": overrides, "test/err": err, "steps": 10, "seed": 0}
+    seed = next(int(o.split("=")[1]) for o in overrides if o.startswith("seed="))
+    summary = {"overrides": overrides, "test/err": err, "steps": steps, "seed": seed}
     (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def _stopped_run(root, name, attention, seed, err):
+    """A run without a summary: its ``.hydra/`` files and one evaluation at step 5."""
+    d = root / name
+    (d / ".hydra").mkdir(parents=True)
+    config = {"attention": {"name": attention}, "data": {"name": "counting"}, "seed": seed}
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    overrides = [f"attention={attention}", f"seed={seed}"]
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 5, "test/loss": 1.0, "test/err": err}))
+    return d
+
+
+def _row(table, cell):
+    return next(line for line in table.splitlines() if line.startswith(f"| {cell} "))
 
 
 def test_ignored_overrides_merge_two_launches_into_one_cell(tmp_path):
-    # Two launches of the same cell that differ only in their time limit, and a second cell.
-    _run(tmp_path, "a/000", ["attention=rope", "seed=0", "train.max_minutes=6.3"], 0.5)
-    _run(tmp_path, "b/000", ["attention=rope", "seed=1", "train.max_minutes=6.5"], 0.25)
-    _run(tmp_path, "b/001", ["attention=nope", "seed=0", "train.max_minutes=6.5"], 1.0)
+    # Two launches of the same cell that differ only in their eval set size, and a second cell.
+    _run(tmp_path, "a/000", ["attention=rope", "seed=0", "data.eval_samples=16"], 0.5)
+    _run(tmp_path, "b/000", ["attention=rope", "seed=1", "data.eval_samples=32"], 0.25)
+    _run(tmp_path, "b/001", ["attention=nope", "seed=0", "data.eval_samples=32"], 1.0)
 
     split = main([str(tmp_path), "--metrics", "test/err", "--out", str(tmp_path / "split")])
-    assert "train.max_minutes=6.3" in split and "train.max_minutes=6.5" in split
+    assert "data.eval_samples=16" in split and "data.eval_samples=32" in split
 
-    table = main([str(tmp_path), "--metrics", "test/err", "--ignore", "train.max_minutes",
+    table = main([str(tmp_path), "--metrics", "test/err", "--ignore", "data.eval_samples",
                   "--out", str(tmp_path / "merged")])  # fmt: skip
-    assert "max_minutes" not in table.split("Made by")[0]
-    rope = next(line for line in table.splitlines() if line.startswith("| attention=rope"))
+    assert "eval_samples" not in table.split("Made by")[0]
+    rope = _row(table, "attention=rope")
     assert "| 2 |" in rope and "0.375" in rope  # both seeds, their mean
     assert "| attention=nope | 1 | 1 |" in table
+
+
+def test_how_a_run_was_carried_out_defines_no_cell(tmp_path):
+    # The keys of lm.config.RUN_CONDUCT_KEYS (and those under them) split no cell, speed aside.
+    _run(tmp_path, "000", ["attention=rope", "seed=0", "train.max_minutes=6.3"], 0.5)
+    _run(tmp_path, "001", ["attention=rope", "seed=1", "train.resume=true", "name=b",
+                           "logger.mode=offline"], 0.25)  # fmt: skip
+    _run(tmp_path, "002", ["attention=nope", "seed=0", "train.overwrite=true", "metric=x"], 1.0)
+
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    for key in ("max_minutes", "resume", "overwrite", "name", "logger", "metric"):
+        assert key not in table, key
+    assert "| 2 |" in _row(table, "attention=rope") and "0.375" in _row(table, "attention=rope")
+    assert "| attention=nope | 1 | 1 |" in table
+
+
+def test_the_keys_that_change_the_speed_split_cells(tmp_path):
+    _run(tmp_path, "000", ["attention=rope", "seed=0", "attention.impl=torch"], 0.5)
+    _run(tmp_path, "001", ["attention=rope", "seed=0", "attention.impl=triton"], 0.5)
+
+    table = main([str(tmp_path), "--metrics", "test/err"])
+    assert "| attention.impl=torch | 1 |" in table and "| attention.impl=triton | 1 |" in table
+    assert "Left out" not in table
+
+
+def test_failed_runs_are_listed_not_averaged(tmp_path, capsys):
+    _run(tmp_path, "000", ["attention=rope", "seed=0"], 0.5)
+    _run(tmp_path, "001", ["attention=nope", "seed=0"], 1.0)
+    crashed = _stopped_run(tmp_path, "002", "rope", 1, 0.0)  # evaluated, then a NaN loss
+    failure = {"step": 7, "error": "FloatingPointError", "message": "loss is nan at step 8"}
+    (crashed / "failed.json").write_text(json.dumps(failure))
+
+    table = main([str(tmp_path), "--metrics", "test/err"])
+    assert "| attention=rope | 1 | 0.5 |" in table
+    note = f"- `{crashed}`: failed after step 7: FloatingPointError: loss is nan at step 8"
+    assert note in table
+    assert f"{crashed} left out: failed after step 7" in capsys.readouterr().err
+
+
+def test_a_seed_run_twice_in_a_cell_counts_once(tmp_path, capsys):
+    _run(tmp_path, "000", ["attention=rope", "seed=0"], 0.5)
+    _run(tmp_path, "001", ["attention=rope", "seed=1"], 0.25)
+    shorter = _run(tmp_path, "002", ["attention=rope", "seed=0"], 0.9, steps=5)
+    # Equal steps: the newer summary counts, whatever the directories' order.
+    newer = _run(tmp_path, "003", ["attention=nope", "seed=0"], 1.0)
+    older = _run(tmp_path, "004", ["attention=nope", "seed=0"], 0.0)
+    os.utime(newer / "summary.json", (2000, 2000))
+    os.utime(older / "summary.json", (1000, 1000))
+
+    table = main([str(tmp_path), "--metrics", "test/err"])
+    assert "| 2 |" in _row(table, "attention=rope") and "0.375" in _row(table, "attention=rope")
+    assert "| attention=nope | 1 | 1 |" in table
+    err = capsys.readouterr().err
+    for dropped in (shorter, older):
+        assert f"- `{dropped}`: repeats seed 0 of cell" in table
+        assert f"{dropped} left out: repeats seed 0" in err
