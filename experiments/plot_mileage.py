@@ -4,8 +4,10 @@
     python experiments/plot_mileage.py RUN_DIR --example ood_long:3 --query 40
     python experiments/plot_mileage.py RUN_DIR --input-file prog.txt --out prog.png
 
-``RUN_DIR`` is a training run's directory (``checkpoint.pt`` and Hydra's ``.hydra/config.yaml``,
-from which the model and its dataset are rebuilt) or the path of a checkpoint in one. The input
+``RUN_DIR`` is a training run's directory or the path of a checkpoint in one: the model and its
+dataset are rebuilt from the resolved config that ``checkpoint.pt`` stores (for older
+checkpoints without one, from Hydra's ``.hydra/config.yaml`` beside it, which a later launch
+into the directory may have rewritten). The input
 is an example of an eval split of the run's task (``--example SPLIT:INDEX``, the model reads
 all but its last token, so for counting the last input token is the printed variable), or a
 file encoded with the run's tokenizer (``--input-file``: a counting program as words, a code
@@ -59,18 +61,31 @@ def load_run(
     Co-RoPE run: ``path`` is the run directory or its checkpoint file."""
     path = Path(path)
     ckpt = path / "checkpoint.pt" if path.is_dir() else path
-    config = ckpt.parent / ".hydra" / "config.yaml"
-    for p, what in ((ckpt, "checkpoint"), (config, "Hydra config")):
-        if not p.exists():
-            raise FileNotFoundError(f"run: no {what} at {p} (pass a train.py run directory)")
-    cfg = OmegaConf.load(config)
+    if not ckpt.exists():
+        raise FileNotFoundError(f"run: no checkpoint at {ckpt} (pass a train.py run directory)")
+    state = load_checkpoint(ckpt)
+    cfg = run_config(ckpt, state)
     if cfg.attention.name != "corope":
         raise ValueError(f"run: {ckpt} is a {cfg.attention.name!r} run; gates need corope")
     cfg.attention.impl = "torch"  # the model runs on the CPU: the reference, not the kernels
     dataset = build_dataset(cfg.data)
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
-    model.load_state_dict(load_checkpoint(ckpt)["model"])
+    model.load_state_dict(state["model"])
     return cfg, model.to(dtype).eval(), dataset
+
+
+def run_config(ckpt: Path, state: dict) -> DictConfig:
+    """The config the checkpoint ``ckpt`` (loaded as ``state``) was trained with: the resolved
+    config it stores, else (older checkpoints) Hydra's ``.hydra/config.yaml`` beside it, which
+    a later launch into the same directory may have rewritten."""
+    if "config" in state:
+        return OmegaConf.create(state["config"])
+    config = ckpt.parent / ".hydra" / "config.yaml"
+    if not config.exists():
+        raise FileNotFoundError(
+            f"run: {ckpt} stores no config and there is no Hydra config at {config}"
+        )
+    return OmegaConf.load(config)
 
 
 @contextlib.contextmanager

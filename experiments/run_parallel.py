@@ -7,15 +7,26 @@
 Each positional argument is a sweep spec: space-separated overrides, where ``key=a,b`` takes
 every value (Hydra's multirun syntax; commas inside ``[...]``, ``{...}`` or quotes do not
 split). A spec expands to the product of its values; the jobs are the specs' expansions in
-order, ``--common`` overrides appended to each. Small models do not fill a GPU, so
-``-j/--max-parallel`` jobs share it (``--gpus 0,1`` deals them round-robin to several).
+order, ``--common`` overrides appended to each. Hydra's sweep functions (``range(0,3)``,
+``choice(a,b)``) are refused: list the values. Small models do not fill a GPU, so
+``-j/--max-parallel`` jobs share it (``--gpus 0,1`` spreads them over several: a starting job
+gets the GPU running the fewest jobs, the first listed on a tie).
 
-Job ``i`` runs ``python train.py <overrides> hydra.run.dir=<root>/<i>-<overrides>`` in the
-repository root, its stdout and stderr going to ``stdout.log`` in that directory. The root
-gets ``jobs.tsv`` (index, status, seconds, directory, command), rewritten as jobs finish.
+Job ``i`` runs ``python train.py <overrides> hydra.run.dir=<root>/<i>-<spec's overrides>`` in
+the repository root (``--common`` overrides are not in the directory name), its stdout and
+stderr appended to ``stdout.log`` in that directory under a line per launch (time, command).
+``jobs.tsv`` in the root has a row per job and launch (index, status, seconds, directory,
+command, GPU, launch time): the rows earlier launches left, then this launch's, rewritten as
+its jobs finish, so a directory's last row is its latest launch.
 ``experiments/collect.py <root>`` tables the finished runs. The exit status is 0 when every
 job succeeded and 1 otherwise; SIGTERM or Ctrl-C (an outer ``timeout``) stops the running
-jobs before exiting.
+jobs before exiting, and a second one during the stop's grace period kills them at once.
+
+Relaunching into the same root: a job whose directory holds ``checkpoint.pt`` is not started
+(``train.py`` would refuse it, after Hydra had rewritten its ``.hydra`` records) unless its
+overrides set ``train.resume=true`` or ``train.overwrite=true``; its row says so and it counts
+as failed. To resume stopped runs, relaunch the same specs with ``--common
+"train.resume=true"`` (inside a spec it would change the directory name: a new run).
 """
 
 from __future__ import annotations
@@ -36,6 +47,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train.py"
 _OPENERS, _CLOSERS = "[{(", "]})"
+# Hydra's sweep functions; its cast functions (int(...), str(...), ...) are single values.
+_SWEEP_FUNCTION = re.compile(r"\s*(choice|range|interval|glob|sort|shuffle|tag)\s*\(")
+# Overrides under which train.py starts in a directory that already holds a checkpoint.
+_REUSES_CHECKPOINT = ("train.resume", "train.overwrite")
+TABLE_HEADER = "index\tstatus\tseconds\tdir\tcommand\tgpu\tlaunch"
 
 
 def _split(text: str, separators: str) -> list[str]:
@@ -79,6 +95,11 @@ def expand(spec: str) -> list[list[str]]:
         if "=" not in override:
             raise ValueError(f"sweep spec {spec!r}: {override!r} is not key=value")
         key, value = override.split("=", 1)
+        if _SWEEP_FUNCTION.match(value):
+            raise ValueError(
+                f"sweep spec {spec!r}: {override!r} is a Hydra sweep function, which is not "
+                "expanded here: list the values (key=a,b,c)"
+            )
         choices.append([f"{key}={v}" for v in split_values(value)])
     if not choices:
         raise ValueError("empty sweep spec")
@@ -111,23 +132,55 @@ class Job:
         return [sys.executable, str(TRAIN), *self.overrides, f"hydra.run.dir={self.run_dir}"]
 
 
-def plan(specs: list[str], common: list[str], root: Path, gpus: list[str]) -> list[Job]:
+def plan(specs: list[str], common: list[str], root: Path) -> list[Job]:
     """The jobs of ``specs`` (each with ``common`` appended), numbered in order."""
     jobs = []
     for spec in specs:
         for job in expand(spec):
             i = len(jobs)
-            run_dir = root / f"{i:03d}-{slug(job)}"
-            gpu = gpus[i % len(gpus)] if gpus else None
-            jobs.append(Job(i, [*job, *common], run_dir, gpu))
+            jobs.append(Job(i, [*job, *common], root / f"{i:03d}-{slug(job)}"))
     return jobs
 
 
-def _write_table(root: Path, jobs: list[Job]) -> None:
-    lines = ["index\tstatus\tseconds\tdir\tcommand"]
+def refusal(job: Job) -> str | None:
+    """Why ``job`` must not start (its directory holds a checkpoint that its overrides neither
+    resume nor overwrite: train.py would refuse it), or None."""
+    if not (job.run_dir / "checkpoint.pt").exists():
+        return None
+    for override in job.overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") in _REUSES_CHECKPOINT and value.strip().lower() == "true":
+            return None
+    return (
+        "not started: checkpoint.pt exists; relaunch with --common train.resume=true to "
+        "resume it or train.overwrite=true to start afresh"
+    )
+
+
+def pick_gpu(gpus: list[str], running: list[Job]) -> str | None:
+    """The GPU of ``gpus`` running the fewest of the ``running`` jobs, the first listed on a
+    tie (None without GPUs): chosen when a job starts, as jobs finish in any order."""
+    if not gpus:
+        return None
+    load = {gpu: sum(j.gpu == gpu for j in running) for gpu in gpus}
+    return min(gpus, key=load.__getitem__)
+
+
+def _previous_rows(root: Path) -> list[str]:
+    """The rows of an earlier launch's ``jobs.tsv`` in ``root``, kept as they are (rows from
+    before the gpu and launch columns have fewer fields: readers see those as missing)."""
+    table = root / "jobs.tsv"
+    return table.read_text().splitlines()[1:] if table.exists() else []
+
+
+def _write_table(root: Path, previous: list[str], jobs: list[Job], launch: str) -> None:
+    lines = [TABLE_HEADER, *previous]
     for j in jobs:
         cmd = shlex.join(j.command)
-        lines.append(f"{j.index}\t{j.status}\t{j.seconds:.0f}\t{j.run_dir.name}\t{cmd}")
+        lines.append(
+            f"{j.index}\t{j.status}\t{j.seconds:.0f}\t{j.run_dir.name}\t{cmd}\t{j.gpu or ''}"
+            f"\t{launch}"
+        )
     (root / "jobs.tsv").write_text("\n".join(lines) + "\n")
 
 
@@ -137,8 +190,9 @@ def _start(job: Job, threads: int) -> None:
     env.setdefault("OMP_NUM_THREADS", str(threads))
     if job.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = job.gpu
-    log = (job.run_dir / "stdout.log").open("w")
-    log.write("$ " + shlex.join(job.command) + "\n")
+    # Appended: a relaunch into the same directory keeps the earlier launches' output.
+    log = (job.run_dir / "stdout.log").open("a")
+    log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} $ {shlex.join(job.command)}\n")
     log.flush()
     # A new session: stopping a job stops its workers too (compile pools, data loaders).
     job.proc = subprocess.Popen(
@@ -149,13 +203,19 @@ def _start(job: Job, threads: int) -> None:
     job.status = "running"
 
 
+def _signal(jobs: list[Job], sig: signal.Signals) -> list[Job]:
+    """Sends ``sig`` to the process group of each of ``jobs`` still alive; returns those."""
+    alive = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
+    for job in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.proc.pid, sig)
+    return alive
+
+
 def _stop(jobs: list[Job], status: str) -> None:
     """SIGTERM to each job's process group, SIGKILL to those still alive 10 s later."""
     for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        alive = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
-        for job in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.proc.pid, sig)
+        alive = _signal(jobs, sig)
         deadline = time.monotonic() + grace
         for job in alive:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -172,20 +232,58 @@ def _raise_stopped(signum, frame):
     raise _Stopped(signal.Signals(signum).name)
 
 
-def run(jobs: list[Job], root: Path, max_parallel: int, job_timeout: float | None) -> int:
-    """Runs ``jobs``, at most ``max_parallel`` at a time; returns the number that failed."""
+def _shut_down(running: list[Job], pending: list[Job]) -> None:
+    """Stops the ``running`` jobs and marks the ``pending`` ones not started. A further
+    SIGTERM or Ctrl-C during the stop's grace period kills the jobs at once: they run in
+    their own sessions, so nothing else would stop them once we exit."""
+
+    def kill_now(signum, frame):
+        _signal(running, signal.SIGKILL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, kill_now)
+    _stop(running, "stopped")
+    for job in pending:
+        job.status = "not started"
+
+
+def _refuse(jobs: list[Job]) -> list[Job]:
+    """The ``jobs`` that may start; the others get their refusal as status."""
+    startable = []
+    for job in jobs:
+        why = refusal(job)
+        if why is None:
+            startable.append(job)
+        else:
+            job.status = why
+            print(f"[{job.index}] {why}: {job.run_dir}", flush=True)
+    return startable
+
+
+def run(
+    jobs: list[Job],
+    root: Path,
+    max_parallel: int,
+    job_timeout: float | None,
+    gpus: list[str] | None = None,
+) -> int:
+    """Runs ``jobs``, at most ``max_parallel`` at a time, each on the least busy of ``gpus``
+    (if any) when it starts; returns the number that failed or were refused."""
     root.mkdir(parents=True, exist_ok=True)
+    launch, previous_rows = time.strftime("%Y-%m-%dT%H:%M:%S"), _previous_rows(root)
     threads = max(1, (os.cpu_count() or 1) // max_parallel)
-    pending, running = list(jobs), []
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    pending, running = _refuse(jobs), []
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         while pending or running:
             while pending and len(running) < max_parallel:
                 job = pending.pop(0)
+                job.gpu = pick_gpu(gpus or [], running)
                 running.append(job)  # first, so that a stop in the middle of the start sees it
                 _start(job, threads)
                 print(f"[{job.index}] started: {' '.join(job.overrides)}", flush=True)
-            _write_table(root, jobs)
+            _write_table(root, previous_rows, jobs, launch)
             time.sleep(0.5)
             for job in list(running):
                 rc = job.proc.poll()
@@ -203,15 +301,14 @@ def run(jobs: list[Job], root: Path, max_parallel: int, job_timeout: float | Non
                 )
     except (KeyboardInterrupt, _Stopped) as e:
         print(f"stopping {len(running)} running jobs ({type(e).__name__} {e})", flush=True)
-        _stop(running, "stopped")
-        for job in pending:
-            job.status = "not started"
+        _shut_down(running, pending)
     except BaseException:  # e.g. an OSError starting a job: leave no job running behind us
-        _stop(running, "stopped")
+        _shut_down(running, pending)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        _write_table(root, jobs)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        _write_table(root, previous_rows, jobs, launch)
     failed = [j for j in jobs if j.status != "ok"]
     print(f"{len(jobs) - len(failed)}/{len(jobs)} jobs ok; table: {root / 'jobs.tsv'}")
     for j in failed:
@@ -227,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, required=True, help="one directory per job under it")
     parser.add_argument("-j", "--max-parallel", type=int, default=4, help="jobs at once (4)")
     parser.add_argument("--common", default="", help="overrides appended to every job")
-    parser.add_argument("--gpus", default="", help="comma-separated GPU ids, dealt round-robin")
+    parser.add_argument(
+        "--gpus", default="", help="comma-separated GPU ids; a job starts on the least busy"
+    )
     parser.add_argument(
         "--job-timeout",
         type=float,
@@ -241,14 +340,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-parallel must be >= 1, got {args.max_parallel}")
     gpus = [g for g in args.gpus.split(",") if g]
     try:
-        jobs = plan(args.specs, overrides(args.common), args.root.resolve(), gpus)
+        jobs = plan(args.specs, overrides(args.common), args.root.resolve())
     except ValueError as e:
         parser.error(str(e))
     if args.dry_run:
         for job in jobs:
             print(shlex.join(job.command))
         return 0
-    return 1 if run(jobs, args.root.resolve(), args.max_parallel, args.job_timeout) else 0
+    failed = run(jobs, args.root.resolve(), args.max_parallel, args.job_timeout, gpus)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

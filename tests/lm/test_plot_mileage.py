@@ -18,13 +18,17 @@ MODEL = [*TINY, "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model
 COUNTING = ["data=counting", "data.max_statements=6", "data.seq_len=32", "data.eval_samples=4"]
 
 
-def save_run(run_dir, *overrides: str) -> None:
+def save_run(run_dir, *overrides: str, stored_config: bool = False) -> None:
     """A run directory as train.py leaves it: the model at initialisation (0 steps) in
-    ``checkpoint.pt`` and the composed config in ``.hydra/config.yaml``."""
+    ``checkpoint.pt`` (with its resolved config if ``stored_config``, as train.py now saves
+    it; older checkpoints lack it) and the composed config in ``.hydra/config.yaml``."""
     cfg = compose_cfg(*MODEL, *COUNTING, *overrides)
     dataset = build_dataset(cfg.data)
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
-    save_checkpoint(run_dir / "checkpoint.pt", {"model": model.state_dict(), "step": 0})
+    state = {"model": model.state_dict(), "step": 0}
+    if stored_config:
+        state["config"] = OmegaConf.to_container(cfg, resolve=True)
+    save_checkpoint(run_dir / "checkpoint.pt", state)
     (run_dir / ".hydra").mkdir()
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
 
@@ -91,6 +95,16 @@ def test_gate_table_is_the_mean_gate_per_key_token(tmp_path):
         assert torch.allclose(
             torch.tensor([float(c) for c in row[2:]], dtype=torch.float64), expected, atol=6e-4
         )
+
+
+def test_the_checkpoints_own_config_wins_over_a_rewritten_hydra_config(tmp_path):
+    """A refused relaunch into the run's directory rewrites ``.hydra/config.yaml`` (here to a
+    RoPE run of another width); the model is rebuilt from the config in the checkpoint."""
+    save_run(tmp_path, "attention=corope", "attention.leader=mean", stored_config=True)
+    rewritten = compose_cfg(*MODEL, *COUNTING, "attention=rope", "model.d_model=64")
+    OmegaConf.save(rewritten, tmp_path / ".hydra" / "config.yaml")
+    cfg, _, _ = load_run(tmp_path)  # the checkpoint's weights fit the model it builds
+    assert (cfg.attention.name, cfg.attention.leader, cfg.model.d_model) == ("corope", "mean", 128)
 
 
 def test_rejects_a_run_that_is_not_corope(tmp_path):

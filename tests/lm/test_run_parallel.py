@@ -1,19 +1,53 @@
 """experiments/run_parallel.py (concurrent train.py jobs) and experiments/collect.py over its
 root: finished, stopped and failed jobs, tables, CSV and figures."""
 
+import contextlib
 import csv
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from experiments import run_parallel
 from experiments.run_parallel import expand, main, split_values
 from tests.lm.harness import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [*TINY, "data=counting", "data.max_statements=8", "data.seq_len=40", "data.eval_samples=16"]
+
+# A stand-in for train.py: prints its pid and GPU, sleeps `sleep=S` seconds, ignores SIGTERM
+# under `ignore_term=true` (as a job stuck in a compile or a data loader may).
+FAKE_TRAIN = """
+import os, signal, sys, time
+args = dict(a.split("=", 1) for a in sys.argv[1:])
+print("pid", os.getpid(), "gpu", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
+if args.get("ignore_term") == "true":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(float(args.get("sleep", 0)))
+"""
+
+
+@pytest.fixture
+def fake_train(tmp_path, monkeypatch) -> Path:
+    """The path of a fake train.py, which run_parallel runs in this process."""
+    path = tmp_path / "fake_train.py"
+    path.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(run_parallel, "TRAIN", path)
+    return path
+
+
+def table(root: Path) -> list[dict]:
+    with (root / "jobs.tsv").open() as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def launch_lines(log: Path) -> list[str]:
+    """The fake train.py's ``pid ... gpu ...`` lines in a job's ``stdout.log``."""
+    return [line for line in log.read_text().splitlines() if line.startswith("pid ")]
 
 
 def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -40,6 +74,9 @@ def test_sweep_specs_expand_like_hydra_multirun():
         expand("attention=rope seed")
     with pytest.raises(ValueError, match="empty value"):
         expand("seed=0,")
+    with pytest.raises(ValueError, match="'seed=range\\(0,3\\)' is a Hydra sweep function"):
+        expand("attention=rope seed=range(0,3)")
+    assert expand("a=int(3),str(4)") == [["a=int(3)"], ["a=str(4)"]]  # casts are values
 
 
 def test_dry_run_prints_one_command_per_job(tmp_path, capsys):
@@ -105,3 +142,80 @@ def test_parallel_jobs_then_collect(tmp_path):
         assert len(list(csv.DictReader(f))) == 3
     for name in ("results.png", "curves.png", "errors.png"):
         assert (runs / name).stat().st_size > 10_000, name
+
+
+def test_relaunch_keeps_the_records_and_starts_no_run_with_a_checkpoint(fake_train, tmp_path):
+    """A relaunch into the same root starts no job over a checkpoint (train.py would refuse
+    it after Hydra rewrote its records) unless told to resume; logs and rows accumulate."""
+    root = tmp_path / "runs"
+    args = ["--root", str(root), "sleep=0", "sleep=0.1"]
+    assert main(args) == 0
+    done = root / "000-sleep0"
+    (done / "checkpoint.pt").write_bytes(b"")  # as train.py leaves a run it trained
+    first_log = (done / "stdout.log").read_text()
+
+    assert main(args) == 1
+    refused = "not started: checkpoint.pt exists; relaunch with --common train.resume=true"
+    rows = table(root)
+    assert [(r["dir"], r["status"][: len(refused)]) for r in rows] == [
+        ("000-sleep0", "ok"),
+        ("001-sleep0.1", "ok"),
+        ("000-sleep0", refused),
+        ("001-sleep0.1", "ok"),
+    ]
+    assert rows[0]["launch"] <= rows[2]["launch"]
+    assert (done / "stdout.log").read_text() == first_log
+
+    assert main([*args, "--common", "train.resume=true"]) == 0
+    log = (done / "stdout.log").read_text()
+    assert log.startswith(first_log) and len(launch_lines(done / "stdout.log")) == 2
+    assert log.splitlines()[-2].endswith(f"sleep=0 train.resume=true hydra.run.dir={done}")
+    assert len(table(root)) == 6
+
+
+def test_a_starting_job_gets_the_least_busy_gpu(fake_train, tmp_path):
+    """Job 2 starts when job 1 (GPU 1) has finished and job 0 still runs on GPU 0."""
+    root = tmp_path / "runs"
+    assert main(["--root", str(root), "-j", "2", "--gpus", "0,1", "sleep=2", "sleep=0,0.1"]) == 0
+    logs = [root / r["dir"] / "stdout.log" for r in table(root)]
+    gpus = [launch_lines(log)[0].split()[-1] for log in logs]
+    assert gpus == ["0", "1", "1"]
+    assert [r["gpu"] for r in table(root)] == gpus
+
+
+def test_a_second_sigterm_kills_jobs_that_ignore_the_first(fake_train, tmp_path):
+    """Jobs run in their own sessions: if a second SIGTERM during the stop's 10 s grace
+    period ended run_parallel without killing them, nothing would."""
+    root = tmp_path / "runs"
+    script = (
+        "import sys; from pathlib import Path; from experiments import run_parallel as rp; "
+        f"rp.TRAIN = Path({str(fake_train)!r}); sys.exit(rp.main(sys.argv[1:]))"
+    )
+    args = ["--root", str(root), "-j", "2", "ignore_term=true sleep=60 seed=0,1,2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    pids = []
+    try:
+        started = [proc.stdout.readline() for _ in range(2)]
+        assert all("started" in line for line in started), started
+        while len(pids) < 2:  # each job ignores SIGTERM once it has printed its pid
+            time.sleep(0.05)
+            lines = [launch_lines(log) for log in root.glob("*/stdout.log")]
+            pids = [int(found[0].split()[1]) for found in lines if found]
+        proc.send_signal(signal.SIGTERM)
+        assert "stopping 2 running jobs" in proc.stdout.readline()
+        time.sleep(0.5)
+        begun = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=8) == 1
+        assert time.monotonic() - begun < 5  # not the 10 s grace period
+        assert [r["status"] for r in table(root)] == ["stopped", "stopped", "not started"]
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:  # without the fix, leave no job behind
+        proc.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
