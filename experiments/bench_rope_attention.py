@@ -23,7 +23,10 @@ square shapes only.
 TFLOPS counts ``4*B*H*N^2*D/2`` for the causal forward (H = query heads; ``4*B*H*D`` times
 the visible (query, key) pairs for a prefill) and 3.5 times that for forward+backward, as
 ``/work/shared/docs/anchors.md``. Targets, per shape, dtype and pass:
-``rope_attention <= 1.10 x sdpa_no_rope`` and ``<= 0.9 x min(liger, compile)``.
+``rope_attention <= 1.10 x sdpa_no_rope`` and ``<= 0.9 x min(liger, compile)``. Every provider
+but the floor is compared with the eager provider run in fp32 on the same inputs: a max-abs
+error over ``experiments.results_io.ACC_TOL`` makes its note "ACC FAIL" and its (shape, dtype,
+pass) miss the targets.
 
     python experiments/bench_rope_attention.py                      # GPU, results/ files
     python experiments/bench_rope_attention.py --quick --out /tmp/b  # CPU smoke (interpreter)
@@ -32,7 +35,6 @@ the visible (query, key) pairs for a prefill) and 3.5 times that for forward+bac
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import os
 import sys
@@ -48,7 +50,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
-from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
+from experiments.results_io import (  # noqa: E402
+    RESULTS,
+    accuracy_failed,
+    accuracy_note,
+    environment,
+    markdown_table,
+    merged_environment,
+    read_rows,
+    upsert_rows,
+)
 from experiments.timing import input_sets, peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.frequencies import rope_angles, rope_frequencies  # noqa: E402
@@ -79,6 +90,14 @@ def shape_label(name: str, shape) -> str:
     heads = f"{HQ}/{HKV}" if HQ != HKV else f"{HQ}"
     lengths = f"{NK}" if NQ == NK else f"{NQ}x{NK}"
     return f"{name} ({B},{heads},{lengths},{D})"
+
+
+def causal_flops(shape) -> float:
+    """Forward FLOPs of causal attention on ``shape``: ``4 * B * HQ * D`` per visible (query,
+    key) pair, the mask at the bottom right when ``NQ < NK`` (a prefill)."""
+    B, HQ, _, NQ, NK, D = shape
+    visible_pairs = NQ * NK - NQ * (NQ - 1) / 2 if NQ != NK else NQ * NQ / 2
+    return 4 * B * HQ * D * visible_pairs
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -160,8 +179,7 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
         ref = eager_rope_sdpa(
             q.float(), k.float(), v.float(), cos.float()[None, None], sin.float()[None, None]
         )
-    visible_pairs = NQ * NK - NQ * (NQ - 1) / 2 if NQ != NK else NQ * NQ / 2
-    fwd_flops = 4 * B * HQ * D * visible_pairs
+    fwd_flops = causal_flops(shape)
     rep = 20 if quick else 100
     rows = []
     for provider, fn in providers(cos, sin, device, NQ == NK).items():
@@ -193,8 +211,8 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
                         t.grad = None  # the peak-memory call must not accumulate old gradients
                     peak = peak_extra_mib(calls[0], device)
                 note = f"eager {eager_ms:.4f} ms/call"
-                if provider != "sdpa_no_rope":
-                    note += f"; max abs error vs fp32 eager {err:.1e}"
+                if provider != "sdpa_no_rope":  # the floor has no RoPE: not the same output
+                    note = f"{accuracy_note(err, dtype_name)} vs fp32 eager; {note}"
                 rows.append(
                     dict(
                         base, mode=mode, ms=ms, ms_p20=p20, ms_p80=p80, tflops=flops / ms / 1e9,
@@ -263,15 +281,14 @@ def precompile(shapes: dict, dtypes: list[str], workers: int, only=None) -> None
 
 
 def verdicts(rows: list[dict]) -> list[dict]:
-    """One row per (shape, dtype, mode): rope_attention against the floor and the alternatives."""
+    """One row per (shape, dtype, mode): rope_attention against the floor and the alternatives;
+    any provider's wrong output (an "ACC FAIL" note) misses the targets, since a comparison
+    with it is no result."""
     out = []
     keys = dict.fromkeys((r["shape"], r["dtype"], r["mode"]) for r in rows)
     for shape, dtype, mode in keys:
-        ms = {
-            r["provider"]: r["ms"]
-            for r in rows
-            if (r["shape"], r["dtype"], r["mode"]) == (shape, dtype, mode) and r.get("ms")
-        }
+        cell = [r for r in rows if (r["shape"], r["dtype"], r["mode"]) == (shape, dtype, mode)]
+        ms = {r["provider"]: r["ms"] for r in cell if r.get("ms")}
         if MAIN not in ms or "sdpa_no_rope" not in ms:
             continue
         vs_floor = ms[MAIN] / ms["sdpa_no_rope"]
@@ -280,6 +297,9 @@ def verdicts(rows: list[dict]) -> list[dict]:
         missed = ["floor"] if vs_floor > 1.10 else []
         if vs_alt is not None and vs_alt > 0.9:
             missed.append("alternatives")
+        wrong = [r["provider"] for r in cell if accuracy_failed(r)]
+        if wrong:
+            missed.append(f"accuracy: {', '.join(wrong)}")
         # a prefill has no Liger or compile row (they run square shapes only): floor target only
         met = "met" if vs_alt is not None else "met (floor; no alternative runs it)"
         out.append(
@@ -298,17 +318,6 @@ def verdicts(rows: list[dict]) -> list[dict]:
             )
         )
     return out
-
-
-def this_gpu_rows(csv_path: Path, gpu: str) -> list[dict]:
-    """The CSV's rows of this op and GPU, timings as floats (shapes in SHAPES order)."""
-    with csv_path.open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["op"] == OP and r["gpu"] == gpu]
-    for r in rows:
-        for key in ("ms", "tflops", "peak_mem_mib"):
-            r[key] = float(r[key]) if r[key] else None
-    order = {shape_label(n, s): i for i, (n, s) in enumerate({**SHAPES, **QUICK_SHAPES}.items())}
-    return sorted(rows, key=lambda r: order.get(r["shape"], len(order)))
 
 
 def main() -> None:
@@ -361,11 +370,12 @@ def main() -> None:
 
     # the tables cover every row of this op on this GPU, so runs split by --shapes add up
     gpu = args.report or env["gpu"]
-    rows = this_gpu_rows(args.out / "benchmarks.csv", gpu)
+    order = [shape_label(n, s) for n, s in {**SHAPES, **QUICK_SHAPES}.items()]
+    rows = read_rows(args.out / "benchmarks.csv", OP, gpu, shape_order=order)
     if not rows:
         raise SystemExit(f"no {OP} rows for GPU {gpu!r} in {args.out}")
     # the header names the machine and versions of the rows (runs split by --shapes add up)
-    env = {key: ", ".join(sorted({r[key] for r in rows})) for key in env}
+    env = merged_environment(rows, env)
     summary = verdicts(rows)
     columns = ["shape", "dtype", "mode", "provider", "ms", "tflops", "peak_mem_mib", "note"]
     v_columns = [
@@ -384,7 +394,8 @@ def main() -> None:
     verdict = (
         f"verdict: {met}/{len(summary)} (shape, dtype, pass) meet the targets that apply "
         f"(<= 1.10 x SDPA without RoPE; <= 0.9 x best of Liger and torch.compile where they run); "
-        f"the floor target alone: {floor_met}/{len(summary)}"
+        f"the floor target alone: {floor_met}/{len(summary)}; rows over the accuracy tolerance: "
+        f"{sum(map(accuracy_failed, rows))}"
     )
     text = (
         f"# {OP} benchmark\n\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
@@ -397,7 +408,6 @@ def main() -> None:
         from experiments.plot_benchmarks import plot_op
 
         csv_path = args.out / "benchmarks.csv"
-        order = [shape_label(n, s) for n, s in {**SHAPES, **QUICK_SHAPES}.items()]
         figures = {
             f"{OP}.png": {},
             f"{OP}_vs_floor.png": dict(relative_to="sdpa_no_rope", target=1.1),

@@ -2,7 +2,9 @@
 
 Fixed schema (as Liger-Kernel's ``all_benchmark_data.csv``): a row is identified by
 (op, provider, mode, shape, dtype, gpu); rerunning a benchmark replaces its rows and
-keeps everyone else's. ``markdown_table`` renders rows for the results markdown files.
+keeps everyone else's. ``read_rows`` reads one op's rows back, so that a script's markdown covers
+every run (split by ``--shapes``) and not only the last; ``markdown_table`` renders them.
+``accuracy_note`` is the one error check of the RoPE benchmarks' rows.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ FIELDS = [
     "note",
 ]
 KEY = ("op", "provider", "mode", "shape", "dtype", "gpu")
+NUMERIC = ("ms", "ms_p20", "ms_p80", "tflops", "gbps", "peak_mem_mib")
+# Max-abs error against an fp32 reference beyond which a row's output is wrong: two units in the
+# last place of the dtype at magnitudes 4-8. The outputs (rotated randn q and k; attention's
+# convex combinations of randn v rows) stay below 8, and a correct provider only rounds: the
+# measured maxima (fused_rope/README.md and experiments/results/benchmarks.csv, H100/H200) are
+# RoPE 1.9e-3 fp16 and 1.6e-2 bf16 (this kernel: half an ulp) and up to 4.9e-3 and 3.6e-2
+# (eager, in the dtype), RoPE attention up to 2.0e-3 and 1.5e-2 (every provider).
+ACC_TOL = {"fp16": 2 * 2.0**-8, "bf16": 2 * 2.0**-5}
+ACC_FAIL = "ACC FAIL"  # the prefix of a failed row's note, as bench_corope.py's
 
 
 def environment() -> dict[str, str]:
@@ -85,6 +96,39 @@ def upsert_rows(rows: list[dict], path: Path = CSV_PATH) -> None:
         for r in kept + rows:
             writer.writerow({k: _fmt(r.get(k, "")) for k in FIELDS})
     os.replace(tmp, path)
+
+
+def read_rows(path: Path, op: str, gpu: str, shape_order: list[str] = ()) -> list[dict]:
+    """The CSV's rows of ``op`` on ``gpu``, timings as floats (None where empty), sorted by
+    their shape's place in ``shape_order`` (others last): the CSV holds rows in the order
+    they were last written."""
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == op and r["gpu"] == gpu]
+    for r in rows:
+        for key in NUMERIC:
+            r[key] = float(r[key]) if r[key] else None
+    rank = {shape: i for i, shape in enumerate(shape_order)}
+    return sorted(rows, key=lambda r: rank.get(r["shape"], len(rank)))
+
+
+def merged_environment(rows: list[dict], keys) -> dict[str, str]:
+    """Each of ``keys`` (gpu, torch, commit, ...) over ``rows``: their distinct values, joined
+    (rows of runs split by ``--shapes`` may be of different commits or dates)."""
+    return {key: ", ".join(sorted({r[key] for r in rows})) for key in keys}
+
+
+def accuracy_note(err: float, dtype_name: str) -> str:
+    """The note of a row whose max-abs error is ``err``: ``ACC FAIL`` first (NaN fails) when
+    it is over ``ACC_TOL`` of the dtype."""
+    tol = ACC_TOL[dtype_name]
+    if err <= tol:
+        return f"max err {err:.1e}"
+    return f"{ACC_FAIL}: max err {err:.1e} > {tol:.1e}"
+
+
+def accuracy_failed(row: dict) -> bool:
+    """Whether ``row``'s note says its output failed the accuracy check."""
+    return str(row.get("note") or "").startswith(ACC_FAIL)
 
 
 def _fmt(value) -> str:

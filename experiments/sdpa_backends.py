@@ -2,8 +2,8 @@
 
 ``bench_rope_attention.py`` measures ``rope_attention`` against SDPA without RoPE as PyTorch
 dispatches it. This script times that default next to each backend forced with
-``torch.nn.attention.sdpa_kernel`` (flash, cuDNN, memory-efficient), causal, on the anchor shapes
-and the GQA shape, forward and forward+backward, fp16 and bf16, and says which backend the
+``torch.nn.attention.sdpa_kernel`` (flash, cuDNN, memory-efficient), causal, on the benchmark's
+shapes (a prefill's mask at the bottom right, as the benchmark's floor), forward and forward+backward, fp16 and bf16, and says which backend the
 default ran (the one whose output it matches bit for bit). The default's times are the floor a
 fused RoPE attention kernel has to meet.
 
@@ -18,13 +18,17 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from experiments.bench_rope_attention import DTYPES, SHAPES  # noqa: E402
+from experiments.bench_rope_attention import (  # noqa: E402
+    DTYPES,
+    SHAPES,
+    causal_flops,
+    sdpa_causal,
+)
 from experiments.results_io import environment, markdown_table, print_report  # noqa: E402
 from experiments.timing import input_sets, time_ms  # noqa: E402
 
@@ -36,37 +40,39 @@ BACKENDS = {
 }
 
 
-def attention(backend, gqa: bool):
-    """Causal SDPA of ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]`` on ``backend`` (None: the one
-    PyTorch picks)."""
+def attention(backend):
+    """The benchmark's floor (``bench_rope_attention.sdpa_causal``: causal, the mask at the
+    bottom right) of ``q [B, HQ, NQ, D]``, ``k, v [B, HKV, NK, D]`` on ``backend`` (None: the
+    one PyTorch picks)."""
 
     def fn(q, k, v):
         if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return sdpa_causal(q, k, v)
         with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return sdpa_causal(q, k, v)
 
     return fn
 
 
-def run_shape(name: str, dtype_name: str, device: torch.device) -> list[dict]:
-    """One row per backend for shape ``name`` of ``SHAPES`` in ``dtype_name``: median GPU ms
-    and TFLOPS forward and forward+backward (``experiments.timing.time_ms``: CUDA graphs over
-    enough input copies to defeat L2), and on the default's row the backend it ran."""
-    B, HQ, HKV, N, D = SHAPES[name]
+def run_shape(name: str, shape, dtype_name: str, device: torch.device) -> list[dict]:
+    """One row per backend for ``shape`` (``(B, HQ, HKV, NQ, NK, D)``, as ``SHAPES``; ``name``
+    labels the rows) in ``dtype_name``: median GPU ms and TFLOPS forward and forward+backward
+    (``experiments.timing.time_ms``: CUDA graphs over enough input copies to defeat L2), and on
+    the default's row the backend it ran."""
+    B, HQ, HKV, NQ, NK, D = shape
     dtype = DTYPES[dtype_name]
-    n_sets = input_sets(N * D * (HQ + 2 * HKV) * dtype.itemsize, device)
+    n_sets = input_sets((NQ * HQ + 2 * NK * HKV) * D * dtype.itemsize, device)
     sets = [
-        tuple(torch.randn(B, h, N, D, device=device, dtype=dtype, requires_grad=True)
-              for h in (HQ, HKV, HKV))
+        tuple(torch.randn(B, h, n, D, device=device, dtype=dtype, requires_grad=True)
+              for h, n in ((HQ, NQ), (HKV, NK), (HKV, NK)))
         for _ in range(n_sets)
     ]  # fmt: skip
     grads = [t for s in sets for t in s]
-    do = torch.randn(B, HQ, N, D, device=device, dtype=dtype)
-    fwd_flops = 4 * B * HQ * N * N * D / 2
+    do = torch.randn(B, HQ, NQ, D, device=device, dtype=dtype)
+    fwd_flops = causal_flops(shape)
     rows, outputs = [], {}
     for backend_name, backend in BACKENDS.items():
-        fn = attention(backend, HQ != HKV)
+        fn = attention(backend)
         row = dict(shape=name, dtype=dtype_name, backend=backend_name)
         try:
             with torch.no_grad():
@@ -106,7 +112,7 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         for dtype_name in DTYPES:
-            rows += run_shape(name, dtype_name, device)
+            rows += run_shape(name, SHAPES[name], dtype_name, device)
             print(rows[-len(BACKENDS)], flush=True)
     columns = ["shape", "dtype", "backend", "fwd_ms", "fwd_tflops", "fwd+bwd_ms",
                "fwd+bwd_tflops", "note"]  # fmt: skip

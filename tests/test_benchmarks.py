@@ -1,7 +1,7 @@
 """The benchmark scripts' ``--quick`` smoke runs (CPU: the Triton interpreter), so that a change
 to a kernel's signature or to the results helpers cannot leave a benchmark broken until its
-next GPU run. Each must exit 0, write its CSV rows and markdown, and (Co-RoPE) pass its own
-accuracy check."""
+next GPU run. Each must exit 0, write its CSV rows, keep an earlier run's rows in its markdown,
+and pass its own accuracy check; a wrong output must fail that check."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import corope.forward
+from experiments import bench_rope, bench_rope_attention
+from experiments.results_io import ACC_FAIL, accuracy_failed, accuracy_note, upsert_rows
 from fused_rope._validation import interpreter_blocker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +37,11 @@ def test_benchmark_quick_run(script, op, markdown, tmp_path):
     if (blocker := interpreter_blocker()) is not None:
         pytest.skip(blocker)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", MPLBACKEND="Agg")
+    # a row of an earlier run (another shape, as ``--shapes`` splits a run): the markdown is
+    # rebuilt from the CSV, so it must keep this row
+    earlier = dict(op=op, provider="earlier", mode="fwd", shape="earlier-shape", dtype="fp16",
+                   gpu="cpu", torch="t", triton="t", commit="c", date="d", note="earlier run")  # fmt: skip
+    upsert_rows([earlier], tmp_path / "benchmarks.csv")
     run = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / script), "--quick", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
@@ -43,10 +50,88 @@ def test_benchmark_quick_run(script, op, markdown, tmp_path):
     with (tmp_path / "benchmarks.csv").open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["op"] == op]
     assert rows and all(r["ms"] or r["note"] for r in rows), rows
-    assert (tmp_path / markdown).read_text().strip()
+    text = (tmp_path / markdown).read_text()
+    assert "earlier-shape" in text and "earlier run" in text, text
+    assert ACC_FAIL not in text, text
     if op == "corope":
         forwards = [r for r in rows if (r["provider"], r["mode"]) == ("corope_triton", "fwd")]
         assert forwards and all(r["note"] == "acc ok" for r in forwards), forwards
+    else:  # every timed provider's output checked (rope_attention's floor has no RoPE)
+        checked = [r for r in rows if r["ms"] and r["provider"] != "sdpa_no_rope"]
+        assert checked and all(r["note"].startswith("max err") for r in checked), checked
+    if op == "rope_attention":
+        assert "rows over the accuracy tolerance: 0" in text, text
+
+
+def test_accuracy_note_flags_errors_over_the_tolerance():
+    """The documented errors pass (RoPE's eager bf16 3.6e-2, fp16 4.9e-3); a larger one, or NaN,
+    is an "ACC FAIL"."""
+    assert not accuracy_failed({"note": accuracy_note(3.6e-2, "bf16")})
+    assert not accuracy_failed({"note": accuracy_note(4.9e-3, "fp16")})
+    for err in (1e-2, float("nan")):
+        assert accuracy_failed({"note": accuracy_note(err, "fp16")})
+
+
+def _perturbed(fn, by=0.05):
+    """``fn`` with every output off by ``by``: a fast but wrong kernel."""
+
+    def wrong(*args):
+        out = fn(*args)
+        return tuple(o + by for o in out) if isinstance(out, tuple) else out + by
+
+    return wrong
+
+
+def test_bench_rope_flags_a_wrong_output(monkeypatch):
+    """A provider whose outputs are 0.05 off gets "ACC FAIL" rows and a failed verdict, however
+    fast it is."""
+    real = bench_rope.providers
+    monkeypatch.setattr(
+        bench_rope, "providers", lambda *a: {"triton": _perturbed(real(*a)["eager"])}
+    )
+    shape = bench_rope.QUICK_SHAPES[0]
+    rows = bench_rope.run_case(shape, "fp16", 1.0, {}, torch.device("cpu"), quick=True)
+    assert rows and all(r["note"].startswith(ACC_FAIL) for r in rows), rows
+    assert bench_rope.verdict(rows, 1.0)[-1].startswith("VERDICT: FAIL")
+
+
+def test_bench_rope_attention_flags_a_wrong_output(monkeypatch):
+    """rope_attention 0.05 off the fp32 reference: "ACC FAIL" rows, and its (shape, dtype,
+    pass) miss the targets although it is as fast as the floor."""
+    real = bench_rope_attention.providers
+
+    def providers(*args):
+        out = real(*args)
+        return {"rope_attention": _perturbed(out["eager_rope+sdpa"]),
+                "sdpa_no_rope": out["sdpa_no_rope"]}  # fmt: skip
+
+    monkeypatch.setattr(bench_rope_attention, "providers", providers)
+    shape = bench_rope_attention.QUICK_SHAPES["Tiny"]
+    rows = bench_rope_attention.run_shape("Tiny", shape, "fp16", {}, torch.device("cpu"), True)
+    main = [r for r in rows if r["provider"] == "rope_attention"]
+    assert main and all(r["note"].startswith(ACC_FAIL) for r in main), main
+    targets = [v["target"] for v in bench_rope_attention.verdicts(rows)]
+    assert targets and all("accuracy: rope_attention" in t for t in targets), targets
+
+
+@pytest.mark.parametrize("name", ["Tiny-GQA", "Tiny-Prefill"])
+def test_sdpa_backends_runs_the_benchmark_shapes(name):
+    """``sdpa_backends.run_shape`` takes ``bench_rope_attention``'s (B, HQ, HKV, NQ, NK, D)
+    shapes: the default backend is timed and named, and a prefill's mask is at the bottom
+    right (the last query sees every key), as the benchmark's floor."""
+    from experiments.sdpa_backends import attention, run_shape
+
+    shape = bench_rope_attention.QUICK_SHAPES[name]
+    rows = run_shape(name, shape, "fp16", torch.device("cpu"))
+    default = rows[0]
+    assert default["backend"] == "default" and default["note"].startswith("ran: "), rows
+    assert float(default["fwd_ms"]) > 0 and float(default["fwd+bwd_ms"]) > 0, rows
+    B, HQ, HKV, NQ, NK, D = shape
+    q, k, v = (torch.randn(B, h, n, D) for h, n in ((HQ, NQ), (HKV, NK), (HKV, NK)))
+    last = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, -1:], k, v, enable_gqa=HQ != HKV
+    )
+    torch.testing.assert_close(attention(None)(q, k, v)[:, :, -1:], last)
 
 
 def test_time_corope_loads_a_version_with_its_own_forward(tmp_path):
@@ -71,11 +156,7 @@ def test_time_corope_loads_a_version_with_its_own_forward(tmp_path):
 def test_rope_attention_verdicts_name_the_missed_target():
     """bench_rope_attention's target column: met, or which of the two targets missed; a
     prefill (no Liger or compile row) is judged on the floor alone."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        from bench_rope_attention import verdicts
-    finally:
-        sys.path.pop(0)
+    from experiments.bench_rope_attention import verdicts
 
     def rows(shape, main, floor, liger=None):
         ms = {"rope_attention": main, "sdpa_no_rope": floor, "liger_rope+sdpa": liger}
