@@ -23,7 +23,6 @@ row's note says "acc ok" or "ACC FAIL".
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 from pathlib import Path
@@ -37,7 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from corope import corope_attention, corope_attention_ref  # noqa: E402
 from corope.naive import corope_inv_freq  # noqa: E402
-from experiments.results_io import RESULTS, environment, markdown_table, upsert_rows  # noqa: E402
+from experiments.results_io import (  # noqa: E402
+    ACC_FAIL,
+    RESULTS,
+    accuracy_failed,
+    environment,
+    markdown_table,
+    read_rows,
+    upsert_rows,
+)
 from experiments.timing import peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.naive import apply_rope_ref  # noqa: E402
 from tests.helpers import check_against_baseline  # noqa: E402
@@ -85,7 +92,7 @@ def rows_accuracy(o, q, k, v) -> str:
         )
         passed, msg = check_against_baseline(o[:, :, i0 : rows.stop], o64, o32.to(q.dtype))
         if not passed:
-            return f"ACC FAIL rows {i0}+: {msg}"
+            return f"{ACC_FAIL} rows {i0}+: {msg}"
     return "acc ok"
 
 
@@ -168,7 +175,7 @@ def _ms(rows, shape, provider, mode):
     r = next(
         (r for r in rows if (r["shape"], r["provider"], r["mode"]) == (shape, provider, mode)), None
     )
-    return None if r is None or r.get("ms") in (None, "") else float(r["ms"])
+    return None if r is None else r["ms"]
 
 
 def verdict(rows: list[dict]) -> list[str]:
@@ -202,11 +209,9 @@ def verdict(rows: list[dict]) -> list[str]:
     check("N=16384 fwd+bwd", _ms(rows, big(16384), "corope_triton", "fwd+bwd"), 150.0)
     r32 = next((r for r in rows if r["shape"] == big(32768) and r["provider"] == "corope_triton"
                 and r["mode"] == "fwd+bwd"), None)  # fmt: skip
-    mem = (
-        None if r32 is None or r32.get("peak_mem_mib") in (None, "") else float(r32["peak_mem_mib"])
-    )
+    mem = None if r32 is None else r32["peak_mem_mib"]
     check("N=32768 fwd+bwd memory beyond q,k,v,o,grads", mem, 2048.0, "MiB")
-    failed = [r for r in rows if str(r.get("note", "")).startswith("ACC FAIL")]
+    failed = [r for r in rows if accuracy_failed(r)]
     if failed:
         ok = False
         lines.append(f"  accuracy: {len(failed)} shapes failed the 2x rule")
@@ -257,8 +262,7 @@ def main() -> None:
             upsert_rows(run_case(shape, N, dtype, env, device, quick), csv_path)
     # Verdict and markdown over every row of this op and GPU in the CSV, so that runs split
     # by --shape / --min-n / --max-n add up to one table.
-    with csv_path.open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["op"] == OP and r["gpu"] == env["gpu"]]
+    rows = read_rows(csv_path, OP, env["gpu"])
     lines = verdict(rows)
     write_markdown(args.out / "bench_corope.md", rows, env, lines)
     try:
