@@ -122,10 +122,11 @@ def corope_attention(
     Args:
         q: ``[B, HQ, N, D]``; head ``h`` belongs to KV group ``h // (HQ // HKV)``.
         k, v: ``[B, HKV, N, D]`` with ``HQ % HKV == 0``. fp16, bf16 or fp32, one dtype and one
-            CUDA device for all three (the CPU only under ``TRITON_INTERPRET=1``);
+            CUDA device for all three (the CPU only under ``TRITON_INTERPRET=1``, fp16/fp32);
             ``D`` in ``SUPPORTED_HEAD_DIMS`` (32, 64, 128, 256). Any strides.
         theta: RoPE base; ``w[d] = theta ** (-2d / R)``.
-        inv_freq: ``[R/2]`` frequencies overriding ``theta`` (``fused_rope.rope_frequencies``).
+        inv_freq: ``[R/2]`` fp32/fp64 frequencies overriding ``theta``
+            (``fused_rope.rope_frequencies``); a constant: refused where it requires grad.
         softmax_scale: ``s`` (default ``1 / sqrt(D)``), scaling both gates and scores.
         rope_dim: ``R``, even, at most ``D`` (default ``D``); channels ``R:`` are a plain dot.
         leader: ``"first"`` or ``"mean"``: which query computes the group's gates.

@@ -492,7 +492,9 @@ def main(argv: list[str] | None = None) -> str:
         "--ignore",
         default="",
         help="comma-separated override keys that define no cell, with the keys under them "
-        "(e.g. data.eval_samples; lm.config.RUN_CONDUCT_KEYS but SPEED_KEYS always are)",
+        "(e.g. data.eval_samples). How a run was carried out (lm.config.RUN_CONDUCT_KEYS) "
+        "never forms a cell, except the keys that change its speed (attention.impl, "
+        "train.device, train.cpu_threads): name those here to merge them",
     )
     parser.add_argument("--out", type=Path, help="output directory (default: multirun_dir)")
     args = parser.parse_args(argv)

@@ -1,7 +1,8 @@
 """Input checks shared by every public function of ``fused_rope`` and ``corope``.
 
 Each raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape,
-value or device) with the argument's name and what it got.
+value or device) with the argument's name and what it got; ``RuntimeError`` where the Triton
+interpreter cannot run the kernels at all (``interpreter_blocker``).
 """
 
 from __future__ import annotations

@@ -413,10 +413,11 @@ def rope_attention(
 
     Args:
         q: ``[B, HQ, NQ, D]`` fp16, bf16 or fp32 (the fused kernel: ``D <= 256``,
-            ``B * HQ <= 65535``).
+            ``B * HQ <= 65535``; on the CPU, in the interpreter, fp16 or fp32).
         k, v: ``[B, HKV, NK, D]``, same dtype; ``HQ`` a multiple of ``HKV`` (GQA, MQA).
         theta: RoPE base, used when ``inv_freq`` is None.
-        inv_freq: ``[rope_dim // 2]`` inverse frequencies (scaled schedules); overrides theta.
+        inv_freq: ``[rope_dim // 2]`` fp32/fp64 inverse frequencies (scaled schedules);
+            overrides theta. A constant: refused where it requires grad, as are positions.
         positions: the keys' positions, ``[NK]`` or ``[B, NK]``, integer or float
             (default ``0..NK-1``).
         q_positions: ``[NQ]`` or ``[B, NQ]``; default: the last NQ entries of ``positions``

@@ -244,10 +244,10 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
 
     Raises:
         ValueError, TypeError: an option out of range (naming it), an unknown ``metric``, or
-            ``train.resume=true`` with a config other than the checkpoint's; before anything
-            is written.
+            ``train.resume=true`` with a config other than the checkpoint's; before the trainer
+            writes anything (Hydra has rewritten the directory's ``.hydra/`` records by then).
         FileExistsError: the output directory holds a checkpoint and neither
-            ``train.resume`` nor ``train.overwrite`` is set; before anything is written.
+            ``train.resume`` nor ``train.overwrite`` is set; as early.
         FloatingPointError: a non-finite loss or gradient norm, naming the step; the last
             checkpoint (from an earlier step) is kept. Any error of the loop also writes
             ``failed.json``; a start removes an earlier run's ``summary.json`` and ``failed.json``.
