@@ -417,6 +417,7 @@ class _Run:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
         if not math.isfinite(grad_norm):
             self._fail(f"gradient norm is {grad_norm}")
+        self.grad_norm = grad_norm  # before clipping: logged with the loss
         self.opt.step()
         self.lr = self.sched.get_last_lr()[0]  # the rate this step used, before the schedule moves
         self.sched.step()
@@ -477,7 +478,14 @@ class _Run:
                 last = self.step == t.steps or self.stopped_early
                 if info.main and ((t.log_every and self.step % t.log_every == 0) or last):
                     speed = self._speed() if self.state["timed_steps"] else {}  # none timed yet
-                    self._record({"train/loss": sum(losses) / len(losses), "lr": self.lr, **speed})
+                    self._record(
+                        {
+                            "train/loss": sum(losses) / len(losses),
+                            "train/grad_norm": self.grad_norm,
+                            "lr": self.lr,
+                            **speed,
+                        }
+                    )
                     losses.clear()
                 if last or (t.eval_every and self.step % t.eval_every == 0):
                     if info.main:

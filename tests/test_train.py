@@ -422,6 +422,12 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path, data):
     assert [loss for _, loss in ddp_losses] == pytest.approx(
         [loss for _, loss in one_losses], rel=1e-5
     )
+    # The gradients too: AdamW would hide a uniformly mis-scaled gradient from the losses.
+    norms = [
+        [r["train/grad_norm"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "lr" in r]
+        for d in ("ddp", "one")
+    ]
+    assert len(norms[0]) == 4 and norms[0] == pytest.approx(norms[1], rel=1e-4)
 
 
 @pytest.mark.slow
@@ -470,6 +476,40 @@ def test_gpu_triton_path_trains_like_the_torch_path(attention, tmp_path):
     assert losses == pytest.approx([loss for _, loss in train_losses(tmp_path / "torch")], rel=2e-2)
     assert kernel["peak_mem_mib"] > 0 and 0.0 < kernel["attn_time_frac"] < 1.0
     assert kernel["mfu"] is None or 0.0 < kernel["mfu"] < 1.0
+
+
+def test_lr_lambda_warms_up_then_decays_to_the_floor():
+    """Values written out (the other lr test compares against lr_lambda itself)."""
+    assert [lr_lambda(s, 4, 10, 0.1) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_lambda(4, 4, 10, 0.1) == 1.0  # the cosine starts at 1 after the warmup
+    assert lr_lambda(7, 4, 10, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way
+    assert lr_lambda(10, 4, 10, 0.1) == pytest.approx(0.1)
+    assert lr_lambda(50, 4, 10, 0.1) == pytest.approx(0.1)  # past the end: the floor
+
+
+def test_grad_clip_bounds_the_applied_gradient(tmp_path, monkeypatch):
+    """optim.grad_clip caps the gradient norm AdamW receives; the logged norm is the one
+    before clipping (above the cap here), and grad_clip=0 leaves the gradients as they are."""
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        grads = [
+            p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]
+        seen.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    common = [*SMALL, "train.steps=3", "train.log_every=1", "train.eval_every=0"]
+    train(compose_cfg(*common, "optim.grad_clip=1e-3"), output_dir=str(tmp_path / "clip"))
+    assert len(seen) == 3 and max(seen) <= 1e-3 * (1 + 1e-5)
+    logged = [r["train/grad_norm"] for r in read_jsonl(tmp_path / "clip" / "metrics.jsonl")
+              if "lr" in r]  # fmt: skip
+    assert min(logged) > 1e-2
+    seen.clear()
+    train(compose_cfg(*common, "optim.grad_clip=0"), output_dir=str(tmp_path / "off"))
+    assert min(seen) > 1e-2
 
 
 def test_logged_lr_is_the_rate_of_the_step_and_log_every_zero_logs_at_the_end(tmp_path):

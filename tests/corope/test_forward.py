@@ -195,12 +195,16 @@ def test_public_matches_reference_with_options():
     assert not torch.equal(out, corope_attention(q, k, v, rope_dim=32, leader="mean"))
 
 
-def test_autograd_through_public_function():
+@pytest.mark.parametrize("detach_mileage", [False, True])
+def test_autograd_through_public_function(detach_mileage):
+    """The public function's autograd, the options carried to the backward included
+    (``detach_mileage`` reaches it through the custom op's saved arguments)."""
     q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 19, 64, torch.float32))
     do = torch.randn_like(q)
-    grads = torch.autograd.grad(corope_attention(q, k, v, leader="mean"), (q, k, v), do)
+    kw = dict(leader="mean", detach_mileage=detach_mileage)
+    grads = torch.autograd.grad(corope_attention(q, k, v, **kw), (q, k, v), do)
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    o64 = corope_attention_ref(qd, kd, vd, leader="mean")
+    o64 = corope_attention_ref(qd, kd, vd, **kw)
     refs = torch.autograd.grad(o64, (qd, kd, vd), do.double())
     for name, g, r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
         assert_close(name, g, r, atol=1e-4, rtol=1e-5)

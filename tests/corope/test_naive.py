@@ -6,6 +6,9 @@ of the math, so the tolerances are float64 round-off, not kernel tolerances.
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -51,6 +54,50 @@ def test_unit_gates_is_rope_attention(B, HQ, HKV, N, D, rope_dim):
     out = corope_attention_ref(q, k, v, rope_dim=rope_dim, theta=500.0, unit_gates=True)
     ref = _rope_attention(q, k, v, rope_dim or D, 500.0, D**-0.5)
     assert_close("unit gates vs RoPE attention", out, ref, atol=1e-10, rtol=1e-12)
+
+
+def _corope_written_out(q, k, v, w, scale, leader):
+    """Co-RoPE-GQA element by element, in Python loops over float64 scalars, from the
+    definitions (corope/README.md): an oracle for the gated path that shares no code with
+    the reference. The leader's gate on key t for query i is ``sigmoid(s qL[i] . k[t])``, the
+    mileage ``delta[i, j] = sum_{j < t <= i} z[i, t]``, key pair ``(k[d], k[d + R/2])``
+    rotated by ``-delta w[d]`` (``w``: the R/2 frequencies, floats)."""
+    B, HQ, N, D = q.shape
+    HKV, half = k.shape[1], len(w)
+    rope_dim, G = 2 * half, HQ // HKV
+    o = torch.zeros_like(q)
+    for b, g, i in itertools.product(range(B), range(HKV), range(N)):
+        heads = range(g * G, (g + 1) * G)
+        lead = q[b, g * G, i] if leader == "first" else sum(q[b, h, i] for h in heads) / G
+        z = [1.0 / (1.0 + math.exp(-scale * float(lead @ k[b, g, t]))) for t in range(N)]
+        for h in heads:
+            scores = []
+            for j in range(i + 1):
+                delta = sum(z[t] for t in range(j + 1, i + 1))
+                score = float(q[b, h, i, rope_dim:] @ k[b, g, j, rope_dim:])
+                for d in range(half):
+                    c, sn = math.cos(delta * w[d]), math.sin(delta * w[d])
+                    k1, k2 = float(k[b, g, j, d]), float(k[b, g, j, d + half])
+                    score += float(q[b, h, i, d]) * (k1 * c + k2 * sn)
+                    score += float(q[b, h, i, d + half]) * (k2 * c - k1 * sn)
+                scores.append(scale * score)
+            top = max(scores)
+            p = [math.exp(x - top) for x in scores]
+            o[b, h, i] = sum(pj / sum(p) * v[b, g, j] for j, pj in enumerate(p))
+    return o
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
+def test_reference_matches_the_math_written_out(leader):
+    """The gates (their scale, the leader), the mileage's range and the rotation's direction,
+    against loops written from the definitions: the kernels are tested against the
+    reference, so an error in both would pass every other test."""
+    q, k, v = _qkv(2, 4, 2, 7, 8)
+    # fp32 frequencies, as the reference (and the kernels) use them
+    w = torch.tensor([50.0 ** (-2 * d / 6) for d in range(3)]).float()
+    out = corope_attention_ref(q, k, v, inv_freq=w, rope_dim=6, softmax_scale=0.7, leader=leader)
+    expected = _corope_written_out(q, k, v, w.tolist(), 0.7, leader)
+    assert_close("reference vs written out", out, expected, atol=1e-12, rtol=1e-10)
 
 
 def test_rotated_key_dtype_rounds_only_the_rotated_key():

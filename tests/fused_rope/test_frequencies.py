@@ -200,6 +200,27 @@ HF_CASES = [
         1.0,
         id="yarn-truncate-none",
     ),
+    pytest.param(  # a small theta and a long context put beta_slow's slot past R/2 - 1: the clamp
+        64,
+        500.0,
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+        None,
+        1.0,
+        id="yarn-slow-slot-clamped",
+    ),
+    pytest.param(
+        64,
+        500.0,
+        {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "truncate": False,
+        },
+        None,
+        1.0,
+        id="yarn-slow-slot-clamped-no-truncate",
+    ),
     pytest.param(
         96,
         10000.0,
