@@ -440,8 +440,10 @@ def test_hub_error_without_network(monkeypatch, fresh_hub_cache):
 
 def test_hub_error_in_offline_mode(tmp_path):
     """The real ``load_dataset`` with the Hub's offline switches and an empty cache."""
+    # The repository first on the path, the rest kept (an install may live on PYTHONPATH)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}  # fmt: skip
+           "HF_HOME": str(tmp_path), "PYTHONPATH": path}  # fmt: skip
     code = "from lm.data import build_dataset; build_dataset({'name': 'tinystories'})"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
