@@ -13,6 +13,7 @@ import csv
 import datetime
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -98,7 +99,7 @@ def upsert_rows(rows: list[dict], path: Path = CSV_PATH) -> None:
     os.replace(tmp, path)
 
 
-def read_rows(path: Path, op: str, gpu: str, shape_order: list[str] = ()) -> list[dict]:
+def read_rows(path: Path, op: str, gpu: str, shape_order: Sequence[str] = ()) -> list[dict]:
     """The CSV's rows of ``op`` on ``gpu``, timings as floats (None where empty), sorted by
     their shape's place in ``shape_order`` (others last): the CSV holds rows in the order
     they were last written."""

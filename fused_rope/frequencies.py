@@ -52,15 +52,34 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and is_finite(value)
 
 
-def _number(params: Mapping, key: str, kind: str, *, minimum: float = 0.0, strict: bool = True):
-    """``params[key]`` as a finite number above ``minimum`` (``>=`` when not ``strict``)."""
+def _number(
+    params: Mapping,
+    key: str,
+    kind: str,
+    *,
+    minimum: float = 0.0,
+    strict: bool = True,
+    maximum: float = math.inf,
+):
+    """``params[key]`` as a finite number above ``minimum`` (``>=`` when not ``strict``) and
+    at most ``maximum``."""
     value = params[key]
-    if not _is_number(value) or value < minimum or (strict and value == minimum):
+    low_ok = _is_number(value) and (value > minimum or (not strict and value == minimum))
+    if not (low_ok and value <= maximum):
         bound = f"> {minimum}" if strict else f">= {minimum}"
+        bound += f" and <= {maximum}" if maximum < math.inf else ""
         raise ValueError(
             f"scaling[{key!r}] for type {kind!r} must be a finite number {bound}, got {value!r}"
         )
     return float(value)
+
+
+def _flag(params: Mapping, key: str, kind: str, default: bool) -> bool:
+    """``params[key]`` (``default`` when absent), which must be a bool."""
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"scaling[{key!r}] for type {kind!r} must be a bool, got {value!r}")
+    return value
 
 
 def _positive_int(params: Mapping, key: str, kind: str) -> int:
@@ -90,7 +109,7 @@ def _check_theta(theta) -> None:
         raise ValueError(f"theta must be > 1, got {theta!r}")
 
 
-def _check_shared_keys(params: dict, rope_dim: int) -> None:
+def _check_shared_keys(params: dict, rope_dim: int, kind: str) -> None:
     """Check and remove from ``params`` the keys of transformers 5 ``rope_parameters`` that any
     type may carry and that leave ``inv_freq`` as it is.
 
@@ -101,14 +120,10 @@ def _check_shared_keys(params: dict, rope_dim: int) -> None:
     ``mrope_interleaved`` are the ``sections`` and ``interleaved`` of ``mrope_angles``.
     """
     if "partial_rotary_factor" in params:
-        factor = params.pop("partial_rotary_factor")
-        if not _is_number(factor) or not 0 < factor <= 1:
-            raise ValueError(
-                f"scaling['partial_rotary_factor'] must be a number in (0, 1], got {factor!r}"
-            )
-    interleaved = params.pop("mrope_interleaved", False)
-    if not isinstance(interleaved, bool):
-        raise ValueError(f"scaling['mrope_interleaved'] must be a bool, got {interleaved!r}")
+        _number(params, "partial_rotary_factor", kind, maximum=1.0)
+        del params["partial_rotary_factor"]
+    _flag(params, "mrope_interleaved", kind, False)
+    params.pop("mrope_interleaved", None)
     if "mrope_section" in params:
         _check_sections(params.pop("mrope_section"), rope_dim // 2, "scaling['mrope_section']")
 
@@ -142,7 +157,7 @@ def _parse_scaling(scaling: Mapping | None, theta: float, rope_dim: int) -> tupl
         raise ValueError(
             f"scaling['rope_theta']={scaling['rope_theta']!r} disagrees with theta={theta!r}"
         )
-    _check_shared_keys(params, rope_dim)
+    _check_shared_keys(params, rope_dim, kind)
     required, optional = _SCALING_KEYS[kind]
     missing = [k for k in required if k not in params]
     if missing:
@@ -196,9 +211,7 @@ def _yarn(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int 
         raise ValueError(
             f"scaling['beta_fast']={beta_fast} must be >= scaling['beta_slow']={beta_slow}"
         )
-    truncate = p.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise ValueError(f"scaling['truncate'] for type 'yarn' must be a bool, got {truncate!r}")
+    truncate = _flag(p, "truncate", "yarn", True)
     if "attention_factor" in p:
         attention_factor = _number(p, "attention_factor", "yarn")
     else:
