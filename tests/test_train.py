@@ -59,9 +59,10 @@ def test_train_py_end_to_end_with_wandb_offline(tmp_path):
     ]
     run = run_cli("train.py", *args)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "final | step 6 | test loss" in run.stdout + run.stderr
+    assert "final | step 6 | valid loss" in run.stdout + run.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 6 and 0.0 <= summary["test/err"] <= 1.0
+    assert summary["val_loss"] == summary["valid/loss"] != summary["test/loss"]
     assert summary["attention_impl"] == ("triton" if torch.cuda.is_available() else "torch")
     assert summary["tokens_per_s"] > 0 and 0.0 < summary["attn_time_frac"] < 1.0
     records = read_jsonl(tmp_path / "metrics.jsonl")

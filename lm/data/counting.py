@@ -13,7 +13,7 @@ means what it says, and running it gives the answer. The answer is the number of
 increments of one variable since its last reset, among statements about the others: a
 count of tokens of a kind rather than a distance, which is what CoPE was designed for.
 
-Splits: "test" has the training distribution (``min_statements`` .. ``max_statements``
+Splits: "valid" and "test" have the training distribution (``min_statements`` .. ``max_statements``
 statements); "ood_long" has ``max_statements + 1`` .. ``ood_length_factor *
 max_statements`` statements.
 """
@@ -53,20 +53,21 @@ class CountingTask(SyntheticTask):
         super().__init__(vocab, "<pad>", cfg.seq_len, cfg.eval_samples, cfg.seed)
         self._set_lengths()
 
-    def eval_splits(self) -> list[str]:
-        return ["test", "ood_long"]
+    def ood_splits(self) -> list[str]:
+        return ["ood_long"]
 
     def statement_range(self, split: str) -> tuple[int, int]:
-        """(min, max) number of statements of the programs of ``split``."""
+        """(min, max) number of statements of the programs of ``split`` (a split's name or
+        "train")."""
         if split == "ood_long":
             return self.max_statements + 1, self.ood_length_factor * self.max_statements
         return self.min_statements, self.max_statements
 
-    def _max_input_len(self, split: str) -> int:
-        return RESET_LEN * self.statement_range(split)[1] + PRINT_LEN - 1
+    def _max_input_len(self, distribution: str) -> int:
+        return RESET_LEN * self.statement_range(distribution)[1] + PRINT_LEN - 1
 
-    def _example(self, rng: np.random.Generator, split: str) -> Example:
-        low, high = self.statement_range(split)
+    def _example(self, rng: np.random.Generator, distribution: str) -> Example:
+        low, high = self.statement_range(distribution)
         n = int(rng.integers(low, high + 1))
         kinds = rng.choice(3, size=n, p=self.probs)
         targets = rng.integers(0, self.num_vars, size=n)

@@ -9,8 +9,8 @@ answer tokens are the bits of the reads:
 
     w 1 i 0 i 1 r 1 w 0 i 1 r 0
 
-Splits: "test" has the training ``p_ignore``; "ood_sparse" far more ignores (the
-paper's FFL(0.98): writes far apart) and "ood_dense" far fewer (FFL(0.1)).
+Splits: "valid" and "test" have the training ``p_ignore``; "ood_sparse" far more ignores
+(the paper's FFL(0.98): writes far apart) and "ood_dense" far fewer (FFL(0.1)).
 """
 
 import numpy as np
@@ -31,7 +31,6 @@ class FlipFlopTask(SyntheticTask):
         train = check_fraction("data.p_ignore", cfg.p_ignore, 0.0, 1.0)
         self.p_ignore = {
             "train": train,
-            "test": train,
             "ood_sparse": check_fraction(
                 "data.ood_sparse_p_ignore", cfg.ood_sparse_p_ignore, 0.0, 1.0
             ),
@@ -45,14 +44,14 @@ class FlipFlopTask(SyntheticTask):
         super().__init__(vocab, "<pad>", cfg.seq_len, cfg.eval_samples, cfg.seed)
         self._set_lengths()
 
-    def eval_splits(self) -> list[str]:
-        return ["test", "ood_sparse", "ood_dense"]
+    def ood_splits(self) -> list[str]:
+        return ["ood_sparse", "ood_dense"]
 
-    def _max_input_len(self, split: str) -> int:
+    def _max_input_len(self, distribution: str) -> int:
         return 2 * self.num_instructions - 1
 
-    def _example(self, rng: np.random.Generator, split: str) -> Example:
-        p_ignore = self.p_ignore[split]
+    def _example(self, rng: np.random.Generator, distribution: str) -> Example:
+        p_ignore = self.p_ignore[distribution]
         p_other = (1.0 - p_ignore) / 2
         kinds = rng.choice(3, size=self.num_instructions, p=[p_other, p_ignore, p_other])
         kinds[0], kinds[-1] = WRITE, READ

@@ -6,7 +6,7 @@ elsewhere, then ``|``, then the symbols in order (the answer tokens):
 
     _ C _ _ A _ C _ | C A C
 
-Splits: "test" has the training body length; "ood_dense_blanks" a longer body
+Splits: "valid" and "test" have the training body length; "ood_dense_blanks" a longer body
 (``ood_dense_body_len``: more blanks between symbols, and a longer input) and
 "ood_sparse_blanks" a shorter one (``ood_sparse_body_len``: fewer blanks). The number
 of symbols, hence the answer, has the same length in every split.
@@ -39,20 +39,19 @@ class SelectiveCopyTask(SyntheticTask):
                 "data.ood_sparse_body_len", cfg.ood_sparse_body_len, self.num_copy
             ),
         }
-        self.body_lens["test"] = self.body_lens["train"]
         self.symbols = list(letters[: self.num_symbols])
         vocab = Vocab(["<pad>", BLANK, SEPARATOR, *self.symbols])
         super().__init__(vocab, "<pad>", cfg.seq_len, cfg.eval_samples, cfg.seed)
         self._set_lengths()
 
-    def eval_splits(self) -> list[str]:
-        return ["test", "ood_dense_blanks", "ood_sparse_blanks"]
+    def ood_splits(self) -> list[str]:
+        return ["ood_dense_blanks", "ood_sparse_blanks"]
 
-    def _max_input_len(self, split: str) -> int:
-        return self.body_lens[split] + 1 + self.num_copy - 1
+    def _max_input_len(self, distribution: str) -> int:
+        return self.body_lens[distribution] + 1 + self.num_copy - 1
 
-    def _example(self, rng: np.random.Generator, split: str) -> Example:
-        body = [BLANK] * self.body_lens[split]
+    def _example(self, rng: np.random.Generator, distribution: str) -> Example:
+        body = [BLANK] * self.body_lens[distribution]
         places = np.sort(rng.choice(len(body), size=self.num_copy, replace=False))
         symbols = [self.symbols[s] for s in rng.integers(0, self.num_symbols, size=self.num_copy)]
         for place, symbol in zip(places.tolist(), symbols, strict=True):

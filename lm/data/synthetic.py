@@ -8,20 +8,38 @@ from lm.data.base import split_rng
 from lm.data.examples import Example, ExampleDataset
 
 TRAIN = "train"
+# Eval splits drawn from the training distribution, each from its own stream: "valid" is the
+# first split (the one best_val_loss, and so a sweep's selection, is measured on), "test" the
+# one to report, so that selecting and reporting never use the same examples.
+IN_DISTRIBUTION = ("valid", "test")
 
 
 class SyntheticTask(ExampleDataset):
-    """A task defined by ``_example(rng, split)``; "test" has the training distribution,
-    the other eval splits are out of distribution. Subclasses end their ``__init__``
-    with ``_set_lengths()``."""
+    """A task defined by ``_example(rng, distribution)``: eval splits "valid" and "test" have
+    the training distribution, the ``ood_splits()`` are out of distribution. Subclasses end
+    their ``__init__`` with ``_set_lengths()``."""
 
     @abstractmethod
-    def _example(self, rng: np.random.Generator, split: str) -> Example:
-        """One example of ``split`` ("train" or an eval split) drawn from ``rng``."""
+    def _example(self, rng: np.random.Generator, distribution: str) -> Example:
+        """One example of ``distribution`` ("train" or an out-of-distribution split's name)
+        drawn from ``rng``."""
 
     @abstractmethod
-    def _max_input_len(self, split: str) -> int:
-        """Upper bound of the input length (tokens - 1) of the examples of ``split``."""
+    def _max_input_len(self, distribution: str) -> int:
+        """Upper bound of the input length (tokens - 1) of the examples of ``distribution``."""
+
+    @abstractmethod
+    def ood_splits(self) -> list[str]:
+        """Names of the out-of-distribution eval splits."""
+
+    def eval_splits(self) -> list[str]:
+        return [*IN_DISTRIBUTION, *self.ood_splits()]
+
+    @staticmethod
+    def distribution(split: str) -> str:
+        """The distribution an eval split (or "train") is drawn from: "train" for the
+        in-distribution splits, else the split's own."""
+        return TRAIN if split in IN_DISTRIBUTION else split
 
     def _set_lengths(self) -> None:
         needed = self._max_input_len(TRAIN)
@@ -31,14 +49,17 @@ class SyntheticTask(ExampleDataset):
                 f"this configuration (up to {needed} input tokens): raise data.seq_len to "
                 f"{needed} or shorten the examples"
             )
-        self.max_len = max(self.seq_len, *(self._max_input_len(s) for s in self.eval_splits()))
+        self.max_len = max(
+            self.seq_len,
+            *(self._max_input_len(self.distribution(s)) for s in self.eval_splits()),
+        )
 
     def _train_example(self, step: int, row: int, global_batch: int) -> Example:
         return self._example(split_rng(self.seed, TRAIN, step, row), TRAIN)
 
     def _make_eval_examples(self, split: str) -> list[Example]:
         rngs = (split_rng(self.seed, split, i) for i in range(self.eval_samples))
-        return [self._example(rng, split) for rng in rngs]
+        return [self._example(rng, self.distribution(split)) for rng in rngs]
 
     def _make(self, words: list[str], num_answer: int) -> Example:
         """An example whose last ``num_answer`` tokens are the answer."""

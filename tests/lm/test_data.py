@@ -18,6 +18,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from lm.data import DATA_SCHEMAS, IGNORE_INDEX, build_dataset
+from lm.data.base import split_rng
 from lm.data.corpus import EOS_ID
 from lm.data.counting import VAR_NAMES
 from lm.data.hub import load_hub_streams
@@ -264,6 +265,27 @@ def test_flipflop_reads_return_the_last_written_bit():
         ignore_fraction[split] = np.mean(fractions)
     assert ignore_fraction["ood_dense"] < ignore_fraction["test"] < ignore_fraction["ood_sparse"]
     assert ignore_fraction["ood_sparse"] > 0.85
+
+
+@pytest.mark.parametrize("key", TASKS)
+def test_tasks_select_on_valid_and_report_on_test(key):
+    """A task's first eval split (best_val_loss, a sweep's selection) is "valid", not "test":
+    both from the training distribution, each from its own stream, so the examples differ and
+    test's are what they were before the valid split existed."""
+    ds = build_dataset(SMALL[key])
+    assert ds.eval_splits()[:2] == ["valid", "test"]
+    assert all(s.startswith("ood_") for s in ds.eval_splits()[2:])
+    valid, test = (ds.eval_examples(s) for s in ("valid", "test"))
+    differ = [a.tokens.tolist() != b.tokens.tolist() for a, b in zip(valid, test, strict=True)]
+    assert sum(differ) > len(test) // 2
+    for i in (0, len(test) - 1):
+        drawn = ds._example(split_rng(ds.seed, "test", i), "train")
+        assert drawn.tokens.tolist() == test[i].tokens.tolist()
+    # The same distribution: the lengths' ranges of the two in-distribution splits agree.
+    lengths = {s: sorted(len(e.tokens) for e in ds.eval_examples(s)) for s in ("valid", "test")}
+    assert abs(np.median(lengths["valid"]) - np.median(lengths["test"])) <= 0.25 * np.median(
+        lengths["test"]
+    )
 
 
 def test_task_answers_are_the_only_targets():

@@ -123,7 +123,7 @@ def test_input_file_and_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--example", "nosuch:0"])
     assert (
-        "--example must be SPLIT:INDEX with SPLIT in ['test', 'ood_long']"
+        "--example must be SPLIT:INDEX with SPLIT in ['valid', 'test', 'ood_long']"
         in capsys.readouterr().err
     )
     with pytest.raises(SystemExit):
