@@ -6,10 +6,10 @@
 Every run directory under the root counts (a Hydra multirun's ``0/``, ``1/``, ...,
 ``run_parallel.py``'s ``000-.../``): finished runs by their ``summary.json``; runs stopped
 early (``run_parallel.py --job-timeout``, a killed job) by the last evaluation in their
-``metrics.jsonl`` and their ``.hydra/`` overrides, marked partial (``*`` on their steps), as are
-runs that ``train.max_minutes`` stopped (``stopped_early`` in their summary). Runs that ended
-with an error (``failed.json``) are left out and listed, with the error, under the tables
-and on stderr.
+``metrics.jsonl`` and their ``run.json`` (``.hydra/`` for runs older than it), marked
+partial (``*`` on their steps), as are runs that ``train.max_minutes`` stopped
+(``stopped_early`` in their summary). Runs that ended with an error (``failed.json``) are left
+out and listed, with the error, under the tables and on stderr.
 
 A cell is one setting of the overrides that vary between runs (``seed`` aside, as are the keys
 of how a run is carried out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resume`` or
@@ -69,7 +69,7 @@ NO_CELL_KEYS = tuple(k for k in RUN_CONDUCT_KEYS if k not in SPEED_KEYS)
 @dataclass
 class Run:
     """One run directory: its summary (for a partial run, the last evaluation's metrics with
-    ``steps``, ``overrides``, ``attention``, ``data`` and ``seed`` from ``.hydra/``)."""
+    ``steps``, ``overrides``, ``attention``, ``data`` and ``seed`` from ``run.json``)."""
 
     path: Path
     summary: dict
@@ -95,16 +95,31 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _run_record(run_dir: Path) -> tuple[dict, list[str]] | None:
+    """``(resolved config, overrides)`` of the run in ``run_dir``: its ``run.json``, which only
+    a run that started writes, or for runs older than it, ``.hydra/`` (which a refused launch
+    into the directory rewrites); None without either."""
+    record = run_dir / "run.json"
+    if record.exists():
+        data = json.loads(record.read_text())
+        return data["config"], data["overrides"]
+    hydra = run_dir / ".hydra"
+    if not (hydra / "overrides.yaml").exists():
+        return None
+    config = yaml.safe_load((hydra / "config.yaml").read_text())
+    return config, yaml.safe_load((hydra / "overrides.yaml").read_text()) or []
+
+
 def _partial_summary(run_dir: Path) -> dict | None:
     """A stopped run's last evaluation (and last logged speed) as a summary, or None without
-    one (or without the ``.hydra/`` files that say what the run was)."""
+    one (or without the record that says what the run was: ``_run_record``)."""
     records = _records(run_dir)
     evals = [r for r in records if any(k.endswith("/loss") and k != "train/loss" for k in r)]
     speed = next((r for r in reversed(records) if "tokens_per_s" in r), {})
-    hydra = run_dir / ".hydra"
-    if not evals or not (hydra / "overrides.yaml").exists():
+    record = _run_record(run_dir)
+    if not evals or record is None:
         return None
-    config = yaml.safe_load((hydra / "config.yaml").read_text())
+    config, overrides = record
     last = evals[-1]
     first_loss = next(k for k in last if k.endswith("/loss"))
     return {
@@ -116,7 +131,7 @@ def _partial_summary(run_dir: Path) -> dict | None:
         "attention": config["attention"]["name"],
         "data": config["data"]["name"],
         "seed": config["seed"],
-        "overrides": yaml.safe_load((hydra / "overrides.yaml").read_text()) or [],
+        "overrides": overrides,
     }
 
 

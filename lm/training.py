@@ -5,6 +5,9 @@ clipping, bf16 autocast on CUDA, DDP under torchrun. Rank 0 evaluates every
 ``train.eval_every`` steps and at the end, logs, and writes into the output directory:
 
     metrics.jsonl    one JSON object per log/eval event ({"step": ..., "train/loss": ...})
+    run.json         the resolved config and the overrides, written when the run starts (after
+                     its checks: a launch that is refused leaves the directory's run.json as
+                     it was, where Hydra has already rewritten .hydra/)
     summary.json     the final metrics, speed and run facts (what experiments/collect.py reads)
     failed.json      only if the loop raised an error: the step, the error's type and message
     checkpoint.pt    model, optimizer, scheduler, step, RNG states, the resolved config and
@@ -217,6 +220,15 @@ def _clear_outcome(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
+def _write_run_record(out_dir: Path, run_config: dict) -> None:
+    """``run.json``: what the run in ``out_dir`` is (its resolved config and overrides), for
+    collect.py to read a run stopped before its summary. Written once the run has passed its
+    checks, unlike Hydra's ``.hydra/``, which a refused launch into the same directory (another
+    grid's job, a resume with another config) has already rewritten with its own."""
+    record = {"config": run_config, "overrides": _overrides()}
+    (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
 class _Jsonl:
     """``metrics.jsonl``; on resume it keeps only the records up to the checkpoint's step,
     so the file reads as one uninterrupted run."""
@@ -335,6 +347,7 @@ class _Run:
         if info.main:
             out_dir.mkdir(parents=True, exist_ok=True)
             _clear_outcome(out_dir)
+            _write_run_record(out_dir, self.run_config)
             self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
             self.logger = instantiate(
                 cfg.logger,

@@ -357,7 +357,9 @@ def test_resume_across_a_config_field_added_or_removed_warns(tmp_path, caplog):
 def test_rerun_over_a_checkpoint_needs_resume_or_overwrite(tmp_path):
     cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
     train(cfg, output_dir=str(tmp_path))
-    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["config"] == load_checkpoint(tmp_path / "checkpoint.pt")["config"]
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}  # run.json among them
     with pytest.raises(
         FileExistsError, match=r"checkpoint\.pt .*train\.resume=true.*train\.overwrite=true"
     ):

@@ -30,6 +30,19 @@ def _stopped_run(root, name, attention, seed, err):
     return d
 
 
+def test_a_stopped_run_is_what_its_run_json_says_not_a_refused_launchs_hydra(tmp_path):
+    """A launch refused in a stopped run's directory (another grid's job) has rewritten
+    ``.hydra/`` before train() refused; ``run.json``, written only by runs that start, names
+    the run."""
+    d = _stopped_run(tmp_path, "000", "nope", 3, 0.25)  # the refused launch's .hydra
+    config = {"attention": {"name": "rope"}, "data": {"name": "counting"}, "seed": 0}
+    record = {"config": config, "overrides": ["attention=rope", "seed=0"]}
+    (d / "run.json").write_text(json.dumps(record))
+    _run(tmp_path, "001", ["attention=nope", "seed=0"], 1.0)
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert "0.25" in _row(table, "attention=rope") and "0.25" not in _row(table, "attention=nope")
+
+
 def _row(table, cell):
     return next(line for line in table.splitlines() if line.startswith(f"| {cell} "))
 
