@@ -101,8 +101,11 @@ def _run_record(run_dir: Path) -> tuple[dict, list[str]] | None:
     into the directory rewrites); None without either."""
     record = run_dir / "run.json"
     if record.exists():
-        data = json.loads(record.read_text())
-        return data["config"], data["overrides"]
+        try:
+            data = json.loads(record.read_text())
+            return data["config"], data["overrides"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:  # written by hand, or cut
+            print(f"collect: {record} unreadable ({error!r}); reading .hydra/", file=sys.stderr)
     hydra = run_dir / ".hydra"
     if not (hydra / "overrides.yaml").exists():
         return None

@@ -44,13 +44,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from lm.checkpoint import checkpoint_path  # noqa: E402
+from lm.config import register_configs  # noqa: E402
+
 TRAIN = ROOT / "train.py"
 _OPENERS, _CLOSERS = "[{(", "]})"
 # Hydra's sweep functions; its cast functions (int(...), str(...), ...) are single values.
 _SWEEP_FUNCTION = re.compile(r"\s*(choice|range|interval|glob|sort|shuffle|tag)\s*\(")
-# Overrides under which train.py starts in a directory that already holds a checkpoint.
-_REUSES_CHECKPOINT = ("train.resume", "train.overwrite")
 TABLE_HEADER = "index\tstatus\tseconds\tdir\tcommand\tgpu\tlaunch"
 
 
@@ -142,17 +148,33 @@ def plan(specs: list[str], common: list[str], root: Path) -> list[Job]:
     return jobs
 
 
-def refusal(job: Job) -> str | None:
-    """Why ``job`` must not start (its directory holds a checkpoint that its overrides neither
-    resume nor overwrite: train.py would refuse it), or None."""
-    if not (job.run_dir / "checkpoint.pt").exists():
+def _composed(overrides: list[str]) -> DictConfig | None:
+    """The root config ``train.py`` composes from ``overrides`` (Hydra's own ``hydra.*`` left
+    out), or None where they do not compose: train.py then fails on them before Hydra writes
+    into the run directory."""
+    register_configs()
+    options = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            return compose("train", overrides=options)
+    except HydraException:
         return None
-    for override in job.overrides:
-        key, _, value = override.partition("=")
-        if key.lstrip("+~") in _REUSES_CHECKPOINT and value.strip().lower() == "true":
-            return None
+
+
+def refusal(job: Job) -> str | None:
+    """Why ``job`` must not start (its checkpoint, ``train.ckpt_path`` under its directory,
+    exists and its config neither resumes nor overwrites it: train.py would refuse it after
+    Hydra had rewritten the directory's ``.hydra``), or None. The config is composed as
+    train.py composes it, so presets, ``train.resume=yes`` and the like count as they do
+    there."""
+    cfg = _composed(job.overrides)
+    if cfg is None or cfg.train.resume or cfg.train.overwrite:
+        return None
+    path = checkpoint_path(cfg.train.ckpt_path, job.run_dir)
+    if not path.exists():
+        return None
     return (
-        "not started: checkpoint.pt exists; relaunch with --common train.resume=true to "
+        f"not started: {path.name} exists; relaunch with --common train.resume=true to "
         "resume it or train.overwrite=true to start afresh"
     )
 

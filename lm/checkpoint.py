@@ -10,6 +10,7 @@ checkpoint intact.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -31,12 +32,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def checkpoint_path(ckpt_path: str | None, out_dir: Path) -> Path:
+    """``train.ckpt_path``: a relative path is under ``out_dir``, the run's output directory
+    (so every job of a sweep has its own); null is ``out_dir/checkpoint.pt``."""
+    return out_dir / (ckpt_path or "checkpoint.pt")  # an absolute ckpt_path replaces out_dir
+
+
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Atomically writes ``state`` (tensors and primitive containers only) to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path: str | Path, record: dict[str, Any]) -> None:
+    """Atomically writes ``record`` to ``path`` as indented JSON (a run's ``run.json``,
+    ``summary.json``, ``failed.json``): a process killed mid-write leaves the old file or
+    none, never a truncated one that readers such as collect.py would fail on."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
 
 

@@ -47,15 +47,18 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from lm import distributed
 from lm.attention import attention_class, resolve_impl
 from lm.checkpoint import (
+    checkpoint_path,
     config_changes,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    write_json,
 )
 from lm.config import RUN_CONDUCT_KEYS, is_under
 from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, check_fraction, check_int
+from lm.data.synthetic import SyntheticTask
 from lm.evaluation import autocast, evaluate, metric_names
 from lm.model import GPT
 from lm.profiling import AttentionTimer, model_flops_per_token, peak_bf16_flops
@@ -125,12 +128,6 @@ def _output_dir(output_dir: str | None) -> Path:
     return Path(output_dir)
 
 
-def _checkpoint_path(ckpt_path: str | None, out_dir: Path) -> Path:
-    """``train.ckpt_path``: a relative path is under ``out_dir``, the run's output directory
-    (so every job of a sweep has its own); null is ``out_dir/checkpoint.pt``."""
-    return out_dir / (ckpt_path or "checkpoint.pt")  # an absolute ckpt_path replaces out_dir
-
-
 def _checkpoint_to_resume(cfg: DictConfig, path: Path) -> dict[str, Any] | None:
     """The checkpoint at ``path`` that ``train.resume=true`` continues, or None to start at
     step 0 (no checkpoint there, or ``train.overwrite=true``).
@@ -145,7 +142,7 @@ def _checkpoint_to_resume(cfg: DictConfig, path: Path) -> dict[str, Any] | None:
             log.info("train.resume: no checkpoint at %s, starting from step 0", path)
         return None
     if t.overwrite:
-        log.info("train.overwrite: starting from step 0; %s will be replaced", path)
+        log.info("train.overwrite: starting from step 0; %s is removed", path)
         return None
     if not t.resume:
         raise FileExistsError(
@@ -226,7 +223,7 @@ def _write_run_record(out_dir: Path, run_config: dict) -> None:
     checks, unlike Hydra's ``.hydra/``, which a refused launch into the same directory (another
     grid's job, a resume with another config) has already rewritten with its own."""
     record = {"config": run_config, "overrides": _overrides()}
-    (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_json(out_dir / "run.json", record)
 
 
 class _Jsonl:
@@ -268,7 +265,7 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     info = distributed.setup(cfg.train.device)
     try:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
-        ckpt_path = _checkpoint_path(cfg.train.ckpt_path, out_dir)
+        ckpt_path = checkpoint_path(cfg.train.ckpt_path, out_dir)
         ckpt = _checkpoint_to_resume(cfg, ckpt_path)  # fails before the data is loaded
         if info.device.type == "cpu" and cfg.train.cpu_threads:
             torch.set_num_threads(cfg.train.cpu_threads)
@@ -319,6 +316,10 @@ class _Run:
         # Carried through checkpoints, so a resumed run reports the whole run's speed.
         self.state = {
             "best_val_loss": math.inf,
+            # The split best_val_loss is measured on (the first eval split): a checkpoint of a
+            # run that measured it on another (synthetic tasks before their valid split) starts
+            # it again on resume rather than mixing the two.
+            "best_val_split": dataset.eval_splits()[0],
             "train_s": 0.0,
             "attn_s": 0.0,
             "timed_steps": 0,
@@ -347,6 +348,10 @@ class _Run:
         if info.main:
             out_dir.mkdir(parents=True, exist_ok=True)
             _clear_outcome(out_dir)
+            if self.t.overwrite:
+                # Replaced now, not at the first save: a run killed before that save would
+                # leave the old run's weights for a later resume to continue under its metrics.
+                ckpt_path.unlink(missing_ok=True)
             _write_run_record(out_dir, self.run_config)
             self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
             self.logger = instantiate(
@@ -379,7 +384,20 @@ class _Run:
         self.sched.load_state_dict(ckpt["scheduler"])
         set_rng_state(ckpt["rng"])
         self.step = self.last_ckpt_step = ckpt["step"]
+        split = self.state["best_val_split"]
         self.state = ckpt["state"]
+        # Checkpoints from before the key: the synthetic tasks' first split was then "test".
+        before = "test" if isinstance(self.dataset, SyntheticTask) else split
+        if self.state.setdefault("best_val_split", before) != split:
+            log.warning(
+                "resuming %s: its best_val_loss (%.4g) was measured on split %r, this run's "
+                "first split is %r; best_val_loss starts again from this run's evaluations",
+                self.ckpt_path,
+                self.state["best_val_loss"],
+                self.state["best_val_split"],
+                split,
+            )
+            self.state.update(best_val_loss=math.inf, best_val_split=split)
         log.info("resumed from %s at step %d", self.ckpt_path, self.step)
 
     def _save(self) -> None:
@@ -573,11 +591,11 @@ class _Run:
         if not self.info.main:
             return
         failure = {"step": self.step, "error": type(error).__name__, "message": str(error)}
-        (self.out_dir / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
+        write_json(self.out_dir / "failed.json", failure)
 
     def _finish(self, eval_metrics: dict[str, float]) -> dict[str, Any]:
         summary = self._summary(eval_metrics)
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(self.out_dir / "summary.json", summary)
         self.logger.finish(summary)
         log.info("final | %s", _final_line(summary, self.dataset.eval_splits(), self.dataset.kind))
         return summary

@@ -219,8 +219,9 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, monke
 
 
 def test_a_run_killed_after_an_overwrite_leaves_no_summary(tmp_path, monkeypatch):
-    """The summary of the run that train.overwrite replaces goes when the new run starts, so a
-    kill leaves none to pass for the new run's result (and a killed run has not failed)."""
+    """The summary and the checkpoint of the run that train.overwrite replaces go when the new
+    run starts, so a kill leaves no result to pass for the new run's (and a killed run has not
+    failed), and no weights for a later resume to continue under the new run's metrics."""
     from lm.data.base import LMDataset
 
     cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
@@ -235,6 +236,45 @@ def test_a_run_killed_after_an_overwrite_leaves_no_summary(tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         train(cfg, output_dir=str(tmp_path))
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "failed.json").exists()
+    assert not (tmp_path / "checkpoint.pt").exists()
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["train"]["overwrite"]
+
+
+@pytest.mark.parametrize("saved_split", [None, "valid"])
+def test_resume_keeps_best_val_loss_of_one_split(tmp_path, caplog, monkeypatch, saved_split):
+    """A checkpoint from before the synthetic tasks' valid split (no best_val_split: its
+    best_val_loss is a test loss) starts best_val_loss again on resume, with a warning; one
+    measured on the same split keeps it."""
+    from lm.data.base import LMDataset
+
+    cfg = compose_cfg(*SMALL, "train.steps=4", "train.eval_every=1", "train.ckpt_every=2")
+    original = LMDataset.train_batch
+
+    def killed_at_step_3(self, step, *args, **kwargs):
+        if step == 3:
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(LMDataset, "train_batch", killed_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, output_dir=str(tmp_path))
+    monkeypatch.setattr(LMDataset, "train_batch", original)
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["state"]["best_val_split"] == "valid"
+    ckpt["state"]["best_val_loss"] = -1.0  # a loss no split could give: the older measure
+    if saved_split is None:
+        del ckpt["state"]["best_val_split"]
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    cfg.train.resume = True
+    with caplog.at_level(logging.WARNING, logger="lm.training"):
+        summary = train(cfg, output_dir=str(tmp_path))
+    if saved_split is None:
+        assert "measured on split 'test'" in caplog.text
+        records = read_jsonl(tmp_path / "metrics.jsonl")
+        after = [r["valid/loss"] for r in records if r["step"] > 2 and "valid/loss" in r]
+        assert len(after) == 2 and summary["best_val_loss"] == min(after)
+    else:
+        assert summary["best_val_loss"] == -1.0 and "measured on split" not in caplog.text
 
 
 def test_missing_data_file_fails_naming_it(tmp_path):

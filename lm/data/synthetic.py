@@ -10,7 +10,8 @@ from lm.data.examples import Example, ExampleDataset
 TRAIN = "train"
 # Eval splits drawn from the training distribution, each from its own stream: "valid" is the
 # first split (the one best_val_loss, and so a sweep's selection, is measured on), "test" the
-# one to report, so that selecting and reporting never use the same examples.
+# one to report. Independent draws: where a task has few distinct short examples (counting
+# with one variable) some occur in both, as they do in training.
 IN_DISTRIBUTION = ("valid", "test")
 
 

@@ -43,6 +43,15 @@ def test_a_stopped_run_is_what_its_run_json_says_not_a_refused_launchs_hydra(tmp
     assert "0.25" in _row(table, "attention=rope") and "0.25" not in _row(table, "attention=nope")
 
 
+def test_an_unreadable_run_json_falls_back_to_hydra(tmp_path, capsys):
+    d = _stopped_run(tmp_path, "000", "rope", 0, 0.25)
+    (d / "run.json").write_text('{"config": {"attention"')  # cut short
+    _run(tmp_path, "001", ["attention=nope", "seed=0"], 1.0)
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert "0.25" in _row(table, "attention=rope")
+    assert "run.json unreadable" in capsys.readouterr().err
+
+
 def _row(table, cell):
     return next(line for line in table.splitlines() if line.startswith(f"| {cell} "))
 

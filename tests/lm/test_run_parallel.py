@@ -146,11 +146,12 @@ def test_parallel_jobs_then_collect(tmp_path):
 
 def test_relaunch_keeps_the_records_and_starts_no_run_with_a_checkpoint(fake_train, tmp_path):
     """A relaunch into the same root starts no job over a checkpoint (train.py would refuse
-    it after Hydra rewrote its records) unless told to resume; logs and rows accumulate."""
+    it after Hydra rewrote its records) unless its config resumes or overwrites it, read as
+    train.py composes it (``yes`` is a bool there); logs and rows accumulate."""
     root = tmp_path / "runs"
-    args = ["--root", str(root), "sleep=0", "sleep=0.1"]
+    args = ["--root", str(root), "seed=0", "seed=1"]  # overrides that compose, as real ones
     assert main(args) == 0
-    done = root / "000-sleep0"
+    done = root / "000-seed0"
     (done / "checkpoint.pt").write_bytes(b"")  # as train.py leaves a run it trained
     first_log = (done / "stdout.log").read_text()
 
@@ -158,19 +159,29 @@ def test_relaunch_keeps_the_records_and_starts_no_run_with_a_checkpoint(fake_tra
     refused = "not started: checkpoint.pt exists; relaunch with --common train.resume=true"
     rows = table(root)
     assert [(r["dir"], r["status"][: len(refused)]) for r in rows] == [
-        ("000-sleep0", "ok"),
-        ("001-sleep0.1", "ok"),
-        ("000-sleep0", refused),
-        ("001-sleep0.1", "ok"),
+        ("000-seed0", "ok"),
+        ("001-seed1", "ok"),
+        ("000-seed0", refused),
+        ("001-seed1", "ok"),
     ]
     assert rows[0]["launch"] <= rows[2]["launch"]
     assert (done / "stdout.log").read_text() == first_log
 
-    assert main([*args, "--common", "train.resume=true"]) == 0
+    assert main([*args, "--common", "train.resume=yes"]) == 0
     log = (done / "stdout.log").read_text()
     assert log.startswith(first_log) and len(launch_lines(done / "stdout.log")) == 2
-    assert log.splitlines()[-2].endswith(f"sleep=0 train.resume=true hydra.run.dir={done}")
+    assert log.splitlines()[-2].endswith(f"seed=0 train.resume=yes hydra.run.dir={done}")
     assert len(table(root)) == 6
+
+
+def test_a_checkpoint_at_train_ckpt_path_is_seen(fake_train, tmp_path):
+    root = tmp_path / "runs"
+    args = ["--root", str(root), "seed=0", "--common", "train.ckpt_path=ck/last.pt"]
+    assert main(args) == 0
+    (root / "000-seed0" / "ck").mkdir()
+    (root / "000-seed0" / "ck" / "last.pt").write_bytes(b"")
+    assert main(args) == 1
+    assert table(root)[-1]["status"].startswith("not started: last.pt exists")
 
 
 def test_a_starting_job_gets_the_least_busy_gpu(fake_train, tmp_path):
