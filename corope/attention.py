@@ -19,6 +19,7 @@ from fused_rope._validation import (
     check_bool,
     check_constant,
     check_kernel_device,
+    check_no_tangent,
 )
 
 
@@ -145,6 +146,7 @@ def corope_attention(
     check_bool(detach_mileage, "detach_mileage")
     check_bool(deterministic, "deterministic")
     check_constant(inv_freq, "inv_freq", "corope.corope_attention_ref")
+    check_no_tangent("corope.corope_attention_ref", q=q, k=k, v=v)
     check_kernel_device(q.device, "q", dot_dtype=q.dtype)
     D = q.shape[-1]
     if D not in SUPPORTED_HEAD_DIMS:

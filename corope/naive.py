@@ -75,7 +75,9 @@ def leader_query(qg: torch.Tensor, leader: str) -> torch.Tensor:
 def gates(qL: torch.Tensor, k: torch.Tensor, s: float, causal: torch.Tensor) -> torch.Tensor:
     """``z [B, HKV, M, N] = sigmoid(s <qL_i, k_j>)`` where ``causal [M, N]`` is true, else 0;
     ``qL [B, HKV, M, D]`` (rows of the leader query), ``k [B, HKV, N, D]``."""
-    return torch.sigmoid(s * qL @ k.transpose(-1, -2)) * causal
+    # A select, not a product with the mask: a NaN or inf in a later key must not reach the
+    # rows that do not see it (NaN * 0 is NaN), as it does not in the kernels.
+    return torch.where(causal, torch.sigmoid(s * qL @ k.transpose(-1, -2)), 0.0)
 
 
 def mileage(z: torch.Tensor) -> torch.Tensor:

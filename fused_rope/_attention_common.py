@@ -327,19 +327,58 @@ def _store_rotated(
 
 
 @triton.jit
-def _scores(a1, a2, ap, b1, b2, bp, HAS_PASS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """``a @ b^T`` summed over the three segments: ``[rows of a, rows of b]`` fp32."""
+def _scores(
+    a1,
+    a2,
+    ap,
+    b1,
+    b2,
+    bp,
+    HAS_PASS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
+):
+    """``SCORE_SCALE * a @ b^T`` summed over the three segments: ``[rows of a, rows of b]``
+    fp32 (``SCORE_SCALE``: the part of the fold Q cannot carry, ``query_fold``)."""
     s = tl.dot(a1, tl.trans(b1), input_precision=INPUT_PRECISION)
     s = tl.dot(a2, tl.trans(b2), s, input_precision=INPUT_PRECISION)
     if HAS_PASS:
         s = tl.dot(ap, tl.trans(bp), s, input_precision=INPUT_PRECISION)
+    if SCORE_SCALE != 1.0:
+        s = s * SCORE_SCALE
     return s
 
 
-def _meta(head_dim: int, rope_dim: int, interleaved: bool, causal: bool, dtype: torch.dtype):
-    """Constexprs shared by every kernel. tl.dot needs inner dims >= 16, hence the floors."""
+def query_fold(softmax_scale: float, dtype: torch.dtype) -> tuple[float, float]:
+    """``(q_fold, score_scale)``: the factor the rotated Q carries and the power of two the
+    fp32 scores are multiplied by, whose product is ``softmax_scale * log2(e)``.
+
+    The whole fold goes into Q (``score_scale = 1``, no per-score multiply) except for fp16
+    inputs with ``softmax_scale * log2(e) > 1`` (``softmax_scale > 0.69``: a scale folded into
+    the weights, T5-style, or a large temperature), where Q rounded to fp16 after the fold
+    could overflow a value below fp16's largest: Q then carries at most 1 and the scores take
+    the rest, a power of two so that their multiply is exact (and one kernel variant serves a
+    range of scales)."""
+    fold = softmax_scale * _LOG2E
+    if dtype != torch.float16 or fold <= 1.0:
+        return fold, 1.0
+    score_scale = 2.0 ** math.ceil(math.log2(fold))
+    return fold / score_scale, score_scale
+
+
+def _meta(
+    head_dim: int,
+    rope_dim: int,
+    interleaved: bool,
+    causal: bool,
+    dtype: torch.dtype,
+    score_scale: float,
+):
+    """Constexprs shared by every kernel. tl.dot needs inner dims >= 16, hence the floors.
+    ``score_scale``: ``query_fold``'s."""
     pass_dim = head_dim - rope_dim
     return dict(
+        SCORE_SCALE=score_scale,
         HEAD_DIM=head_dim,
         ROPE_DIM=rope_dim,
         HALF=max(16, triton.next_power_of_2(rope_dim // 2)),

@@ -15,6 +15,7 @@ import re
 import numpy
 import torch
 import triton
+from torch.autograd import forward_ad
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("half", "interleaved")
@@ -144,6 +145,37 @@ def check_constant(x: torch.Tensor | None, name: str, reference: str) -> None:
             f"{name} requires grad, but the Triton kernels treat it as a constant (no "
             f"gradient); pass {name}.detach() to train the rest, or use {reference}"
         )
+
+
+def may_overlap(x: torch.Tensor) -> bool:
+    """Whether two elements of ``x`` may share memory: False when, with the dimensions sorted
+    by stride, each stride passes the furthest offset the smaller ones reach (a sufficient
+    test; the rare non-overlapping layouts it cannot prove, such as strides that interleave,
+    count as overlapping)."""
+    reach = 0
+    for stride, size in sorted(
+        (st, sz) for st, sz in zip(x.stride(), x.shape, strict=True) if sz > 1
+    ):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def check_no_tangent(reference: str, **tensors: torch.Tensor) -> None:
+    """The kernels' custom ops have a backward but no forward-mode derivative, and PyTorch
+    drops the tangents of such an op's inputs (a silent zero): refuse inputs that carry one
+    (``torch.func.jvp``, ``torch.autograd.forward_ad``). ``reference``: the PyTorch function
+    that does have one. Not under ``torch.compile``, which has no forward mode to check."""
+    if torch.compiler.is_compiling():
+        return
+    for name, x in tensors.items():
+        if forward_ad.unpack_dual(x).tangent is not None:
+            raise NotImplementedError(
+                f"{name} carries a forward-mode tangent (torch.func.jvp or "
+                "torch.autograd.forward_ad), but the Triton kernels have no forward-mode "
+                f"derivative; use {reference}"
+            )
 
 
 def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:

@@ -23,6 +23,7 @@ from fused_rope._validation import (
     check_inv_freq,
     check_kernel_device,
     check_layout,
+    check_no_tangent,
     check_rope_dim,
     check_same_device,
     check_softmax_scale,
@@ -330,6 +331,7 @@ def _check_inputs(
         check_same_device(q=q, inv_freq=inv_freq)
     for name, x in (("inv_freq", inv_freq), ("positions", positions), ("q_positions", q_positions)):
         check_constant(x, name, "fused_rope.naive.rope_attention_ref")
+    check_no_tangent("fused_rope.naive.rope_attention_ref", q=q, k=k, v=v)
     _check_positions(positions, "positions", B, NK, device)
     _check_positions(q_positions, "q_positions", B, NQ, device)
     if q_positions is None and positions is not None and NQ > NK:

@@ -12,7 +12,6 @@ import triton.language as tl
 from fused_rope._attention_common import (
     _AUTOTUNE_KEY,
     _INTERPRET,
-    _LOG2E,
     _SIZES,
     _configs,
     _load_cos_sin,
@@ -25,6 +24,7 @@ from fused_rope._attention_common import (
     _scores,
     _store_rotated,
     _strides,
+    query_fold,
 )
 
 # dK/dV programs own a key tile (BLOCK_N) and stream query tiles (BLOCK_M); dQ the reverse.
@@ -140,6 +140,7 @@ def _dkdv_inner(
     PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """Accumulates dK, dV of one key tile over ``n_tiles`` query tiles from ``lo``, for every
@@ -171,7 +172,7 @@ def _dkdv_inner(
             # rows past NQ: do = 0 and Delta = 0, so they add nothing to dK, dV
             lse2 = tl.load(LSE2 + h * NQ_HEAD + offs_m, mask=m_mask, other=0.0)
             delta = tl.load(DELTA + h * NQ_HEAD + offs_m, mask=m_mask, other=0.0)
-            s_t = _scores(k1, k2, kp, q1, q2, qp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION)
+            s_t = _scores(k1, k2, kp, q1, q2, qp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION, SCORE_SCALE)
             p_t = tl.exp2(s_t - lse2[None, :])
             if MASKED:
                 p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
@@ -234,6 +235,7 @@ def _rope_attn_bwd_dkdv_kernel(
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -315,12 +317,14 @@ def _rope_attn_bwd_dkdv_kernel(
             PASS,
             BLOCK_D,
             INPUT_PRECISION,
+            SCORE_SCALE,
             BLOCK_M,
         )
 
     DK += b * stride_dkb + hk * stride_dkh
     DV += b * stride_dvb + hk * stride_dvh
-    # Q carried softmax_scale * log2(e); ln 2 turns dS^T Q_folded into softmax_scale dS^T Q_rot
+    # Q carried softmax_scale * log2(e) / SCORE_SCALE; ln 2 * SCORE_SCALE turns dS^T Q_folded
+    # into softmax_scale dS^T Q_rot
     # the rotation by -theta is (cos, -sin)
     cos, sin = _load_cos_sin(KCOS, KSIN, offs_n, n_mask, HALF)
     _store_rotated(
@@ -334,7 +338,7 @@ def _rope_attn_bwd_dkdv_kernel(
         dkp,
         cos,
         -sin,
-        0.6931471805599453,
+        0.6931471805599453 * SCORE_SCALE,
         BLOCK_N,
         HEAD_DIM,
         ROPE_DIM,
@@ -378,6 +382,7 @@ def _dq_inner(
     PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Accumulates dQ (w.r.t. the rotated segments) over key tiles ``[lo, hi)``."""
@@ -393,7 +398,7 @@ def _dq_inner(
             mask=n_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
             other=0.0,
         )
-        s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION)
+        s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION, SCORE_SCALE)
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             keep = n_mask[None, :]
@@ -454,6 +459,7 @@ def _rope_attn_bwd_dq_kernel(
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -521,6 +527,7 @@ def _rope_attn_bwd_dq_kernel(
             PASS,
             BLOCK_D,
             INPUT_PRECISION,
+            SCORE_SCALE,
             BLOCK_N,
         )
 
@@ -556,7 +563,8 @@ def rope_attention_bwd(
     Returns ``dq, dk, dv`` shaped like ``q, k, v``."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
-    meta = _meta(D, rope_dim, interleaved, causal, q.dtype)
+    q_fold, score_scale = query_fold(softmax_scale, q.dtype)
+    meta = _meta(D, rope_dim, interleaved, causal, q.dtype, score_scale)
     delta = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     lse2 = lse.clone()
     dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
@@ -583,7 +591,7 @@ def rope_attention_bwd(
     )
     # q (with the forward's fold) and k rotated once: the kernels' loops would rotate every
     # tile once per program that streams it
-    q_rot = _rotated_segments(q, q_cos, q_sin, stride_qtb, q_row_off, softmax_scale * _LOG2E, meta)
+    q_rot = _rotated_segments(q, q_cos, q_sin, stride_qtb, q_row_off, q_fold, meta)
     k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
     _rope_attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(NK, m["BLOCK_N"]), B * HKV)](
         q_rot,

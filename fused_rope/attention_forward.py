@@ -11,7 +11,6 @@ import triton.language as tl
 
 from fused_rope._attention_common import (
     _AUTOTUNE_KEY,
-    _LOG2E,
     _SIZES,
     _configs,
     _load_segments,
@@ -23,6 +22,7 @@ from fused_rope._attention_common import (
     _rotated_segments,
     _scores,
     _strides,
+    query_fold,
 )
 
 _FWD_CONFIGS = _configs(
@@ -63,6 +63,7 @@ def _fwd_inner(
     PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Online softmax over key tiles ``[lo, hi)``; only MASKED calls pay for the mask."""
@@ -73,7 +74,7 @@ def _fwd_inner(
         k1, k2, kp = _load_segments(
             K, offs_n, n_mask, stride_kn, BLOCK_N, HEAD_DIM, ROPE_DIM, HALF, PASS
         )
-        s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION)
+        s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION, SCORE_SCALE)
         if MASKED:
             keep = n_mask[None, :]
             if CAUSAL:
@@ -135,6 +136,7 @@ def _rope_attn_fwd_kernel(
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -190,6 +192,7 @@ def _rope_attn_fwd_kernel(
             PASS,
             BLOCK_D,
             INPUT_PRECISION,
+            SCORE_SCALE,
             BLOCK_N,
         )
 
@@ -215,7 +218,8 @@ def rope_attention_fwd(
     HKV, NK = k.shape[1], k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
-    meta = _meta(D, rope_dim, interleaved, causal, q.dtype)
+    q_fold, score_scale = query_fold(softmax_scale, q.dtype)
+    meta = _meta(D, rope_dim, interleaved, causal, q.dtype, score_scale)
     q_cos, q_sin, k_cos, k_sin, stride_qtb, stride_ktb, q_row_off, k_row_off = _rope_tables(
         inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype
     )
@@ -230,7 +234,7 @@ def rope_attention_fwd(
         lse,
         q_cos,
         q_sin,
-        softmax_scale * _LOG2E,
+        q_fold,
         *_strides(q),
         *k_rot.stride()[:3],
         *_strides(v),

@@ -27,6 +27,7 @@ from fused_rope._validation import (
     check_rope_dim,
     check_same_device,
     is_finite,
+    may_overlap,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -519,11 +520,14 @@ def apply_rope(
         output_scale: multiplies the whole output (rotated and pass-through channels);
             the backward uses the same scale.
         inplace: write the result into ``x``'s storage and return ``x``. Forward only:
-            refused (``ValueError``) when grad mode is on and ``x`` requires grad.
+            refused (``ValueError``) when grad mode is on and ``x`` requires grad, when
+            elements of ``x`` may share memory, and for an inference tensor outside
+            ``torch.inference_mode()``.
 
     Returns:
-        ``[B, H, N, D]`` in ``x``'s dtype, with ``x``'s strides when ``x`` is dense
-        (``torch.empty_like``), contiguous otherwise. Differentiable in ``x`` (backward:
+        ``[B, H, N, D]`` in ``x``'s dtype, laid out as ``torch.empty_like(x)`` lays it out:
+        ``x``'s strides when ``x`` is dense, else dense in ``x``'s order of dimensions (a slice
+        of a ``[B, N, 3 H, D]`` qkv buffer gives a ``[B, N, H, D]``-ordered output). Differentiable in ``x`` (backward:
         the same kernel rotating by ``-angles``), unless ``inplace``.
     """
     _check_kernel_tensor(x, "x")
@@ -544,10 +548,20 @@ def apply_rope(
             f"(x is {'a leaf' if x.is_leaf else 'part of a graph'}); use inplace=False, "
             "or run under torch.no_grad() / torch.inference_mode()"
         )
-    if any(x.stride(i) == 0 and x.shape[i] > 1 for i in range(4)):
+    if may_overlap(x):
         raise ValueError(
-            f"inplace=True needs x without broadcast dimensions, got strides {x.stride()} "
-            f"for shape {tuple(x.shape)}"
+            f"inplace=True needs x whose elements do not share memory (no broadcast or "
+            f"overlapping dimensions), got strides {x.stride()} for shape {tuple(x.shape)}"
+        )
+    # (Dynamo cannot trace is_inference; a compiled graph runs PyTorch's own check on x.)
+    if (
+        not torch.compiler.is_compiling()
+        and x.is_inference()
+        and not torch.is_inference_mode_enabled()
+    ):
+        raise ValueError(
+            "inplace=True on an inference tensor outside torch.inference_mode(), which PyTorch "
+            "does not allow for its own in-place ops either; run it under inference_mode"
         )
     if torch.compiler.is_compiling():
         _rope_inplace_op(x, angles, layout, R, scale)

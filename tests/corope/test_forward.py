@@ -391,3 +391,16 @@ def test_interleaved_pairs_layout():
                        ((8, 16, 1), "g_pad must be at least 2")):  # fmt: skip
         with pytest.raises(ValueError, match=name):
             forward.interleaved_pairs(x, 6, *args)
+
+
+@pytest.mark.parametrize("mode", ["forward_ad", "jvp"])
+def test_forward_mode_ad_is_refused(mode):
+    """The custom op has no forward-mode derivative and PyTorch would drop the tangent (a
+    silent zero): a tangent on q is refused, naming the reference that has one."""
+    q, k, v = (torch.randn(1, 2, 8, 32, device=DEVICE) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="forward-mode.*corope_attention_ref"):
+        if mode == "jvp":
+            torch.func.jvp(lambda x: corope_attention(x, k, v), (q,), (torch.ones_like(q),))
+        else:
+            with torch.autograd.forward_ad.dual_level():
+                corope_attention(torch.autograd.forward_ad.make_dual(q, torch.ones_like(q)), k, v)

@@ -182,3 +182,16 @@ def test_leaders_differ_for_groups():
     first = corope_attention_ref(q, k, v, leader="first")
     mean = corope_attention_ref(q, k, v, leader="mean")
     assert (first - mean).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_bad_key_reaches_only_the_rows_that_see_it(bad):
+    """A NaN or inf in key 8 reaches rows 8.. only: the gates are masked by a select (a product
+    with the mask gave the earlier rows NaN * 0 = NaN gates, hence NaN outputs)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 16, device=DEVICE) for _ in range(3))
+    k[0, 0, 8, 0] = bad
+    o = corope_attention_ref(q, k, v)
+    assert torch.isfinite(o[:, :, :8]).all()
+    clean = corope_attention_ref(q, torch.nan_to_num(k, nan=0.0, posinf=0.0), v)
+    assert torch.equal(o[:, :, :8], clean[:, :, :8])

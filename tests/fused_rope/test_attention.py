@@ -404,6 +404,50 @@ def test_size_limits_bind_only_the_fused_kernel():
     assert rope_attention(q, k, v).shape == q.shape  # "auto" takes the separate path
 
 
+@pytest.mark.parametrize("scale, magnitude", [(1.0, 5e4), (8.0, 6e3)])
+def test_fp16_scale_above_the_fold_limit_keeps_the_query_finite(scale, magnitude):
+    """fp16 with softmax_scale * log2(e) > 1: Q rounded to fp16 after the whole fold would
+    overflow at |q| = magnitude (scale * log2(e) * magnitude > 65504), where fp16 PyTorch's
+    ``q * scale`` does not; the fused kernel's Q carries at most 1 of the fold and the scores
+    the rest (``query_fold``). o, lse and the gradients by the rule."""
+    torch.manual_seed(0)
+    B, H, N, D, R = 1, 2, 40, 32, 16
+    q = torch.randn(B, H, N, D, device=DEVICE)
+    q[:, :, ::3, -1] = magnitude  # a pass-through channel: the rotation cannot overflow
+    k, v = torch.randn(B, H, N, D, device=DEVICE), torch.randn(B, H, N, D, device=DEVICE)
+    k[..., -1] *= 1e-3  # moderate scores
+    inputs = [x.half().requires_grad_() for x in (q, k, v)]
+    o, lse = rope_attention(*inputs, softmax_scale=scale, rope_dim=R, impl="fused",
+                            return_lse=True)  # fmt: skip
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    grads = torch.autograd.grad(_loss(o, lse, do, dlse), inputs)
+    inputs64 = [x.detach().double().requires_grad_() for x in inputs]
+    o64, lse64 = rope_attention_ref(*inputs64, softmax_scale=scale, rope_dim=R)
+    grads64 = torch.autograd.grad(_loss(o64, lse64, do.double(), dlse.double()), inputs64)
+    inputs_b = [x.detach().clone().requires_grad_() for x in inputs]
+    positions = torch.arange(N, device=DEVICE)
+    o_b, lse_b = _torch_same_dtype(
+        *inputs_b, inv_freq=rope_frequencies(R)[0].to(DEVICE), positions=positions,
+        q_positions=positions, causal=True, scale=scale, layout="half", rope_dim=R,
+    )  # fmt: skip
+    grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), inputs_b)
+    assert torch.isfinite(o_b).all() and torch.isfinite(lse_b).all()  # the baseline holds
+    for name, out, ref, base in zip(
+        ("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), (o64, lse64, *grads64),
+        (o_b, lse_b.float(), *grads_b), strict=True,
+    ):  # fmt: skip
+        assert_close_to_baseline(name, out, ref, base)
+
+
+@pytest.mark.parametrize("impl", ["fused", "separate", "auto"])
+def test_forward_mode_ad_is_refused(impl):
+    """The custom ops have no forward-mode derivative and PyTorch would drop the tangent (a
+    silent zero): a tangent on k is refused on every path, naming the reference."""
+    q, k, v = (torch.randn(1, 2, 8, 32, device=DEVICE) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="forward-mode.*rope_attention_ref"):
+        torch.func.jvp(lambda x: rope_attention(q, x, v, impl=impl), (k,), (torch.ones_like(k),))
+
+
 def test_backward_is_deterministic():
     q, k, v = (torch.randn(1, 4, 50, 32, device=DEVICE, requires_grad=True) for _ in range(3))
     k2, v2 = k[:, :1].detach().requires_grad_(), v[:, :1].detach().requires_grad_()

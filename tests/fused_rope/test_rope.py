@@ -306,6 +306,29 @@ def test_inplace_refuses_when_autograd_needs_the_input():
     assert torch.equal(leaf.detach(), expected)
 
 
+def test_inplace_refuses_targets_it_cannot_write_safely():
+    """Rows that overlap in memory (each row's second half is the next row's first) and an
+    inference tensor outside inference mode (PyTorch's own in-place ops refuse it); a slice
+    of a qkv buffer (not dense, but no element shared) is written."""
+    angles = _angles(1, 9, 16, per_batch=False)
+    base = torch.randn(9 * 8 + 8, device=DEVICE)
+    overlapping = base.as_strided((1, 1, 9, 16), (0, 0, 8, 1))
+    with pytest.raises(ValueError, match="do not share memory"):
+        apply_rope(overlapping, angles, inplace=True)
+    with torch.inference_mode():
+        frozen = torch.randn(1, 2, 9, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="inference tensor outside"):
+        apply_rope(frozen, angles, inplace=True)
+    with torch.inference_mode():
+        expected = apply_rope(frozen, angles)
+        assert torch.equal(apply_rope(frozen, angles, inplace=True), expected)
+    qkv = torch.randn(1, 9, 3 * 2, 16, device=DEVICE)
+    k = qkv[:, :, 2:4].transpose(1, 2)
+    expected = apply_rope(k, angles)
+    apply_rope(k, angles, inplace=True)
+    assert torch.equal(qkv[:, :, 2:4].transpose(1, 2), expected)
+
+
 def test_inplace_write_is_seen_by_autograd_of_other_ops():
     # x needs no grad itself, but w * x saved it for dw: the version bump makes autograd refuse.
     w = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
