@@ -32,7 +32,9 @@ _CHUNK_ELEMENTS = 1 << 25
 def corope_inv_freq(
     rope_dim: int, theta: float, inv_freq: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
-    """``w[d] = theta ** (-2d / R)`` in fp32, or the given ``inv_freq`` (checked: ``[R/2]``)."""
+    """``w[d] = theta ** (-2d / R)`` in fp32, or the given ``inv_freq`` (checked: ``[R/2]``).
+    The default is ``default_inv_freq``'s shared tensor: treat it as read-only (an in-place
+    change would reach every later call that defaults to it)."""
     if inv_freq is None:
         return default_inv_freq(rope_dim, theta, device)
     check_inv_freq(inv_freq, rope_dim)

@@ -20,7 +20,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fused_rope._validation import check_float_tensor, check_same_device, is_finite
+from fused_rope._validation import (
+    FREQ_DTYPES,
+    check_bool,
+    check_float_tensor,
+    check_same_device,
+    is_finite,
+)
 
 # Per scaling type: (required keys, optional keys) besides "type"/"rope_type", "rope_theta" and
 # the keys any type may carry (_check_shared_keys).
@@ -40,6 +46,7 @@ _SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("short_factor", "long_factor", "original_max_position_embeddings"),
         ("factor", "attention_factor", "max_position_embeddings"),
     ),
+    "proportional": ((), ("factor", "partial_rotary_factor")),
 }
 SCALING_TYPES = tuple(_SCALING_KEYS)
 # Qwen2-VL / Qwen2.5-VL checkpoints store {"type": "mrope", "mrope_section": [...]}; transformers'
@@ -121,7 +128,18 @@ def _check_shared_keys(params: dict, rope_dim: int, kind: str) -> None:
     """
     if "partial_rotary_factor" in params:
         _number(params, "partial_rotary_factor", kind, maximum=1.0)
-        del params["partial_rotary_factor"]
+        if kind != "proportional":  # whose frequencies it sets
+            del params["partial_rotary_factor"]
+    # The context a checkpoint was trained to (Ministral 3 keeps it here); only longrope,
+    # which lists it, reads it.
+    if kind != "longrope":
+        params.pop("max_position_embeddings", None)
+    if "llama_4_scaling_beta" in params:
+        raise ValueError(
+            "scaling['llama_4_scaling_beta'] is a per-position scale of the queries (Llama 4, "
+            "Mistral), not of the frequencies, and this library does not apply it: remove "
+            "the key and scale the queries before the attention"
+        )
     _flag(params, "mrope_interleaved", kind, False)
     params.pop("mrope_interleaved", None)
     if "mrope_section" in params:
@@ -243,16 +261,27 @@ def _llama3(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: in
     factor = _number(p, "factor", "llama3", minimum=1.0, strict=False)
     low_ff = _number(p, "low_freq_factor", "llama3")
     high_ff = _number(p, "high_freq_factor", "llama3")
-    if high_ff <= low_ff:
+    if high_ff < low_ff:
         raise ValueError(
-            f"scaling['high_freq_factor']={high_ff} must be > scaling['low_freq_factor']={low_ff}"
+            f"scaling['high_freq_factor']={high_ff} must be >= scaling['low_freq_factor']={low_ff}"
         )
     original = _positive_int(p, "original_max_position_embeddings", "llama3")
     wavelen = 2 * math.pi / inv
-    smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
-    medium = (1 - smooth) * inv / factor + smooth * inv
+    if high_ff == low_ff:  # no band to blend in (Llama 4 Scout: both 1): a step
+        medium = inv / factor
+    else:
+        smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
+        medium = (1 - smooth) * inv / factor + smooth * inv
     out = torch.where(wavelen > original / low_ff, inv / factor, medium)
     return torch.where(wavelen < original / high_ff, inv, out), 1.0
+
+
+def _proportional(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
+    # rope_dim is the whole head: the first int(partial_rotary_factor * R // 2) slots rotate at
+    # theta ** (-2d / R), the rest not at all (frequency 0), as transformers' proportional.
+    rotated = int(p.get("partial_rotary_factor", 1.0) * rope_dim // 2)
+    factor = _number(p, "factor", "proportional") if "factor" in p else 1.0
+    return torch.where(torch.arange(rope_dim // 2) < rotated, inv, 0.0) / factor, 1.0
 
 
 def _longrope(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
@@ -280,7 +309,7 @@ def _longrope(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: 
         attention_factor = _number(p, "attention_factor", "longrope")
     else:
         if "factor" in p:
-            factor = _number(p, "factor", "longrope", minimum=1.0, strict=False)
+            factor = _number(p, "factor", "longrope")
         elif "max_position_embeddings" in p:
             factor = _positive_int(p, "max_position_embeddings", "longrope") / original
         else:
@@ -302,6 +331,7 @@ _SCHEDULES = {
     "yarn": _yarn,
     "llama3": _llama3,
     "longrope": _longrope,
+    "proportional": _proportional,
 }
 
 
@@ -356,12 +386,20 @@ def rope_frequencies(
       being ``factor`` or ``max_position_embeddings / L0``. Keys: ``short_factor``,
       ``long_factor``, ``L0``; optional ``factor``, ``max_position_embeddings``,
       ``attention_factor``.
+    * ``"proportional"`` (Gemma 4's full-attention layers): ``R`` is the whole head dim; the
+      first ``int(partial_rotary_factor * R // 2)`` slots keep ``theta ** (-2d / R)``, the
+      others get frequency 0 (they do not rotate); all divided by ``f``. Keys: optional
+      ``factor`` (default 1) and ``partial_rotary_factor`` (default 1).
+
+    ``max_position_embeddings`` is accepted by every type (only longrope reads it), and
+    ``llama_4_scaling_beta`` (a query scale, not a frequency schedule) is refused.
 
     Args:
         rope_dim: ``R``, the rotated channels per head (positive, even).
         theta: the base, a real number > 1 (Python's or numpy's).
         scaling: see above; ``None`` or type ``"default"`` for plain RoPE.
-        seq_len: the current sequence length (max position + 1), a Python int; only
+        seq_len: the current sequence length (max position + 1), an int (Python's, numpy's
+            or a 0-d integer tensor); only
             ``dynamic`` and ``longrope`` depend on it, the other types ignore it.
         device: where ``inv_freq`` goes (default CPU).
 
@@ -374,10 +412,13 @@ def rope_frequencies(
     """
     _check_rope_dim(rope_dim)
     _check_theta(theta)
+    if isinstance(seq_len, torch.Tensor) and seq_len.dim() == 0 and not seq_len.is_floating_point():
+        seq_len = int(seq_len)  # max(position_ids) + 1
     if seq_len is not None and (
-        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0
+        isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len <= 0
     ):
         raise ValueError(f"seq_len must be None or a positive int, got {seq_len!r}")
+    seq_len = None if seq_len is None else int(seq_len)
     kind, params = _parse_scaling(scaling, theta, rope_dim)
     inv = float(theta) ** -_ladder_exponent(rope_dim)
     inv, attention_factor = _SCHEDULES[kind](inv, params, rope_dim, float(theta), seq_len)
@@ -388,9 +429,10 @@ def _check_positions(positions, name: str, ndim: tuple[int, ...] | None = None) 
     """Integer (not bool) or floating-point tensor with one of ``ndim`` dimensions."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
-    if positions.dtype == torch.bool or positions.is_complex():
+    if positions.dtype in (torch.bool, torch.float16, torch.bfloat16) or positions.is_complex():
         raise TypeError(
-            f"{name} must be an integer or floating-point tensor, got dtype {positions.dtype}"
+            f"{name} must be an integer, fp32 or fp64 tensor, got dtype {positions.dtype} "
+            "(half precision holds integers exactly only up to 2048 (fp16) or 256 (bf16))"
         )
     if ndim is not None and positions.dim() not in ndim:
         raise ValueError(
@@ -434,7 +476,7 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
         fp32 ``[N, R/2]`` or ``[B, N, R/2]``.
     """
     _check_positions(positions, "positions", ndim=(1, 2))
-    check_float_tensor(inv_freq, "inv_freq", ndim=1)
+    check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=FREQ_DTYPES)
     check_same_device(positions=positions, inv_freq=inv_freq)
     return positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
 
@@ -506,8 +548,9 @@ def mrope_angles(
         fp32 ``[N, R/2]`` or ``[B, N, R/2]``; with all axes equal, ``rope_angles``' result.
     """
     _check_positions(positions, "positions", ndim=(2, 3))
-    check_float_tensor(inv_freq, "inv_freq", ndim=1)
+    check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=FREQ_DTYPES)
     check_same_device(positions=positions, inv_freq=inv_freq)
+    check_bool(interleaved, "interleaved")
     sections = _check_sections(sections, inv_freq.shape[0])
     if positions.shape[0] != len(sections):
         raise ValueError(
@@ -551,6 +594,7 @@ def nd_rope_frequencies(
     """
     _check_rope_dim(rope_dim)
     _check_theta(theta)
+    check_bool(interleaved, "interleaved")
     if isinstance(n_axes, bool) or not isinstance(n_axes, int):
         raise TypeError(f"n_axes must be an int, got {type(n_axes).__name__}")
     if n_axes <= 0:
@@ -593,7 +637,7 @@ def nd_rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor
         fp32 ``[..., R/2]``.
     """
     _check_positions(positions, "positions")
-    check_float_tensor(freqs, "freqs", ndim=3)
+    check_float_tensor(freqs, "freqs", ndim=3, dtypes=FREQ_DTYPES)
     check_same_device(positions=positions, freqs=freqs)
     if 0 in freqs.shape[:2]:
         raise ValueError(

@@ -29,7 +29,12 @@ FREQ_RTOL = 2e-6  # relative, per element: fp32 rounding of transformers' pow, ~
 
 
 def _assert_ratio_one(name: str, out: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
-    ratio = out.double().cpu() / ref.double().cpu()
+    """``out / ref`` is 1 within ``rtol`` where ``ref`` is not 0; ``out`` is 0 where it is
+    (proportional RoPE's slots that do not rotate)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    zero = ref == 0
+    assert torch.equal(out[zero], ref[zero]), f"{name}: frequencies that should be 0 are not"
+    ratio = out[~zero] / ref[~zero]
     assert_close(name, ratio, torch.ones_like(ratio), atol=rtol, rtol=rtol)
 
 
@@ -285,6 +290,36 @@ HF_CASES = [
         None,
         1.0,
         id="llama3-other-band",
+    ),
+    pytest.param(
+        128,
+        500000.0,
+        {
+            "type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        None,
+        1.0,
+        id="llama4-scout-no-band",
+    ),
+    pytest.param(
+        256,
+        1000000.0,
+        {"type": "proportional", "partial_rotary_factor": 0.25},
+        None,
+        1.0,
+        id="proportional-gemma4",
+    ),
+    pytest.param(
+        128,
+        10000.0,
+        {"type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0},
+        None,
+        1.0,
+        id="proportional-factor",
     ),
     pytest.param(
         96,
@@ -640,7 +675,9 @@ LONGROPE = {
         ({"scaling": {**YARN, "truncate": "yes"}}, ValueError, "truncate"),
         ({"scaling": {**YARN, "attention_factor": 0}}, ValueError, "attention_factor"),
         ({"scaling": {**YARN, "low_freq_factor": 1.0}}, ValueError, "low_freq_factor"),
-        ({"scaling": {**LLAMA3, "high_freq_factor": 1.0}}, ValueError, "high_freq_factor"),
+        ({"scaling": {**LLAMA3, "high_freq_factor": 0.5}}, ValueError, "high_freq_factor"),
+        ({"scaling": {**LLAMA3, "llama_4_scaling_beta": 0.1}}, ValueError, "queries"),
+        ({"scaling": {"type": "proportional", "factor": 0}}, ValueError, "factor"),
         ({"scaling": {**LLAMA3, "low_freq_factor": 0.0}}, ValueError, "low_freq_factor"),
         (
             {"scaling": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}},
@@ -967,3 +1004,30 @@ def test_nd_rope_frequencies_rejects_bad_arguments(kwargs, error, match):
 def test_nd_rope_angles_rejects_bad_arguments(positions, freqs, error, match):
     with pytest.raises(error, match=match):
         nd_rope_angles(positions, freqs)
+
+
+def test_keys_a_checkpoint_carries_beside_its_schedule():
+    """Ministral 3's YaRN rope_parameters carry max_position_embeddings (read by longrope
+    only: the frequencies are those without it); seq_len may be a numpy int or the 0-d tensor
+    max(position_ids) + 1."""
+    yarn = {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384}
+    inv, factor = rope_frequencies(128, 1e6, yarn)
+    inv2, factor2 = rope_frequencies(128, 1e6, {**yarn, "max_position_embeddings": 262144})
+    assert torch.equal(inv, inv2) and factor == factor2
+    dynamic = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
+    by_int = rope_frequencies(32, scaling=dynamic, seq_len=100)[0]
+    for seq_len in (np.int64(100), torch.tensor(99) + 1):
+        assert torch.equal(rope_frequencies(32, scaling=dynamic, seq_len=seq_len)[0], by_int)
+
+
+def test_angle_builders_refuse_half_precision_and_loose_flags():
+    """fp16 / bf16 frequencies or positions put far positions whole radians off (the kernels
+    refuse them too); a string is not a bool."""
+    inv = rope_frequencies(16)[0]
+    positions = torch.arange(40)
+    with pytest.raises(TypeError, match="inv_freq"):
+        rope_angles(positions, inv.half())
+    with pytest.raises(TypeError, match="half precision"):
+        rope_angles(positions.bfloat16(), inv)
+    with pytest.raises(TypeError, match="interleaved"):
+        mrope_angles(positions.expand(3, 40), inv, [4, 2, 2], interleaved="False")
