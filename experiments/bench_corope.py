@@ -38,10 +38,10 @@ from corope import corope_attention, corope_attention_ref  # noqa: E402
 from corope.naive import corope_inv_freq  # noqa: E402
 from experiments.results_io import (  # noqa: E402
     ACC_FAIL,
-    RESULTS,
     accuracy_failed,
     environment,
     markdown_table,
+    output_dir,
     read_rows,
     upsert_rows,
 )
@@ -237,7 +237,12 @@ def write_markdown(path: Path, rows, env, lines) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for csv/md/png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for csv/md/png (default: experiments/results/; for a quick run, which a "
+        "CPU forces, a temporary folder: never the committed results)",
+    )
     parser.add_argument("--max-n", type=int, default=max(NS), help="largest N to run")
     parser.add_argument("--min-n", type=int, default=min(NS), help="smallest N to run")
     parser.add_argument(
@@ -249,6 +254,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = args.quick or device.type == "cpu"
+    args.out = output_dir(args.out, quick, "bench_corope")
+    print(f"results into {args.out}", flush=True)
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # interpreter: no bf16
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)

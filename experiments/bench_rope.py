@@ -41,12 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.plot_benchmarks import plot_op  # noqa: E402
 from experiments.results_io import (  # noqa: E402
-    RESULTS,
     accuracy_failed,
     accuracy_note,
     environment,
     markdown_table,
     merged_environment,
+    output_dir,
     read_rows,
     upsert_rows,
 )
@@ -268,7 +268,12 @@ def tune_shape(shape, device, dtype=torch.bfloat16) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for csv/md/png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for csv/md/png (default: experiments/results/; for a quick run, which a "
+        "CPU forces, a temporary folder: never the committed results)",
+    )
     parser.add_argument("--tune", action="store_true", help="sweep the kernel's launch shape")
     parser.add_argument(
         "--shapes",
@@ -284,6 +289,8 @@ def main() -> None:
             tune_shape(shape, device)
         return
     quick = args.quick or device.type == "cpu"
+    args.out = output_dir(args.out, quick, "bench_rope")
+    print(f"results into {args.out}", flush=True)
     env = environment()
     copy_ms, copy_gbps = copy_bandwidth(device, quick)
     print(f"copy bandwidth: {copy_gbps:.4g} GB/s ({env['gpu']})")

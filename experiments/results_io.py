@@ -13,11 +13,23 @@ import csv
 import datetime
 import os
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CSV_PATH = RESULTS / "benchmarks.csv"
+
+
+def output_dir(out: Path | None, quick: bool, script: str) -> Path:
+    """Where a benchmark writes: ``out`` when given, else ``RESULTS`` for a full run and a
+    temporary ``<script>_quick`` folder for a quick one (a smoke test, which a CPU forces):
+    in ``RESULTS`` it would replace the committed GPU tables with its own."""
+    if out is not None:
+        return out
+    return Path(tempfile.gettempdir()) / f"{script}_quick" if quick else RESULTS
+
+
 FIELDS = [
     "op",
     "provider",

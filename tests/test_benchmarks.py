@@ -16,7 +16,14 @@ import torch
 
 import corope.forward
 from experiments import bench_rope, bench_rope_attention
-from experiments.results_io import ACC_FAIL, accuracy_failed, accuracy_note, upsert_rows
+from experiments.results_io import (
+    ACC_FAIL,
+    RESULTS,
+    accuracy_failed,
+    accuracy_note,
+    output_dir,
+    upsert_rows,
+)
 from fused_rope._validation import interpreter_blocker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +68,15 @@ def test_benchmark_quick_run(script, op, markdown, tmp_path):
         assert checked and all(r["note"].startswith("max err") for r in checked), checked
     if op == "rope_attention":
         assert "rows over the accuracy tolerance: 0" in text, text
+
+
+def test_a_quick_run_never_writes_into_the_committed_results(tmp_path):
+    """A quick run (which a CPU forces) without --out writes to a temporary folder: in
+    experiments/results/ it replaced the committed GPU tables with a smoke test's."""
+    assert output_dir(None, quick=False, script="bench_corope") == RESULTS
+    quick = output_dir(None, quick=True, script="bench_corope")
+    assert RESULTS not in quick.parents and quick != RESULTS
+    assert output_dir(tmp_path, quick=True, script="bench_corope") == tmp_path
 
 
 def test_accuracy_note_flags_errors_over_the_tolerance():
