@@ -140,8 +140,10 @@ def _check_shared_keys(params: dict, rope_dim: int, kind: str) -> None:
             "Mistral), not of the frequencies, and this library does not apply it: remove "
             "the key and scale the queries before the attention"
         )
-    _flag(params, "mrope_interleaved", kind, False)
-    params.pop("mrope_interleaved", None)
+    # Qwen3-Omni's configs also carry "interleaved", which transformers lets through unread.
+    for key in ("mrope_interleaved", "interleaved"):
+        _flag(params, key, kind, False)
+        params.pop(key, None)
     if "mrope_section" in params:
         _check_sections(params.pop("mrope_section"), rope_dim // 2, "scaling['mrope_section']")
 
@@ -353,7 +355,8 @@ def rope_frequencies(
     leave ``inv_freq`` as it is: ``rope_theta`` (when it equals ``theta``),
     ``partial_rotary_factor`` (in ``(0, 1]``; ``rope_dim`` must already be
     ``int(head_dim * partial_rotary_factor)``), and M-RoPE's ``mrope_section`` (summing to
-    ``R/2``) and ``mrope_interleaved``, which are for ``mrope_angles``; type ``"mrope"``
+    ``R/2``) and ``mrope_interleaved`` (or Qwen3-Omni's ``interleaved``), which are for
+    ``mrope_angles``; type ``"mrope"``
     (Qwen2-VL's checkpoints) means ``"default"``. ``L0`` is
     ``original_max_position_embeddings``, ``f`` is ``factor``:
 

@@ -1008,12 +1008,21 @@ def test_nd_rope_angles_rejects_bad_arguments(positions, freqs, error, match):
 
 def test_keys_a_checkpoint_carries_beside_its_schedule():
     """Ministral 3's YaRN rope_parameters carry max_position_embeddings (read by longrope
-    only: the frequencies are those without it); seq_len may be a numpy int or the 0-d tensor
-    max(position_ids) + 1."""
+    only: the frequencies are those without it), Qwen3-Omni's an "interleaved" flag beside
+    mrope_interleaved; seq_len may be a numpy int or the 0-d tensor max(position_ids) + 1."""
     yarn = {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384}
     inv, factor = rope_frequencies(128, 1e6, yarn)
     inv2, factor2 = rope_frequencies(128, 1e6, {**yarn, "max_position_embeddings": 262144})
     assert torch.equal(inv, inv2) and factor == factor2
+    omni = {
+        "rope_type": "default",
+        "mrope_section": [24, 20, 20],
+        "interleaved": True,
+        "mrope_interleaved": True,
+    }  # fmt: skip  (Qwen3-Omni's thinker)
+    assert torch.equal(rope_frequencies(128, 1e6, omni)[0], rope_frequencies(128, 1e6)[0])
+    with pytest.raises(ValueError, match="interleaved"):
+        rope_frequencies(128, 1e6, {**omni, "interleaved": "yes"})
     dynamic = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
     by_int = rope_frequencies(32, scaling=dynamic, seq_len=100)[0]
     for seq_len in (np.int64(100), torch.tensor(99) + 1):
