@@ -1014,12 +1014,12 @@ def test_keys_a_checkpoint_carries_beside_its_schedule():
     inv, factor = rope_frequencies(128, 1e6, yarn)
     inv2, factor2 = rope_frequencies(128, 1e6, {**yarn, "max_position_embeddings": 262144})
     assert torch.equal(inv, inv2) and factor == factor2
-    omni = {
+    omni = {  # Qwen3-Omni's thinker
         "rope_type": "default",
         "mrope_section": [24, 20, 20],
         "interleaved": True,
         "mrope_interleaved": True,
-    }  # fmt: skip  (Qwen3-Omni's thinker)
+    }
     assert torch.equal(rope_frequencies(128, 1e6, omni)[0], rope_frequencies(128, 1e6)[0])
     with pytest.raises(ValueError, match="interleaved"):
         rope_frequencies(128, 1e6, {**omni, "interleaved": "yes"})
