@@ -278,8 +278,10 @@ def drop_repeats(runs: list[Run]) -> tuple[list[Run], list[LeftOut]]:
 
 def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
     """One row per cell: ``cell``, ``task``, ``variant``, ``seeds``, ``steps`` (``*``: some
-    runs stopped early) and per metric ``(mean, std)`` (std NaN for one seed; metrics a run
-    lacks or has as null are skipped for that run), sorted by task, then variant."""
+    runs stopped early) and per metric ``(mean, std)`` over the runs that have it as a finite
+    number (std NaN for one such run), with that count as ``<metric>:n``: a run that lacks a
+    metric, has it as null, or diverged to NaN or inf is skipped for it, and the tables say
+    how many of the cell's seeds a value covers. Sorted by task, then variant."""
     by_cell: dict[tuple[str, str, str], list[Run]] = {}
     for key, run in zip(_cell_keys(runs), runs, strict=True):
         by_cell.setdefault(key, []).append(run)
@@ -293,8 +295,15 @@ def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
             "steps": _steps(members),
         }
         for m in metrics:
-            values = [r.summary[m] for r in members if isinstance(r.summary.get(m), (int, float))]
+            values = [
+                r.summary[m]
+                for r in members
+                if isinstance(r.summary.get(m), (int, float))
+                and not isinstance(r.summary[m], bool)
+                and math.isfinite(r.summary[m])
+            ]
             row[f"{m}:values"] = values
+            row[f"{m}:n"] = len(values)
             mean = statistics.fmean(values) if values else math.nan
             std = statistics.stdev(values) if len(values) > 1 else math.nan
             row[m] = (mean, std)
@@ -302,11 +311,13 @@ def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
     return rows
 
 
-def _fmt(mean: float, std: float) -> str:
+def _fmt(mean: float, std: float, n: int, seeds: int) -> str:
+    """``mean ± std``, with ``(n/seeds)`` when fewer of the cell's runs have the metric."""
     if math.isnan(mean):
         return "-"
     digits = ".4g"
-    return f"{mean:{digits}}" if math.isnan(std) else f"{mean:{digits}} ± {std:{digits}}"
+    text = f"{mean:{digits}}" if math.isnan(std) else f"{mean:{digits}} ± {std:{digits}}"
+    return text if n == seeds else f"{text} ({n}/{seeds})"
 
 
 def markdown(rows: list[dict], metrics: list[str], label: str = "cell") -> str:
@@ -319,7 +330,7 @@ def markdown(rows: list[dict], metrics: list[str], label: str = "cell") -> str:
             label: r[label],
             "seeds": r["seeds"],
             "steps": r["steps"],
-            **{m: _fmt(*r[m]) for m in shown},
+            **{m: _fmt(*r[m], r[f"{m}:n"], r["seeds"]) for m in shown},
         }
         for r in rows
     ]
@@ -356,14 +367,16 @@ def report(
 
 
 def write_csvs(runs: list[Run], rows: list[dict], metrics: list[str], out: Path) -> None:
-    """``results.csv`` (a row per cell, ``<metric>_mean`` / ``<metric>_std``) and
-    ``runs.csv`` (a row per run)."""
+    """``results.csv`` (a row per cell, ``<metric>_mean`` / ``<metric>_std`` / ``<metric>_n``,
+    the runs the two cover) and ``runs.csv`` (a row per run)."""
     head = ["task", "variant", "cell", "seeds", "steps"]
     with (out / "results.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(head + [f"{m}_{s}" for m in metrics for s in ("mean", "std")])
+        writer.writerow(head + [f"{m}_{s}" for m in metrics for s in ("mean", "std", "n")])
         for r in rows:
-            writer.writerow([r[k] for k in head] + [_num(v) for m in metrics for v in r[m]])
+            writer.writerow(
+                [r[k] for k in head] + [v for m in metrics for v in (*map(_num, r[m]), r[f"{m}:n"])]
+            )
     summaries = [r.summary for r in runs]
     labels = cells(summaries)[0]
     with (out / "runs.csv").open("w", newline="") as f:

@@ -91,7 +91,9 @@ def plot_op(
         panel = [r for r in rows if (r["mode"], r["dtype"]) == (mode, dtype)]
         shapes = [shape for shape in all_shapes if any(r["shape"] == shape for r in panel)]
         for i, provider in enumerate(providers):
-            value = {r["shape"]: float(r[metric]) for r in panel if r["provider"] == provider}
+            # a row without this metric (eager rows have no gbps) draws no bar
+            value = {r["shape"]: float(r[metric]) for r in panel
+                     if r["provider"] == provider and r[metric] not in ("", None)}  # fmt: skip
             xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(shapes))]
             ax.bar(xs, [value.get(s, 0.0) for s in shapes], width, label=provider)
         ax.set_xticks(range(len(shapes)))

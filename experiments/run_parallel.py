@@ -138,11 +138,28 @@ class Job:
         return [sys.executable, str(TRAIN), *self.overrides, f"hydra.run.dir={self.run_dir}"]
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def plan(specs: list[str], common: list[str], root: Path) -> list[Job]:
-    """The jobs of ``specs`` (each with ``common`` appended), numbered in order."""
+    """The jobs of ``specs`` (each with ``common`` appended), numbered in order.
+
+    Raises:
+        ValueError: a ``common`` override sweeps several values (it would reach train.py
+            unexpanded), or sets a key a spec also sets (the later one wins in Hydra, so the
+            run would not be what its directory, named after the spec, says).
+    """
+    for override in common:
+        if "=" in override and len(split_values(override.split("=", 1)[1])) > 1:
+            raise ValueError(f"--common {override!r} sweeps several values: put it in a spec")
+    common_keys = {_key(o) for o in common}
     jobs = []
     for spec in specs:
         for job in expand(spec):
+            both = sorted(common_keys & {_key(o) for o in job})
+            if both:
+                raise ValueError(f"--common and the spec {spec!r} both set {both}: set each once")
             i = len(jobs)
             jobs.append(Job(i, [*job, *common], root / f"{i:03d}-{slug(job)}"))
     return jobs
@@ -303,7 +320,13 @@ def run(
                 job = pending.pop(0)
                 job.gpu = pick_gpu(gpus or [], running)
                 running.append(job)  # first, so that a stop in the middle of the start sees it
-                _start(job, threads)
+                try:
+                    _start(job, threads)
+                except OSError as error:  # its directory or log cannot be made: this job fails
+                    running.remove(job)
+                    job.status = f"failed to start: {error}"
+                    print(f"[{job.index}] {job.status}", flush=True)
+                    continue
                 print(f"[{job.index}] started: {' '.join(job.overrides)}", flush=True)
             _write_table(root, previous_rows, jobs, launch)
             time.sleep(0.5)
@@ -324,7 +347,7 @@ def run(
     except (KeyboardInterrupt, _Stopped) as e:
         print(f"stopping {len(running)} running jobs ({type(e).__name__} {e})", flush=True)
         _shut_down(running, pending)
-    except BaseException:  # e.g. an OSError starting a job: leave no job running behind us
+    except BaseException:  # anything unforeseen: leave no job running behind us
         _shut_down(running, pending)
         raise
     finally:

@@ -79,6 +79,19 @@ def test_a_quick_run_never_writes_into_the_committed_results(tmp_path):
     assert output_dir(tmp_path, quick=True, script="bench_corope") == tmp_path
 
 
+def test_plot_draws_rows_without_the_metric_as_no_bar(tmp_path):
+    """bandwidth is the default metric once any row has it; an eager row without it used to
+    stop the figure ('could not convert string to float')."""
+    from experiments.plot_benchmarks import plot_op
+
+    csv_path = tmp_path / "b.csv"
+    common = dict(op="rope_qk", mode="fwd", shape="s", dtype="fp16", gpu="g", commit="c")
+    upsert_rows([dict(common, provider="triton", ms=1.0, gbps=900.0),
+                 dict(common, provider="eager", ms=3.0)], csv_path)  # fmt: skip
+    out = plot_op("rope_qk", csv_path, tmp_path / "p.png")
+    assert out.stat().st_size > 1000
+
+
 def test_accuracy_note_flags_errors_over_the_tolerance():
     """The documented errors pass (RoPE's eager bf16 3.6e-2, fp16 4.9e-3); a larger one, or NaN,
     is an "ACC FAIL"."""

@@ -1,6 +1,8 @@
 """experiments/collect.py on hand-written run directories (no training)."""
 
+import csv
 import json
+import math
 import os
 
 import yaml
@@ -50,6 +52,19 @@ def test_an_unreadable_run_json_falls_back_to_hydra(tmp_path, capsys):
     table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
     assert "0.25" in _row(table, "attention=rope")
     assert "run.json unreadable" in capsys.readouterr().err
+
+
+def test_a_diverged_or_missing_metric_is_left_out_and_counted(tmp_path):
+    """A NaN (a diverged run) or an absent metric is skipped for that run, and the table says
+    how many of the cell's seeds its value covers (a NaN used to stop collect altogether)."""
+    for seed, err in enumerate([0.1, math.nan, 0.3]):
+        _run(tmp_path, f"r{seed}", ["attention=rope", f"seed={seed}"], err)
+    _run(tmp_path, "n0", ["attention=nope", "seed=0"], 1.0)
+    table = main([str(tmp_path), "--metrics", "test/err", "--out", str(tmp_path / "o")])
+    assert "| 0.2 ± 0.1414 (2/3) |" in _row(table.split("Made by")[0], "attention=rope")
+    with (tmp_path / "o" / "results.csv").open() as f:
+        rope = next(r for r in csv.DictReader(f) if r["cell"] == "attention=rope")
+    assert rope["seeds"] == "3" and rope["test/err_n"] == "2"
 
 
 def _row(table, cell):

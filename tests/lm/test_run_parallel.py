@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from experiments import run_parallel
-from experiments.run_parallel import expand, main, split_values
+from experiments.run_parallel import expand, main, plan, run, split_values
 from tests.lm.harness import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,6 +182,29 @@ def test_a_checkpoint_at_train_ckpt_path_is_seen(fake_train, tmp_path):
     (root / "000-seed0" / "ck" / "last.pt").write_bytes(b"")
     assert main(args) == 1
     assert table(root)[-1]["status"].startswith("not started: last.pt exists")
+
+
+def test_common_takes_single_values_and_no_key_a_spec_sets(tmp_path):
+    """A sweep in --common would reach train.py unexpanded; a key set in both would run
+    --common's value in a directory named after the spec's."""
+    with pytest.raises(ValueError, match="sweeps several values"):
+        plan(["seed=0"], ["train.steps=4,8"], tmp_path)
+    with pytest.raises(ValueError, match=r"both set \['seed'\]"):
+        plan(["attention=rope seed=0,1"], ["seed=2"], tmp_path)
+    assert len(plan(["seed=0,1"], ["train.steps=4", "data.x=[1,2]"], tmp_path)) == 2
+
+
+def test_a_job_that_cannot_start_fails_alone(fake_train, tmp_path):
+    """A job whose directory cannot be made fails ("failed to start", 0 s); the others run."""
+    root = tmp_path / "runs"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    jobs = plan(["seed=0,1"], [], root)
+    jobs[1].run_dir = blocker / "x"  # under a file: mkdir raises an OSError
+    assert run(jobs, root, 2, None) == 1
+    rows = table(root)
+    assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("failed to start")
+    assert float(rows[1]["seconds"]) == 0.0
 
 
 def test_a_starting_job_gets_the_least_busy_gpu(fake_train, tmp_path):
