@@ -36,6 +36,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import shlex
 import statistics
 import sys
@@ -286,7 +287,9 @@ def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
     for key, run in zip(_cell_keys(runs), runs, strict=True):
         by_cell.setdefault(key, []).append(run)
     rows = []
-    for (task, variant, cell), members in sorted(by_cell.items()):
+    for (task, variant, cell), members in sorted(
+        by_cell.items(), key=lambda item: tuple(map(_natural, item[0]))
+    ):
         row: dict = {
             "cell": cell,
             "task": task,
@@ -309,6 +312,13 @@ def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
             row[m] = (mean, std)
         rows.append(row)
     return rows
+
+
+def _natural(text: str) -> tuple:
+    """A sort key that orders the numbers inside ``text`` by value (``d_model=64`` before
+    ``d_model=128``): its text and numbers alternate, so equal places hold equal types."""
+    parts = re.split(r"(\d+(?:\.\d+)?)", text)
+    return tuple(float(p) if i % 2 else p for i, p in enumerate(parts))
 
 
 def _fmt(mean: float, std: float, n: int, seeds: int) -> str:
@@ -366,7 +376,9 @@ def report(
     return "\n".join(parts)
 
 
-def write_csvs(runs: list[Run], rows: list[dict], metrics: list[str], out: Path) -> None:
+def write_csvs(
+    runs: list[Run], rows: list[dict], metrics: list[str], out: Path, root: Path
+) -> None:
     """``results.csv`` (a row per cell, ``<metric>_mean`` / ``<metric>_std`` / ``<metric>_n``,
     the runs the two cover) and ``runs.csv`` (a row per run)."""
     head = ["task", "variant", "cell", "seeds", "steps"]
@@ -389,7 +401,7 @@ def write_csvs(runs: list[Run], rows: list[dict], metrics: list[str], out: Path)
             values = [_num(s.get(m)) for m in metrics]
             writer.writerow(
                 [
-                    run.path.name,
+                    run.path.relative_to(root).as_posix(),  # nested roots: names repeat
                     task,
                     variant,
                     label,
@@ -548,7 +560,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     table = report(rows, metrics, cells(summaries)[1], command, left_out)
     (out / "results.md").write_text(table)
-    write_csvs(runs, rows, metrics, out)
+    write_csvs(runs, rows, metrics, out, args.multirun_dir)
     plot(rows, metrics, out / "results.png")
     plot_curves(runs, out / "curves.png")
     written = ["results.md", "results.csv", "runs.csv", "results.png", "curves.png"]

@@ -92,14 +92,20 @@ def environment() -> dict[str, str]:
 
 def upsert_rows(rows: list[dict], path: Path = CSV_PATH) -> None:
     """Writes ``rows`` (dicts with FIELDS keys; missing ones left empty) into the CSV,
-    replacing rows with the same key."""
+    replacing rows with the same key (and of two given rows with one key, the later wins).
+    Keys compare as written: a None field is the empty string the file holds."""
     path.parent.mkdir(parents=True, exist_ok=True)
     existing: list[dict] = []
     if path.exists():
         with path.open(newline="") as f:
             existing = list(csv.DictReader(f))
-    new_keys = {tuple(str(r.get(k, "")) for k in KEY) for r in rows}
-    kept = [r for r in existing if tuple(r.get(k, "") for k in KEY) not in new_keys]
+
+    def key(r: dict) -> tuple[str, ...]:
+        return tuple(_fmt(r.get(k, "")) for k in KEY)
+
+    rows = list({key(r): r for r in rows}.values())
+    new_keys = {key(r) for r in rows}
+    kept = [r for r in existing if key(r) not in new_keys]
     # Written beside the CSV and moved over it: a run killed mid-write (a time limit) leaves
     # the previous file whole, not a truncated one.
     tmp = path.with_name(path.name + ".tmp")
@@ -151,10 +157,15 @@ def _fmt(value) -> str:
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
-    """A GitHub markdown table of ``columns`` for ``rows``."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    """A GitHub markdown table of ``columns`` for ``rows`` (a ``|`` in a value escaped, so it
+    does not split the cell)."""
+
+    def cell(value) -> str:
+        return _fmt(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+        lines.append("| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -92,6 +92,21 @@ def test_plot_draws_rows_without_the_metric_as_no_bar(tmp_path):
     assert out.stat().st_size > 1000
 
 
+def test_upsert_replaces_a_row_whose_key_has_an_empty_field(tmp_path):
+    """A None key field is the empty string the file holds (it used to compare as "None" and
+    append a second row); of two given rows with one key the later wins; a "|" in a value
+    does not split a markdown cell."""
+    from experiments.results_io import markdown_table
+
+    path = tmp_path / "b.csv"
+    row = dict(op="o", provider="p", mode="fwd", shape="s", dtype=None, gpu="g", ms=1.0)
+    upsert_rows([row], path)
+    upsert_rows([dict(row, ms=2.0), dict(row, ms=3.0)], path)
+    with path.open() as f:
+        assert [r["ms"] for r in csv.DictReader(f)] == ["3"]
+    assert markdown_table([{"a": "x|y"}], ["a"]).splitlines()[-1] == "| x\\|y |"
+
+
 def test_accuracy_note_flags_errors_over_the_tolerance():
     """The documented errors pass (RoPE's eager bf16 3.6e-2, fp16 4.9e-3); a larger one, or NaN,
     is an "ACC FAIL"."""

@@ -67,6 +67,16 @@ def test_a_diverged_or_missing_metric_is_left_out_and_counted(tmp_path):
     assert rope["seeds"] == "3" and rope["test/err_n"] == "2"
 
 
+def test_cells_sort_by_number_and_runs_csv_names_nested_runs_whole(tmp_path):
+    """d_model=64 before 128; in a root of two multiruns, runs.csv tells their 0/ apart."""
+    for stamp, width in (("12-00-00", 128), ("13-00-00", 64)):
+        _run(tmp_path, f"{stamp}/0", [f"model.d_model={width}", "seed=0"], 0.5)
+    table = main([str(tmp_path), "--metrics", "test/err", "--out", str(tmp_path / "o")])
+    assert table.index("model.d_model=64") < table.index("model.d_model=128")
+    with (tmp_path / "o" / "runs.csv").open() as f:
+        assert sorted(r["dir"] for r in csv.DictReader(f)) == ["12-00-00/0", "13-00-00/0"]
+
+
 def _row(table, cell):
     return next(line for line in table.splitlines() if line.startswith(f"| {cell} "))
 
