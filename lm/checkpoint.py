@@ -38,23 +38,26 @@ def checkpoint_path(ckpt_path: str | None, out_dir: Path) -> Path:
     return out_dir / (ckpt_path or "checkpoint.pt")  # an absolute ckpt_path replaces out_dir
 
 
-def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Atomically writes ``state`` (tensors and primitive containers only) to ``path``."""
+def _replace(path: str | Path, write: Callable[[Path], None]) -> None:
+    """``write`` to a file beside ``path``, then moved over it: a process killed mid-write
+    leaves the old file (or none), never a truncated one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    write(tmp)
     os.replace(tmp, path)
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Atomically writes ``state`` (tensors and primitive containers only) to ``path``."""
+    _replace(path, lambda tmp: torch.save(state, tmp))
 
 
 def write_json(path: str | Path, record: dict[str, Any]) -> None:
     """Atomically writes ``record`` to ``path`` as indented JSON (a run's ``run.json``,
-    ``summary.json``, ``failed.json``): a process killed mid-write leaves the old file or
-    none, never a truncated one that readers such as collect.py would fail on."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    ``summary.json``, ``failed.json``), so that readers such as collect.py never see a
+    truncated one."""
+    _replace(path, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -13,12 +13,29 @@ import torch
 
 import lm.training
 from lm.checkpoint import load_checkpoint, save_checkpoint
+from lm.data.base import LMDataset
 from lm.training import lr_lambda, step_seed, train
 from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
 
 ROOT = Path(__file__).resolve().parents[1]
 # A counting task a 1-layer model runs through in well under a second per step.
 SMALL = TINY + ["data=counting", "data.max_statements=8", "data.seq_len=40", "data.eval_samples=16"]
+
+
+def train_killed_at_step(cfg, output_dir, step: int) -> None:
+    """Runs ``train(cfg)`` into ``output_dir`` and kills it (a KeyboardInterrupt, as Ctrl-C or
+    a time limit would) when it asks for the training batch of ``step``."""
+    original = LMDataset.train_batch
+
+    def killed(self, at, *args, **kwargs):
+        if at == step:
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, at, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LMDataset, "train_batch", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, output_dir=str(output_dir))
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -107,7 +124,7 @@ def test_train_py_end_to_end_with_wandb_offline(tmp_path):
 # log_every=2 with ckpt_every=3: the checkpoint falls between two log lines, so the losses
 # logged after the resume must include those of the steps before the kill.
 @pytest.mark.parametrize("log_every", [1, 2])
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch, log_every):
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, log_every):
     # Dropout makes the RNG state part of what a checkpoint must restore.
     cfg = compose_cfg(
         *SMALL,
@@ -119,21 +136,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, monkeypatch, 
         "train.eval_every=4",
     )
     full = train(cfg, output_dir=str(tmp_path / "full"))
-
-    from lm.data.base import LMDataset
-
-    original = LMDataset.train_batch
-
-    def killed_at_step_5(self, step, *args, **kwargs):
-        if step == 5:
-            raise KeyboardInterrupt("simulated kill")
-        return original(self, step, *args, **kwargs)
-
-    monkeypatch.setattr(LMDataset, "train_batch", killed_at_step_5)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, output_dir=str(tmp_path / "cut"))
+    train_killed_at_step(cfg, tmp_path / "cut", 5)
     assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["step"] == 3
-    monkeypatch.setattr(LMDataset, "train_batch", original)
     cfg.train.resume = True
     resumed = train(cfg, output_dir=str(tmp_path / "cut"))
 
@@ -218,47 +222,27 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, monke
     assert not (tmp_path / "failed.json").exists() and (tmp_path / "summary.json").exists()
 
 
-def test_a_run_killed_after_an_overwrite_leaves_no_summary(tmp_path, monkeypatch):
+def test_a_run_killed_after_an_overwrite_leaves_no_summary(tmp_path):
     """The summary and the checkpoint of the run that train.overwrite replaces go when the new
     run starts, so a kill leaves no result to pass for the new run's (and a killed run has not
     failed), and no weights for a later resume to continue under the new run's metrics."""
-    from lm.data.base import LMDataset
-
     cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
     train(cfg, output_dir=str(tmp_path))
     assert (tmp_path / "summary.json").exists()
-
-    def killed(self, step, *args, **kwargs):
-        raise KeyboardInterrupt("simulated kill")
-
-    monkeypatch.setattr(LMDataset, "train_batch", killed)
     cfg.train.overwrite = True
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, output_dir=str(tmp_path))
+    train_killed_at_step(cfg, tmp_path, 0)
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "failed.json").exists()
     assert not (tmp_path / "checkpoint.pt").exists()
     assert json.loads((tmp_path / "run.json").read_text())["config"]["train"]["overwrite"]
 
 
 @pytest.mark.parametrize("saved_split", [None, "valid"])
-def test_resume_keeps_best_val_loss_of_one_split(tmp_path, caplog, monkeypatch, saved_split):
+def test_resume_keeps_best_val_loss_of_one_split(tmp_path, caplog, saved_split):
     """A checkpoint from before the synthetic tasks' valid split (no best_val_split: its
     best_val_loss is a test loss) starts best_val_loss again on resume, with a warning; one
     measured on the same split keeps it."""
-    from lm.data.base import LMDataset
-
     cfg = compose_cfg(*SMALL, "train.steps=4", "train.eval_every=1", "train.ckpt_every=2")
-    original = LMDataset.train_batch
-
-    def killed_at_step_3(self, step, *args, **kwargs):
-        if step == 3:
-            raise KeyboardInterrupt("simulated kill")
-        return original(self, step, *args, **kwargs)
-
-    monkeypatch.setattr(LMDataset, "train_batch", killed_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, output_dir=str(tmp_path))
-    monkeypatch.setattr(LMDataset, "train_batch", original)
+    train_killed_at_step(cfg, tmp_path, 3)
     ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     assert ckpt["state"]["best_val_split"] == "valid"
     ckpt["state"]["best_val_loss"] = -1.0  # a loss no split could give: the older measure
