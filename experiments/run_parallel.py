@@ -73,9 +73,14 @@ def _split(text: str, separators: str) -> list[str]:
             depth += 1
         elif ch in _CLOSERS:
             depth -= 1
+            if depth < 0:
+                raise ValueError(f"{text!r} closes a bracket it did not open")
         elif ch in separators and depth == 0:
             parts.append(text[start:i])
             start = i + 1
+    if quote or depth:
+        what = f"a {quote} quote" if quote else "a bracket"
+        raise ValueError(f"{text!r} leaves {what} open (Hydra refuses it too)")
     parts.append(text[start:])
     return parts
 

@@ -77,6 +77,13 @@ def test_sweep_specs_expand_like_hydra_multirun():
     with pytest.raises(ValueError, match="'seed=range\\(0,3\\)' is a Hydra sweep function"):
         expand("attention=rope seed=range(0,3)")
     assert expand("a=int(3),str(4)") == [["a=int(3)"], ["a=str(4)"]]  # casts are values
+    # an open quote or bracket would swallow the rest of the spec into one override
+    with pytest.raises(ValueError, match="leaves a ' quote open"):
+        expand("name=it's seed=0,1")
+    with pytest.raises(ValueError, match="leaves a bracket open"):
+        expand("tags=[a,b seed=0")
+    with pytest.raises(ValueError, match="closes a bracket"):
+        expand("tags=a] seed=0")
 
 
 def test_dry_run_prints_one_command_per_job(tmp_path, capsys):
