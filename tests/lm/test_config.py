@@ -46,9 +46,18 @@ def test_output_dirs_of_runs_started_in_the_same_second_differ():
         assert a != b and a.parent.name == b.parent.name == today, (a, b)
 
 
-def test_default_is_rope_on_flipflop():
+def test_default_is_rope_on_flipflop(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = compose_cfg()
     assert (cfg.attention.name, cfg.data.name, cfg.logger.mode) == ("rope", "flipflop", "offline")
+
+
+def test_wandb_mode_follows_the_environment(monkeypatch):
+    """WANDB_MODE picks wandb's mode (an explicit mode in wandb.init would override it);
+    logger.mode on the command line still wins."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert compose_cfg().logger.mode == "disabled"
+    assert compose_cfg("logger.mode=online").logger.mode == "online"
 
 
 @pytest.mark.parametrize("attention", ATTENTION_FILES)
