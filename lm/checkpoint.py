@@ -39,13 +39,20 @@ def checkpoint_path(ckpt_path: str | None, out_dir: Path) -> Path:
 
 
 def _replace(path: str | Path, write: Callable[[Path], None]) -> None:
-    """``write`` to a file beside ``path``, then moved over it: a process killed mid-write
-    leaves the old file (or none), never a truncated one."""
+    """``write`` to a file beside ``path``, flushed to disk, then moved over it: a process
+    killed mid-write (or a machine that loses power after the move) leaves the old file or
+    the new one, never a truncated one; a write that raises leaves no temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm.data.base import IGNORE_INDEX
+
 
 def autocast(device: torch.device):
     """bf16 autocast on CUDA; nothing elsewhere (the CPU trains in fp32)."""
@@ -32,15 +34,18 @@ def metric_names(kind: str) -> tuple[str, ...]:
 
 @torch.no_grad()
 def evaluate_split(model: nn.Module, batches, kind: str, device: torch.device) -> dict[str, float]:
-    """Metrics of ``model`` over ``batches`` of ``(x, y)``, int64 ``(B, L)``, ``-100`` = no target."""
+    """Metrics of ``model`` over ``batches`` of ``(x, y)``, int64 ``(B, L)``; ``y ==
+    IGNORE_INDEX`` (-100) marks a position without a target."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = correct = seqs = seqs_right = 0
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         with autocast(device):
             logits = model(x)  # (B, L, V)
-        mask = y != -100
-        loss_sum += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        mask = y != IGNORE_INDEX
+        loss_sum += F.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         hit = (logits.argmax(-1) == y) & mask
         tokens += int(mask.sum())
         correct += int(hit.sum())

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lm.training
-from lm.checkpoint import load_checkpoint, save_checkpoint
-from lm.data.base import LMDataset
+from lm.checkpoint import load_checkpoint, save_checkpoint, write_json
+from lm.data.base import IGNORE_INDEX, LMDataset
 from lm.training import lr_lambda, step_seed, train
 from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
 
@@ -125,7 +126,12 @@ def test_train_py_end_to_end_with_wandb_offline(tmp_path):
 # logged after the resume must include those of the steps before the kill.
 @pytest.mark.parametrize("log_every", [1, 2])
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, log_every):
-    # Dropout makes the RNG state part of what a checkpoint must restore.
+    """A run killed and resumed from its checkpoint logs the losses and ends with the metrics
+    of the uninterrupted run, bit for bit: the checkpoint restores the weights, optimizer,
+    schedule and the pending log and best_val_loss state. With dropout on, the resumed steps
+    must also draw the uninterrupted run's masks: each step reseeds from step_seed(seed, step,
+    rank), so the masks follow from the step (the RNG state the checkpoint saves would give
+    them too in one process, but no longer decides them)."""
     cfg = compose_cfg(
         *SMALL,
         "train.device=cpu",  # bitwise reproducibility is a CPU promise (GPU kernels may use atomics)
@@ -145,6 +151,116 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, log_every):
     assert len(train_losses(tmp_path / "full")) == 8 // log_every
     for key in ("test/loss", "ood_long/loss", "best_val_loss"):
         assert resumed[key] == full[key], key
+
+
+def test_gradient_is_that_of_the_mean_loss_over_the_target_tokens(tmp_path, monkeypatch):
+    """The gradient AdamW receives (no clipping) is autograd's of F.cross_entropy's mean over
+    the batch's target tokens, ignored positions excluded: not a sum over the positions or a
+    mean over the rows. Flip-flop rows hold different numbers of targets, so a division by
+    the rows, the positions or any fixed count gives another gradient (AdamW's updates and the
+    logged loss would barely show it). One process: the DDP scaling (x world_size) is 1."""
+    models, batches, checked = [], [], []
+    build_optimizer, train_batch = lm.training.build_optimizer, LMDataset.train_batch
+    step = torch.optim.AdamW.step
+
+    def recording_build_optimizer(model, *args, **kwargs):
+        models.append(model)
+        return build_optimizer(model, *args, **kwargs)
+
+    def recording_train_batch(self, *args, **kwargs):
+        batches.append(train_batch(self, *args, **kwargs))
+        return batches[-1]
+
+    def checking_step(self, *args, **kwargs):
+        (model,), (x, y) = models, batches[-1]
+        params = [p for group in self.param_groups for p in group["params"]]
+        with torch.enable_grad():
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+            expected = torch.autograd.grad(loss, params, allow_unused=True)
+        for p, e in zip(params, expected, strict=True):
+            torch.testing.assert_close(
+                p.grad, e if e is not None else torch.zeros_like(p), rtol=1e-4, atol=1e-7
+            )
+        checked.append(int((y != IGNORE_INDEX).sum()))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(lm.training, "build_optimizer", recording_build_optimizer)
+    monkeypatch.setattr(LMDataset, "train_batch", recording_train_batch)
+    monkeypatch.setattr(torch.optim.AdamW, "step", checking_step)
+    cfg = compose_cfg(
+        *TINY,
+        "data=flipflop",
+        "data.num_instructions=8",
+        "data.seq_len=16",
+        "data.eval_samples=16",
+        "train.device=cpu",
+        "train.time_attention=false",
+        "optim.grad_clip=0",
+        "train.steps=3",
+        "train.eval_every=0",
+    )
+    train(cfg, output_dir=str(tmp_path))
+    assert len(checked) == 3
+    rows = cfg.train.batch_size
+    assert all(rows != n < rows * cfg.data.seq_len for n in checked) and len(set(checked)) > 1
+
+
+def test_logged_train_loss_is_the_mean_of_the_steps_since_the_last_log(tmp_path, monkeypatch):
+    """With log_every=2 each train/loss line is the mean of its two steps' losses, not the
+    last step's, and the average starts again after each line."""
+    losses = []
+    train_step = lm.training._Run._train_step
+
+    def recording_train_step(self):
+        loss, tokens = train_step(self)
+        losses.append(loss)
+        return loss, tokens
+
+    monkeypatch.setattr(lm.training._Run, "_train_step", recording_train_step)
+    cfg = compose_cfg(*SMALL, "train.steps=4", "train.log_every=2", "train.eval_every=0")
+    train(cfg, output_dir=str(tmp_path))
+    assert len(losses) == 4 and len(set(losses)) == 4
+    logged = train_losses(tmp_path)
+    assert [s for s, _ in logged] == [2, 4]
+    assert [loss for _, loss in logged] == pytest.approx(
+        [(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], rel=1e-12
+    )
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_and_json(tmp_path):
+    """save_checkpoint and write_json write beside the file and move the result over it: a
+    write that dies midway (disk full, a kill) leaves the previous file whole, never a
+    truncated one at the path, and a write that raises removes its temporary file."""
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
+
+    def dying_save(obj, f, *args, **kwargs):
+        with open(f, "wb") as out:
+            out.write(b"PK\x03\x04partial")
+        raise OSError("disk full")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "save", dying_save)
+        with pytest.raises(OSError, match="disk full"):
+            save_checkpoint(path, {"step": 2, "w": torch.zeros(3)})
+    ckpt = load_checkpoint(path)
+    assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary left
+
+    summary = tmp_path / "summary.json"
+    write_json(summary, {"steps": 1})
+    write_text = Path.write_text
+
+    def dying_write_text(self, data, *args, **kwargs):
+        write_text(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError("disk full")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "write_text", dying_write_text)
+        with pytest.raises(OSError, match="disk full"):
+            write_json(summary, {"steps": 2, "val_loss": 1.5})
+    assert json.loads(summary.read_text()) == {"steps": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "summary.json"]
 
 
 def test_step_seed_differs_by_rank_and_step_and_not_by_process():

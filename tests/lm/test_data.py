@@ -224,6 +224,25 @@ def test_counting_never_exceeds_the_cap_and_ood_is_longer():
     assert ds.max_len >= 4 * 60 + 2
 
 
+def test_counting_statement_ranges_follow_the_config_exactly():
+    """Training, valid and test programs have min_statements .. max_statements statements,
+    ood_long's max_statements + 1 .. ood_length_factor * max_statements (both ends drawn):
+    no OOD program is as short as a training one (the sampled check above would rarely see
+    an ood_long range starting one statement early)."""
+    ds = build_dataset({**SMALL["counting"], "min_statements": 4, "max_statements": 9,
+                        "ood_length_factor": 3, "seq_len": 38})  # fmt: skip
+    ranges = {s: ds.statement_range(ds.distribution(s)) for s in ["train", *ds.eval_splits()]}
+    assert ranges == {"train": (4, 9), "valid": (4, 9), "test": (4, 9), "ood_long": (10, 27)}
+    assert ds.max_len == 4 * 27 + 2
+    semicolon = ds.vocab[";"]
+    for distribution, expected in (("train", (4, 9)), ("ood_long", (10, 27))):
+        drawn = {
+            int((ds._example(np.random.default_rng(i), distribution).tokens == semicolon).sum())
+            for i in range(400)
+        }
+        assert (min(drawn), max(drawn)) == expected, distribution
+
+
 def test_selective_copy_answer_is_the_symbols_in_order():
     ds = build_dataset(SMALL["selective_copy"])
     blank_fraction = {}

@@ -1,0 +1,82 @@
+"""lm/evaluation.py: the definitions of the held-out metrics, on hand-made rows."""
+
+import math
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lm.data import IGNORE_INDEX
+from lm.evaluation import evaluate, evaluate_split
+
+CPU = torch.device("cpu")
+V = 5
+
+
+class NextTokenTable(nn.Module):
+    """Fixed logits per input token whose argmax is always ``(token + 1) % V``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        table = torch.randn(V, V)
+        for t in range(V):
+            table[t, (t + 1) % V] = table[t].max() + 1.0
+        self.register_buffer("table", table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table[x]  # (B, L, V)
+
+
+def expected_loss(model: NextTokenTable, pairs: list[tuple[int, int]]) -> float:
+    """The mean cross-entropy over the (input token, target) pairs, in float64."""
+    logp = torch.log_softmax(model.table.double(), dim=-1)
+    return -sum(logp[t, y].item() for t, y in pairs) / len(pairs)
+
+
+def test_task_metrics_are_token_and_sequence_rates_over_the_target_tokens():
+    """loss and acc are per target token, seq_acc per row with a target (all of its answer
+    tokens right), err = 1 - seq_acc; rows without a target and ignored positions count
+    nowhere, and the sums run over every batch. A row with 2 of 2 answers right and one with
+    1 of 2 (in two batches, beside a row with no target): seq_acc 1/2 (not 1, as "any answer
+    token right" would give, nor 1/3 counting the empty row), acc 3/4, loss = the summed
+    cross-entropy / 4 target tokens (not / 2 rows)."""
+    I = IGNORE_INDEX
+    model = NextTokenTable()
+    both_right = ([0, 1, 2, 3], [I, I, 3, 4])  # 2 -> 3 and 3 -> 4: hits
+    no_target = ([4, 4, 4, 4], [I, I, I, I])
+    one_right = ([1, 2, 3, 0], [I, I, 4, 2])  # 3 -> 4 a hit, 0 -> 1 not the 2 wanted
+    batches = [
+        tuple(torch.tensor(rows) for rows in zip(both_right, no_target, strict=True)),
+        tuple(torch.tensor([rows]) for rows in one_right),
+    ]
+    metrics = evaluate_split(model, batches, "task", CPU)
+    assert set(metrics) == {"loss", "acc", "seq_acc", "err"}
+    assert metrics["seq_acc"] == 0.5 and metrics["err"] == 0.5
+    assert metrics["acc"] == 0.75
+    pairs = [(2, 3), (3, 4), (3, 4), (0, 2)]
+    assert metrics["loss"] == pytest.approx(expected_loss(model, pairs), rel=1e-6)
+
+
+def test_lm_metrics_and_evaluate_keys_per_split():
+    """A language corpus reports loss, acc and ppl = exp(loss) (no seq_acc); ``evaluate``
+    names them ``<split>/<metric>`` for every split and puts the model back in train mode."""
+    model = NextTokenTable().train()
+    x = torch.tensor([[0, 1, 2, 3], [3, 3, 1, 0]])
+    y = torch.tensor([[1, 2, 3, 4], [4, 0, 2, 1]])  # hits everywhere but 3 -> 0
+    dataset = types.SimpleNamespace(
+        kind="lm",
+        eval_splits=lambda: ["valid", "test"],
+        eval_batches=lambda split, batch_size: iter([(x, y)] if split == "valid" else [(x, x)]),
+    )
+    metrics = evaluate(model, dataset, batch_size=2, device=CPU)
+    assert model.training
+    assert sorted(metrics) == sorted(
+        f"{s}/{m}" for s in ("valid", "test") for m in ("loss", "acc", "ppl")
+    )
+    pairs = [(int(t), int(u)) for t, u in zip(x.flatten(), y.flatten(), strict=True)]
+    assert metrics["valid/acc"] == 7 / 8
+    assert metrics["valid/loss"] == pytest.approx(expected_loss(model, pairs), rel=1e-6)
+    for split in ("valid", "test"):
+        assert metrics[f"{split}/ppl"] == pytest.approx(math.exp(metrics[f"{split}/loss"]))
+    assert metrics["test/acc"] == 0.0 and metrics["test/loss"] != metrics["valid/loss"]
