@@ -349,6 +349,35 @@ HF_CASES = [
         1.0,
         id="longrope-phi3-long",
     ),
+    # transformers takes long_factor only when seq_len > original_max_position_embeddings
+    pytest.param(
+        96,
+        10000.0,
+        {
+            "type": "longrope",
+            "short_factor": _factors(48, 1.0, 2.0, 1),
+            "long_factor": _factors(48, 1.0, 60.0, 2),
+            "original_max_position_embeddings": 4096,
+            "max_position_embeddings": 131072,
+        },
+        4096,
+        1.0,
+        id="longrope-phi3-at-original",
+    ),
+    pytest.param(
+        96,
+        10000.0,
+        {
+            "type": "longrope",
+            "short_factor": _factors(48, 1.0, 2.0, 1),
+            "long_factor": _factors(48, 1.0, 60.0, 2),
+            "original_max_position_embeddings": 4096,
+            "max_position_embeddings": 131072,
+        },
+        4097,
+        1.0,
+        id="longrope-phi3-original-plus-one",
+    ),
     pytest.param(
         64,
         10000.0,
@@ -517,6 +546,32 @@ def test_transformers_rope_parameters_are_accepted(
     inv, factor = rope_frequencies(rope_dim, scaling["rope_theta"], scaling, seq_len=seq_len)
     _assert_ratio_one("inv_freq / transformers'", inv, hf_inv, FREQ_RTOL)
     _assert_scalar("attention_factor", factor, hf_factor)
+
+
+@pytest.mark.parametrize(
+    "seq_len, factors",
+    [(None, "short_factor"), (2047, "short_factor"), (2048, "short_factor"),
+     (2049, "long_factor"), (8192, "long_factor")],
+)  # fmt: skip
+def test_longrope_takes_long_factor_only_beyond_the_original_context(seq_len, factors):
+    """``inv_freq[d] = 1 / (factor[d] * theta ** (2d / R))`` with ``short_factor`` up to and
+    including ``seq_len == original_max_position_embeddings`` and ``long_factor`` past it,
+    as transformers' ``seq_len > original_max_position_embeddings`` (computed here from the
+    formula, so that it holds without transformers too)."""
+    rope_dim, theta = 64, 10000.0
+    scaling = {
+        "type": "longrope",
+        "short_factor": _factors(32, 0.5, 1.5, 7),
+        "long_factor": _factors(32, 2.0, 20.0, 8),  # > every short factor: never equal
+        "original_max_position_embeddings": 2048,
+        "factor": 8.0,
+    }
+    exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
+    expected = 1.0 / (torch.tensor(scaling[factors], dtype=torch.float64) * theta**exponent)
+    inv, attention_factor = rope_frequencies(rope_dim, theta, scaling, seq_len=seq_len)
+    _assert_ratio_one(f"inv_freq / {factors}'s", inv, expected, FREQ_RTOL)
+    # the attention factor depends on the factor alone, not on seq_len
+    assert attention_factor == pytest.approx(math.sqrt(1 + math.log(8.0) / math.log(2048)))
 
 
 def test_scaled_schedules_change_the_frequencies():

@@ -152,3 +152,38 @@ def test_a_seed_run_twice_in_a_cell_counts_once(tmp_path, capsys):
     for dropped in (shorter, older):
         assert f"- `{dropped}`: repeats seed 0 of cell" in table
         assert f"{dropped} left out: repeats seed 0" in err
+
+
+def test_a_cell_is_the_mean_and_sample_std_of_its_seeds(tmp_path):
+    """0.1, 0.2, 0.9: the mean 0.4 (their median would be 0.2) and the sample standard
+    deviation sqrt(0.38 / 2) = 0.43589 (the population one would be 0.35590), in the table
+    and in results.csv."""
+    for seed, err in enumerate([0.1, 0.2, 0.9]):
+        _run(tmp_path, f"r{seed}", ["attention=rope", f"seed={seed}"], err)
+    _run(tmp_path, "n0", ["attention=nope", "seed=0"], 1.0)
+    table = main([str(tmp_path), "--metrics", "test/err", "--out", str(tmp_path / "o")])
+    assert "| attention=rope | 3 | 0.4 ± 0.4359 |" in table.split("Made by")[0]
+    with (tmp_path / "o" / "results.csv").open() as f:
+        rope = next(r for r in csv.DictReader(f) if r["cell"] == "attention=rope")
+    assert math.isclose(float(rope["test/err_mean"]), 0.4, abs_tol=1e-9)
+    assert math.isclose(float(rope["test/err_std"]), math.sqrt(0.19), rel_tol=1e-5)
+    assert rope["test/err_n"] == "3"
+
+
+def test_a_stopped_runs_best_val_loss_is_its_best_evaluation_not_its_last(tmp_path):
+    """A run without summary.json that evaluated to a loss of 2.0, then 3.0: best_val_loss
+    2.0, val_loss (and its other metrics) the last evaluation's."""
+    d = _stopped_run(tmp_path, "000", "rope", 0, 0.25)
+    evals = [
+        {"step": 5, "test/loss": 2.0, "test/err": 0.5},
+        {"step": 10, "test/loss": 3.0, "test/err": 0.25},
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    _run(tmp_path, "001", ["attention=nope", "seed=0"], 1.0)
+    metrics = "best_val_loss,val_loss,test/err"
+    table = main([str(tmp_path), "--metrics", metrics, "--out", str(tmp_path / "o")])
+    assert "| attention=rope | 1 | 2 | 3 | 0.25 | 10* |" in table.split("Made by")[0]
+    with (tmp_path / "o" / "runs.csv").open() as f:
+        run = next(r for r in csv.DictReader(f) if r["dir"] == "000")
+    assert run["partial"] == "True" and run["steps"] == "10"
+    assert float(run["best_val_loss"]) == 2.0 and float(run["val_loss"]) == 3.0
