@@ -44,6 +44,16 @@ def rounding_noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
     return (r + 0.3 - 0.3 - r).abs().max().item() if r.numel() else 0.0
 
 
+# How far (relative RMSE) a baseline in each dtype may sit from the float64 reference before
+# the two are taken to compute different things: rounding alone stays an order below.
+BASELINE_RMSE_LIMIT = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-2,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+}
+
+
 def check_against_baseline(
     out: torch.Tensor,
     ref: torch.Tensor,
@@ -58,6 +68,7 @@ def check_against_baseline(
     times those of ``baseline``, plus, for the max-abs error, flash-attention's margin of
     twice the rounding noise of ``out``'s dtype at ``ref``'s magnitudes (at least
     ``atol_floor``, for results that are exact), and for the relative RMSE ``atol_floor``.
+    The baseline itself must sit within ``BASELINE_RMSE_LIMIT`` of the reference.
 
     The margin matters in half precision, where this project's baselines compute in fp32
     and round once (their error is that rounding), while a kernel also rounds its
@@ -67,6 +78,14 @@ def check_against_baseline(
     """
     k_abs, k_rmse = errors(out, ref)
     b_abs, b_rmse = errors(baseline, ref)
+    limit = BASELINE_RMSE_LIMIT.get(baseline.dtype, BASELINE_RMSE_LIMIT[torch.bfloat16])
+    if not b_rmse <= limit:
+        # a reference that computes something else (a wrong default, head mapping, mask)
+        # is as far from the kernel as from the baseline, and the ratio alone would pass
+        return False, (
+            f"the {baseline.dtype} baseline is {b_rmse:.1e} (rel-RMSE) from the reference, "
+            f"over {limit:.0e}: the reference and the baseline compute different things"
+        )
     margin = max(atol_floor, 2 * rounding_noise(ref, out.dtype))
     msg = (
         f"kernel max-abs {k_abs:.3e} rel-RMSE {k_rmse:.3e}; "

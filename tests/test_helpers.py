@@ -41,3 +41,13 @@ def test_fp32_margin_is_the_floor():
     out[7] += 2e-5
     with pytest.raises(AssertionError):
         assert_close_to_baseline("x", out, ref, baseline)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_reference_that_computes_something_else_fails(dtype):
+    """A kernel and its baseline that agree with each other but not with the reference (a
+    wrong default in the reference, say) fail, though their error ratio is 1."""
+    ref, _ = _case(dtype)
+    wrong = (1.1 * ref).to(dtype)
+    with pytest.raises(AssertionError, match="compute different things"):
+        assert_close_to_baseline("x", wrong.clone(), ref, wrong)

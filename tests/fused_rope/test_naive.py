@@ -1,12 +1,14 @@
-"""Closed-form properties of the RoPE reference ``fused_rope.naive.apply_rope_ref`` (float64)."""
+"""Closed-form properties of the RoPE reference ``fused_rope.naive.apply_rope_ref`` (float64),
+and ``rope_attention_ref`` against PyTorch's attention head by head."""
 
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from fused_rope.frequencies import rope_frequencies
-from fused_rope.naive import apply_rope_ref
+from fused_rope.frequencies import rope_angles, rope_frequencies
+from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from tests.helpers import assert_close
 
 LAYOUTS = ["half", "interleaved"]
@@ -104,3 +106,26 @@ def test_shared_angles_equal_per_batch_copies():
     shared = apply_rope_ref(x, angles)
     per_batch = apply_rope_ref(x, angles.expand(3, 7, 8))
     assert torch.equal(shared, per_batch)
+
+
+def test_attention_reference_reads_kv_head_h_over_the_group_size():
+    """GQA's heads come in contiguous groups: query head h reads KV head h // (HQ / HKV)
+    (``h % HKV`` would be another model). Checked head by head against SDPA on the rotated
+    q and k, which also pins the default scale 1/sqrt(D) and the causal mask; lse against
+    the explicit logsumexp. Every kernel test compares with this reference, so a wrong
+    mapping here would be invisible to them (the kernel and its baseline would both be off)."""
+    torch.manual_seed(0)
+    B, HQ, HKV, N, D = 2, 6, 2, 9, 16
+    q = torch.randn(B, HQ, N, D, dtype=torch.float64)
+    k, v = (torch.randn(B, HKV, N, D, dtype=torch.float64) for _ in range(2))
+    o, lse = rope_attention_ref(q, k, v)
+    angles = rope_angles(torch.arange(N), rope_frequencies(D)[0])
+    q_rot, k_rot = apply_rope_ref(q, angles), apply_rope_ref(k, angles)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    for h in range(HQ):
+        kv = h // (HQ // HKV)
+        expect = F.scaled_dot_product_attention(q_rot[:, h], k_rot[:, kv], v[:, kv], is_causal=True)
+        assert_close(f"o, head {h}", o[:, h], expect, 1e-12, 1e-12)
+        s = (q_rot[:, h] @ k_rot[:, kv].transpose(-1, -2)) * D**-0.5
+        expect_lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), dim=-1)
+        assert_close(f"lse, head {h}", lse[:, h], expect_lse, 1e-12, 1e-12)
