@@ -70,6 +70,7 @@ def test_train_py_end_to_end_with_wandb_offline(tmp_path):
     args = [
         *SMALL,
         "logger=wandb",
+        "logger.mode=offline",  # whatever WANDB_MODE says
         "train.steps=6",
         "train.eval_every=3",
         "train.log_every=2",
