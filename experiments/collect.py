@@ -60,7 +60,8 @@ TASK_KEYS = ("experiment", "data")  # and every data.* key
 # Metrics shown when --metrics is not given, if the summaries have them.
 DEFAULT_SUFFIXES = ("/err", "/ppl")
 DEFAULT_KEYS = ("best_val_loss", "tokens_per_s")
-ALL_RUNS = "(all runs)"
+ALL_RUNS = "(all runs)"  # the cell when no override varies between the runs
+DEFAULTS = "(defaults)"  # a run that sets none of the overrides that vary between the others
 # Of RUN_CONDUCT_KEYS, those that change the speed a summary reports (tokens_per_s, step_ms,
 # mfu): the same model, but a speed comparison of them needs a cell each (--ignore merges them).
 SPEED_KEYS = ("attention.impl", "train.device", "train.cpu_threads")
@@ -207,8 +208,10 @@ def _varying(summaries: list[dict]) -> tuple[list[str], dict[str, str]]:
 
 def _label(overrides: dict[str, str], keys: list[str]) -> str:
     """``k=v`` for the keys the run sets (a key another run sets and this one does not, such as
-    ``attention.detach_mileage``, is left out)."""
-    return " ".join(f"{k}={overrides[k]}" for k in keys if k in overrides) or ALL_RUNS
+    ``attention.detach_mileage``, is left out); ``(defaults)`` when it sets none of them."""
+    if not keys:
+        return ALL_RUNS
+    return " ".join(f"{k}={overrides[k]}" for k in keys if k in overrides) or DEFAULTS
 
 
 def cells(summaries: list[dict]) -> tuple[list[str], dict[str, str]]:
@@ -541,8 +544,17 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--out", type=Path, help="output directory (default: multirun_dir)")
     args = parser.parse_args(argv)
+    if not args.multirun_dir.is_dir():
+        parser.error(f"multirun_dir {str(args.multirun_dir)!r} is not a directory")
     runs, failed = load_runs(args.multirun_dir)
-    drop_overrides(runs, [*NO_CELL_KEYS, *(k for k in args.ignore.split(",") if k)])
+    ignored = [k for k in args.ignore.split(",") if k]
+    set_keys = {
+        o.split("=", 1)[0].lstrip("+~") for r in runs for o in r.summary.get("overrides", [])
+    }
+    for key in ignored:
+        if not any(is_under(k, [key]) for k in set_keys):
+            print(f"collect: --ignore {key}: no run sets it (a typo?)", file=sys.stderr)
+    drop_overrides(runs, [*NO_CELL_KEYS, *ignored])
     runs, repeats = drop_repeats(runs)
     left_out = failed + repeats
     for run in left_out:

@@ -30,6 +30,11 @@ def setup(device: str) -> DistInfo:
     if device == "auto":
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"train.device={device!r} but this torch has no CUDA device ({torch.__version__}); "
+            "use train.device=auto or cpu"
+        )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", local_rank)
     if dev.type == "cuda":

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import lm.distributed
 import lm.training
 from lm.checkpoint import load_checkpoint, save_checkpoint, write_json
 from lm.data.base import IGNORE_INDEX, LMDataset
@@ -262,6 +263,16 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_json(tmp_path):
             write_json(summary, {"steps": 2, "val_loss": 1.5})
     assert json.loads(summary.read_text()) == {"steps": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "summary.json"]
+
+
+def test_cuda_device_without_cuda_is_refused_by_name(monkeypatch):
+    """train.device=cuda on a machine (or a torch build) without CUDA fails naming the
+    option, not with torch's internal AttributeError from set_device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match=f"train.device='{device}'.*no CUDA"):
+            lm.distributed.setup(device)
+    assert lm.distributed.setup("auto").device.type == "cpu"
 
 
 def test_step_seed_differs_by_rank_and_step_and_not_by_process():

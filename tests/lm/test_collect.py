@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import pytest
 import yaml
 
 from experiments.collect import main
@@ -187,3 +188,34 @@ def test_a_stopped_runs_best_val_loss_is_its_best_evaluation_not_its_last(tmp_pa
         run = next(r for r in csv.DictReader(f) if r["dir"] == "000")
     assert run["partial"] == "True" and run["steps"] == "10"
     assert float(run["best_val_loss"]) == 2.0 and float(run["val_loss"]) == 3.0
+
+
+def test_a_run_on_the_defaults_is_labelled_so_not_all_runs(tmp_path):
+    """Among runs that vary an override, one that sets none of them is '(defaults)'; only when
+    nothing varies is the cell '(all runs)'."""
+    _run(tmp_path, "d", ["seed=0"], 0.5)
+    _run(tmp_path, "c", ["attention=corope", "seed=0"], 0.25)
+    table = main([str(tmp_path), "--metrics", "test/err", "--out", str(tmp_path / "o")])
+    assert "| (defaults) | 1 | 0.5 |" in table and "(all runs)" not in table
+    alone = tmp_path / "alone"
+    _run(alone, "d", ["seed=0"], 0.5)
+    assert "| (all runs) | 1 | 0.5 |" in main([str(alone), "--metrics", "test/err"])
+
+
+def test_a_missing_root_and_an_ignored_key_no_run_sets_are_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nope")])
+    assert "is not a directory" in capsys.readouterr().err
+    _run(tmp_path, "r", ["attention=rope", "seed=0"], 0.5)
+    main(
+        [
+            str(tmp_path),
+            "--metrics",
+            "test/err",
+            "--ignore",
+            "atention",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert "--ignore atention: no run sets it" in capsys.readouterr().err
