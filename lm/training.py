@@ -107,6 +107,14 @@ def _overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+def _config_choice(group: str, default: str) -> str:
+    """The config file Hydra chose for ``group`` (``rope_yarn`` where the attention's name is
+    ``rope``); ``default`` outside Hydra."""
+    if not HydraConfig.initialized():
+        return default
+    return str(HydraConfig.get().runtime.choices.get(group, default))
+
+
 def _defines_the_run(key: str) -> bool:
     """Whether the dotted config ``key`` is part of what the run trains (not in
     ``RUN_CONDUCT_KEYS``)."""
@@ -575,6 +583,7 @@ class _Run:
             "stopped_early": self.stopped_early,
             "params": sum(p.numel() for p in self.model.parameters()),
             "attention": self.cfg.attention.name,
+            "attention_config": _config_choice("attention", self.cfg.attention.name),
             "attention_impl": resolve_impl(impl, self.info.device, self.cfg.attention.name)
             if impl
             else None,

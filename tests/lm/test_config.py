@@ -7,12 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf.errors import ConfigKeyError
 
 from lm.config import register_configs
 from lm.data import build_dataset
 from lm.model import GPT
+from lm.training import _config_choice
 from tests.lm.harness import CONFIGS, TINY, compose_cfg
 
 ATTENTION_FILES = sorted(p.stem for p in (CONFIGS / "attention").glob("*.yaml"))
@@ -135,3 +137,18 @@ def test_unknown_attention_lists_the_options():
         compose_cfg("attention=alibi")
     message = str(info.value)
     assert "attention/alibi" in message and "corope" in message
+
+
+def test_summary_names_the_attention_config_file():
+    """summary.json's ``attention`` is the module (``rope`` for every RoPE preset);
+    ``attention_config`` is the file Hydra chose, which tells the presets apart."""
+    register_configs()
+    assert _config_choice("attention", "rope") == "rope"  # outside Hydra: the default
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", overrides=["attention=rope_yarn"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert cfg.attention.name == "rope"
+        assert _config_choice("attention", cfg.attention.name) == "rope_yarn"
+    finally:
+        HydraConfig.instance().cfg = None
