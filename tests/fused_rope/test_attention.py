@@ -423,7 +423,9 @@ def test_fp16_scale_above_the_fold_limit_keeps_the_query_finite(scale, magnitude
     inputs = [x.half().requires_grad_() for x in (q, k, v)]
     o, lse = rope_attention(*inputs, softmax_scale=scale, rope_dim=R, impl="fused",
                             return_lse=True)  # fmt: skip
-    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    # Small cotangents: dk of the large channel is ~ scale * magnitude * |do|, and at unit
+    # cotangents it exceeds fp16's range in the baseline (the comparison would be meaningless).
+    do, dlse = 0.1 * torch.randn_like(o), 0.1 * torch.randn_like(lse)
     grads = torch.autograd.grad(_loss(o, lse, do, dlse), inputs)
     inputs64 = [x.detach().double().requires_grad_() for x in inputs]
     o64, lse64 = rope_attention_ref(*inputs64, softmax_scale=scale, rope_dim=R)
@@ -435,7 +437,7 @@ def test_fp16_scale_above_the_fold_limit_keeps_the_query_finite(scale, magnitude
         q_positions=positions, causal=True, scale=scale, layout="half", rope_dim=R,
     )  # fmt: skip
     grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), inputs_b)
-    assert torch.isfinite(o_b).all() and torch.isfinite(lse_b).all()  # the baseline holds
+    assert all(torch.isfinite(x).all() for x in (o_b, lse_b, *grads_b))  # the baseline holds
     for name, out, ref, base in zip(
         ("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), (o64, lse64, *grads64),
         (o_b, lse32_b, *grads_b), strict=True,
