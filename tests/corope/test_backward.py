@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from corope import backward, corope_attention
 from corope.backward import corope_bwd
 from corope.naive import corope_attention_ref, corope_inv_freq
-from tests.helpers import DEVICE, assert_close_to_baseline
+from tests.helpers import DEVICE, assert_close, assert_close_to_baseline
 
 
 def _inputs(B, HQ, HKV, N, D, dtype):
@@ -349,6 +351,35 @@ def test_gate_tail_falls_back_to_fewer_rows(monkeypatch):
     assert fake.configs == [(64,), (32,)]
     corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False)
     assert fake.configs == [(64,), (32,), (32,)]
+
+
+@triton.jit
+def _dot_split_kernel(A, B, C, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(A + rm[:, None] * K + rk[None, :])
+    b = tl.load(B + rk[:, None] * N + rn[None, :])
+    tl.store(C + rm[:, None] * N + rn[None, :], backward._dot_split(a, b, "ieee"))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize("fp32_operand", ["a", "b", "neither"])
+def test_dot_split_keeps_the_fp32_operand_to_about_fp32_accuracy(fp32_operand, dtype):
+    """``_dot_split(a, b)`` with one fp32 operand and one in ``dtype``: the fp32 one split into
+    a high and a low part in ``dtype`` leaves a relative error of about eps(dtype)^2, where
+    rounding it to ``dtype`` once (what the split avoids) leaves eps(dtype)."""
+    eps = torch.finfo(dtype).eps
+    a = torch.randn(16, 32, device=DEVICE)
+    b = torch.randn(32, 16, device=DEVICE)
+    a, b = (x if fp32_operand == name else x.to(dtype) for name, x in (("a", a), ("b", b)))
+    c = torch.empty(16, 16, device=DEVICE)
+    _dot_split_kernel[(1,)](a, b, c, 16, 32, 16)
+    exact = a.double() @ b.double()
+    assert_close("a @ b", c, exact, atol=8 * 32**0.5 * eps**2 + 1e-5, rtol=4 * eps**2 + 1e-6)
+    once = a.to(dtype).double() @ b.to(dtype).double()
+    if fp32_operand != "neither":  # the bound above is one that rounding once would fail
+        assert (once - exact).abs().max() > 8 * 32**0.5 * eps**2 + 1e-5
 
 
 def test_backward_of_an_empty_sequence():

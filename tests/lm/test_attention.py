@@ -101,6 +101,45 @@ def test_dynamic_ntk_recomputes_beyond_the_training_length():
     assert (longer[1:] < freqs.inv_freq[1:]).all()
 
 
+@pytest.mark.parametrize("name", ["rope", "corope"])
+def test_attend_takes_the_dynamic_frequencies_of_its_length(name):
+    """Dynamic NTK past the training length: ``attend`` on 96 tokens rotates with the
+    frequencies ``rope_frequencies`` gives for ``seq_len=96``, not the stored ones."""
+    from corope.naive import corope_attention_ref
+
+    scaling = {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 32}
+    attn = build_attention(attn_cfg(name, impl="torch", scaling=scaling), 64, 4, 2).to(DEVICE)
+    q, k, v = qkv(N=96)
+    inv_freq = rope_frequencies(16, scaling=scaling, seq_len=96)[0].to(DEVICE)
+    assert not torch.equal(inv_freq, attn.freqs.inv_freq)  # the test can tell them apart
+    if name == "rope":
+        angles = rope_angles(torch.arange(96, device=DEVICE), inv_freq).double()
+        q64, k64 = (apply_rope_ref(x.double(), angles, "half", 16) for x in (q, k))
+        ref = causal_attention64(q64, k64, v)
+    else:
+        q64, k64, v64 = q.double(), k.double(), v.double()
+        ref = corope_attention_ref(q64, k64, v64, inv_freq=inv_freq.double())
+    assert_close(name, attn.attend(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_corope_detach_mileage_reaches_the_reference():
+    """``attention.detach_mileage`` is passed on: the query gradient (whose leader head carries
+    the gate path) is the reference's with the mileage held constant, and not without."""
+    from corope.naive import corope_attention_ref
+
+    q, k, v = (x.double().requires_grad_() for x in qkv(N=29))
+    cot = torch.randn_like(q)
+    cfg = attn_cfg("corope", impl="torch", detach_mileage=True)
+    attn = build_attention(cfg, 64, 4, 2).to(DEVICE).double()
+    (dq,) = torch.autograd.grad((attn.attend(q, k, v) * cot).sum(), q)
+    want = {}
+    for detach in (True, False):
+        o = corope_attention_ref(q, k, v, detach_mileage=detach)
+        (want[detach],) = torch.autograd.grad((o * cot).sum(), q)
+    assert_close("dq", dq, want[True], atol=1e-10, rtol=1e-10)
+    assert (want[True] - want[False]).abs().max() > 1e-3
+
+
 def test_scaling_dict_drops_unset_keys():
     cfg = attn_cfg("rope", scaling={"type": "linear", "factor": 2.0})
     assert scaling_dict(cfg.scaling) == {"type": "linear", "factor": 2.0}

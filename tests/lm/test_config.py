@@ -70,10 +70,19 @@ def test_every_attention_config_trains_a_step(attention):
     assert torch.isfinite(loss)
 
 
-def test_scaling_presets_set_the_schedule():
-    cfg = compose_cfg("attention=rope_yarn", "data.seq_len=96")
-    assert cfg.attention.scaling.type == "yarn"
-    assert cfg.attention.scaling.original_max_position_embeddings == 96  # the training length
+@pytest.mark.parametrize(
+    "preset, kind", [("rope_linear", "linear"), ("rope_ntk", "dynamic"), ("rope_yarn", "yarn"),
+                     ("rope_llama3", "llama3")],
+)  # fmt: skip
+def test_scaling_presets_set_the_schedule(preset, kind):
+    """Each preset names its schedule; those that have a training length take data.seq_len."""
+    scaling = compose_cfg(f"attention={preset}", "data.seq_len=96").attention.scaling
+    assert scaling.type == kind
+    expected = None if kind == "linear" else 96
+    assert scaling.original_max_position_embeddings == expected
+
+
+def test_a_scaling_schedule_can_be_swept_from_the_plain_preset():
     swept = compose_cfg(
         "attention=rope", "attention.scaling.type=linear", "attention.scaling.factor=2"
     )

@@ -458,6 +458,18 @@ def test_stdlib_is_split_by_file():
         assert not names & others
 
 
+def test_stdlib_fractions_set_each_files_split():
+    """With unequal fractions (valid 0.1, test 0.3), a file whose path hashes to bucket b in
+    [0, 1) is test below 0.3, valid in [0.3, 0.4), train above."""
+    from lm.data.stdlib import _order_and_bucket
+
+    ds = build_dataset({**SMALL["stdlib"], "valid_fraction": 0.1, "test_fraction": 0.3})
+    bounds = {"test": (0.0, 0.3), "valid": (0.3, 0.4), "train": (0.4, 1.0)}
+    for split, names in ds.files.items():
+        low, high = bounds[split]
+        assert names and all(low <= _order_and_bucket(f)[1] < high for f in names), split
+
+
 # --- Hub datasets ------------------------------------------------------------------------
 
 

@@ -54,6 +54,39 @@ def test_input_position_encodings():
     assert torch.allclose(table[0, 1::2], torch.ones(16, device=DEVICE))  # cos(0)
 
 
+def test_sinusoidal_table_follows_the_configured_base():
+    """Channel 2i holds sin(p / base^(2i/C)) and channel 2i+1 its cos, with the attention
+    config's base; the model adds row p to the token embedding at position p."""
+    model = make_model("sinusoidal")
+    cfg = OmegaConf.merge(OmegaConf.structured(ATTENTION_SCHEMAS["sinusoidal"]), {"base": 500.0})
+    table = GPT(model.cfg, cfg, vocab_size=11, max_len=40).pos_table
+    p = torch.arange(40, dtype=torch.float64)[:, None]
+    angle = p / 500.0 ** (torch.arange(16, dtype=torch.float64) * 2 / 32)
+    torch.testing.assert_close(table[:, 0::2].double(), angle.sin(), atol=1e-7, rtol=0)
+    torch.testing.assert_close(table[:, 1::2].double(), angle.cos(), atol=1e-7, rtol=0)
+    model.eval()
+    idx = torch.randint(0, 11, (1, 7), device=DEVICE)
+    with torch.no_grad():
+        plain = model.tok_emb(idx)
+        seen = []
+        hook = model.drop.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+        model(idx)
+        hook.remove()
+    torch.testing.assert_close(seen[0], plain + model.pos_table[:7])
+
+
+def test_projections_into_the_residual_stream_start_smaller():
+    """GPT-2's init: the attention output and MLP down projections have standard deviation
+    init_std / sqrt(2 n_layer), every other matrix and table init_std."""
+    model = make_model("learned", d_model=128, n_layer=4, init_std=0.05)
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue
+        residual = name.endswith(("attn.wo.weight", "mlp.w_down.weight"))
+        want = 0.05 / (8**0.5) if residual else 0.05
+        assert abs(p.std().item() / want - 1) < 0.1, (name, p.std().item(), want)
+
+
 def test_tied_embeddings_and_matmul_params():
     tied, untied = make_model("nope"), make_model("nope", tie_embeddings=False)
     assert tied.lm_head.weight is tied.tok_emb.weight

@@ -179,6 +179,8 @@ def test_relaunch_keeps_the_records_and_starts_no_run_with_a_checkpoint(fake_tra
     assert log.startswith(first_log) and len(launch_lines(done / "stdout.log")) == 2
     assert log.splitlines()[-2].endswith(f"seed=0 train.resume=yes hydra.run.dir={done}")
     assert len(table(root)) == 6
+    assert main([*args, "--common", "train.overwrite=true"]) == 0  # the other way to go on
+    assert len(launch_lines(done / "stdout.log")) == 3
 
 
 def test_a_checkpoint_at_train_ckpt_path_is_seen(fake_train, tmp_path):
@@ -212,6 +214,13 @@ def test_a_job_that_cannot_start_fails_alone(fake_train, tmp_path):
     rows = table(root)
     assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("failed to start")
     assert float(rows[1]["seconds"]) == 0.0
+
+
+def test_a_job_past_the_timeout_is_stopped_and_counts_as_failed(fake_train, tmp_path):
+    root = tmp_path / "runs"
+    assert main(["--root", str(root), "--job-timeout", "0.5", "sleep=0", "sleep=30"]) == 1
+    assert [r["status"] for r in table(root)] == ["ok", "timeout"]
+    assert float(table(root)[1]["seconds"]) < 15  # stopped, not slept out
 
 
 def test_a_starting_job_gets_the_least_busy_gpu(fake_train, tmp_path):
