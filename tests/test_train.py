@@ -229,6 +229,20 @@ def test_logged_train_loss_is_the_mean_of_the_steps_since_the_last_log(tmp_path,
     )
 
 
+def test_speed_leaves_out_the_first_step(tmp_path, monkeypatch):
+    """The first step (compilation, warm-up) is not timed: with a first step of 100 s and
+    three of 1 s, step_ms is 1000 and tokens_per_s one step's tokens."""
+    import types
+
+    readings = iter([0.0, 100.0, 100.0, 101.0, 101.0, 102.0, 102.0, 103.0])
+    clock = types.SimpleNamespace(monotonic=lambda: 0.0, perf_counter=lambda: next(readings))
+    monkeypatch.setattr(lm.training, "time", clock)  # the training loop's clock only
+    cfg = compose_cfg(*SMALL, "train.steps=4", "train.eval_every=0", "train.ckpt_every=0")
+    summary = train(cfg, output_dir=str(tmp_path))
+    assert summary["step_ms"] == pytest.approx(1000.0)
+    assert summary["tokens_per_s"] == pytest.approx(cfg.train.batch_size * cfg.data.seq_len)
+
+
 def test_a_failed_write_leaves_the_previous_checkpoint_and_json(tmp_path):
     """save_checkpoint and write_json write beside the file and move the result over it: a
     write that dies midway (disk full, a kill) leaves the previous file whole, never a

@@ -210,6 +210,24 @@ def test_autograd_through_public_function(detach_mileage):
         assert_close(name, g, r, atol=1e-4, rtol=1e-5)
 
 
+def test_backward_options_reach_the_kernel(monkeypatch):
+    """``leader``, ``detach_mileage`` and ``deterministic`` arrive at ``corope_bwd`` as given
+    (on the CPU both backward modes give the same numbers, so only the call can tell)."""
+    import corope.attention as attention_module
+
+    calls, real = [], attention_module.corope_bwd
+
+    def spy(*args):
+        calls.append(args[-3:])
+        return real(*args)
+
+    monkeypatch.setattr(attention_module, "corope_bwd", spy)
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 2, 1, 16, 32, torch.float32))
+    for kw in ({}, dict(leader="mean", detach_mileage=True, deterministic=True)):
+        corope_attention(q, k, v, **kw).sum().backward()
+    assert calls == [("first", False, False), ("mean", True, True)]
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_compile_fullgraph_traces_custom_op(dynamic):
     # aot_eager runs the fake implementations and the registered autograd through the

@@ -715,6 +715,7 @@ PREFILL_WINS = [
     ((1, 32, 128, 132), False),
     ((1, 32, 512, 132), True),
     ((8, 32, 1, 132), False),
+    ((8, 32, 15, 132), False),  # enough programs, too few queries: PREFILL_MIN_QUERIES
     ((8, 32, 16, 132), True),
     ((4, 8, 256, 132), False),
     ((4, 8, 512, 132), True),

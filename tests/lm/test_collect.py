@@ -11,12 +11,13 @@ import yaml
 from experiments.collect import main
 
 
-def _run(root, name, overrides, err, steps=10):
+def _run(root, name, overrides, err, steps=10, **summary_keys):
     """A finished run: its ``summary.json`` (the seed that of ``overrides``)."""
     d = root / name
     d.mkdir(parents=True)
     seed = next(int(o.split("=")[1]) for o in overrides if o.startswith("seed="))
     summary = {"overrides": overrides, "test/err": err, "steps": steps, "seed": seed}
+    summary.update(summary_keys)
     (d / "summary.json").write_text(json.dumps(summary))
     return d
 
@@ -55,10 +56,11 @@ def test_an_unreadable_run_json_falls_back_to_hydra(tmp_path, capsys):
     assert "run.json unreadable" in capsys.readouterr().err
 
 
-def test_a_diverged_or_missing_metric_is_left_out_and_counted(tmp_path):
-    """A NaN (a diverged run) or an absent metric is skipped for that run, and the table says
-    how many of the cell's seeds its value covers (a NaN used to stop collect altogether)."""
-    for seed, err in enumerate([0.1, math.nan, 0.3]):
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_diverged_or_missing_metric_is_left_out_and_counted(tmp_path, bad):
+    """A NaN or inf (a diverged run) or an absent metric is skipped for that run, and the table
+    says how many of the cell's seeds its value covers (a NaN used to stop collect altogether)."""
+    for seed, err in enumerate([0.1, bad, 0.3]):
         _run(tmp_path, f"r{seed}", ["attention=rope", f"seed={seed}"], err)
     _run(tmp_path, "n0", ["attention=nope", "seed=0"], 1.0)
     table = main([str(tmp_path), "--metrics", "test/err", "--out", str(tmp_path / "o")])
@@ -188,6 +190,30 @@ def test_a_stopped_runs_best_val_loss_is_its_best_evaluation_not_its_last(tmp_pa
         run = next(r for r in csv.DictReader(f) if r["dir"] == "000")
     assert run["partial"] == "True" and run["steps"] == "10"
     assert float(run["best_val_loss"]) == 2.0 and float(run["val_loss"]) == 3.0
+
+
+def test_a_stopped_runs_speed_is_its_latest_logged(tmp_path):
+    d = _stopped_run(tmp_path, "000", "rope", 0, 0.25)
+    records = [
+        {"step": 2, "train/loss": 1.0, "tokens_per_s": 100.0},
+        {"step": 4, "train/loss": 1.0, "tokens_per_s": 200.0},
+        {"step": 5, "test/loss": 1.0, "test/err": 0.25},
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    _run(tmp_path, "001", ["attention=nope", "seed=0"], 1.0)
+    main([str(tmp_path), "--metrics", "tokens_per_s", "--out", str(tmp_path / "o")])
+    with (tmp_path / "o" / "runs.csv").open() as f:
+        run = next(r for r in csv.DictReader(f) if r["dir"] == "000")
+    assert float(run["tokens_per_s"]) == 200.0
+
+
+def test_a_cell_with_one_stopped_seed_is_marked(tmp_path):
+    """One seed finished at step 10, the other stopped at 5: the steps read 5-10*."""
+    _run(tmp_path, "a", ["attention=rope", "seed=0"], 0.1, data="counting")
+    _run(tmp_path, "c", ["attention=nope", "seed=0"], 1.0, data="counting")
+    _stopped_run(tmp_path, "b", "rope", 1, 0.2)  # on counting (its config), at step 5
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert _row(table, "attention=rope").endswith("| 5-10* |")
 
 
 def test_a_run_on_the_defaults_is_labelled_so_not_all_runs(tmp_path):

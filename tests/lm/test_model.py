@@ -112,4 +112,6 @@ def test_optimizer_decays_matrices_but_no_embedding_table():
     tables = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     assert len(tables) == 2  # tokens and learned positions
     assert not decayed & {id(t) for t in tables}
+    vectors = {id(p) for p in model.parameters() if p.dim() < 2}  # the norms' gains
+    assert vectors and not decayed & vectors
     assert decayed  # the attention and MLP matrices still decay
