@@ -155,7 +155,8 @@ def test_detach_mileage_changes_the_gradients():
     cut = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "first", True)
     for name, a, b in zip(("dq", "dk"), full[:2], cut[:2], strict=True):
         assert (a - b).abs().max() > 1e-3 * a.abs().max(), name
-    torch.testing.assert_close(full[2], cut[2], rtol=0, atol=0)
+    # dv is the same up to the order of the atomic adds (bitwise in the interpreter)
+    torch.testing.assert_close(full[2], cut[2], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
