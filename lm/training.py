@@ -271,6 +271,7 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     """
     _check_options(cfg)
     info = distributed.setup(cfg.train.device)
+    finished = False
     try:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
         ckpt_path = checkpoint_path(cfg.train.ckpt_path, out_dir)
@@ -282,7 +283,9 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len).to(info.device)
         run = _Run(cfg, info, out_dir, dataset, model, ckpt_path, ckpt)
         try:
-            return run.loop()
+            summary = run.loop()
+            finished = True
+            return summary
         except BaseException as error:
             # A killed run (KeyboardInterrupt, SystemExit) stopped early; only an error failed it
             if isinstance(error, Exception):
@@ -291,7 +294,7 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
                 run.logger.abort()
             raise
     finally:
-        distributed.teardown()
+        distributed.teardown(synchronize=finished)
 
 
 class _Run:
