@@ -1,8 +1,9 @@
 """Structured configs: one dataclass per config group, registered in Hydra's ConfigStore.
 
-Every yaml file of a group starts with ``defaults: [<name>_schema, _self_]``, so Hydra
-merges it onto its schema and a misspelled key (``model.n_layers=2``) or a wrong type
-fails at start-up with the key's name. ``register_configs()`` must run before Hydra
+Every yaml file of a group ``<group>`` starts with ``defaults: [/schema/<group>/<name>@_here_,
+_self_]``, so Hydra merges it onto its schema and a misspelled key (``model.n_layers=2``) or a
+wrong type fails at start-up with the key's name. The schemas live in their own groups
+(``schema/attention``, ...), so they are not among a group's options (``attention=...``). ``register_configs()`` must run before Hydra
 composes (``train.py`` and the tests call it).
 """
 
@@ -213,11 +214,11 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="optim", name="optim_schema", node=OptimConfig)
-    cs.store(group="logger", name="wandb_schema", node=WandbLoggerConfig)
-    cs.store(group="logger", name="none_schema", node=NoLoggerConfig)
+    cs.store(group="schema/model", name="decoder", node=ModelConfig)
+    cs.store(group="schema/optim", name="adamw", node=OptimConfig)
+    cs.store(group="schema/logger", name="wandb", node=WandbLoggerConfig)
+    cs.store(group="schema/logger", name="none", node=NoLoggerConfig)
     for key, schema in ATTENTION_SCHEMAS.items():
-        cs.store(group="attention", name=f"{key}_schema", node=schema)
+        cs.store(group="schema/attention", name=key, node=schema)
     for key, schema in DATA_SCHEMAS.items():
-        cs.store(group="data", name=f"{key}_schema", node=schema)
+        cs.store(group="schema/data", name=key, node=schema)

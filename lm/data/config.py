@@ -1,7 +1,7 @@
 """Structured-config schemas of the data sources: one dataclass per source.
 
-Each schema is registered (by ``lm.config``) as ConfigStore group ``data``, name
-``<key>_schema``; ``configs/data/<key>.yaml`` extends it, so a misspelled key fails at
+Each schema is registered (by ``lm.config``) as ConfigStore group ``schema/data``, name
+``<key>``; ``configs/data/<key>.yaml`` extends it, so a misspelled key fails at
 start-up. Every schema has ``name`` (its key), ``seq_len`` (training context length in
 tokens), ``eval_samples`` (sequences per evaluation split) and ``seed`` (the data
 generation seed, independent of the model seed). The defaults are CPU-cheap.

@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, HydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from lm.config import register_configs
@@ -139,6 +140,23 @@ def test_misspelled_or_mistyped_key_fails_naming_it(override, key):
     with pytest.raises((ConfigCompositionException, ConfigKeyError)) as info:
         compose_cfg(override)
     assert key in str(info.value) + str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("group", ["attention", "data", "logger", "model", "optim"])
+def test_a_groups_options_are_its_yaml_files(group):
+    """The schemas live in ``schema/<group>``: ``--help`` and a wrong option's error list
+    the group's yaml files only, and every file composes onto a schema dataclass."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    files = sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        assert loader.get_group_options(group) == files
+        assert loader.get_group_options(f"schema/{group}")
+    for name in files:
+        schema = OmegaConf.get_type(compose_cfg(f"{group}={name}")[group])
+        assert schema.__module__.startswith("lm.") and schema.__name__.endswith("Config")
 
 
 def test_unknown_attention_lists_the_options():

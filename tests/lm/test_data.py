@@ -564,12 +564,12 @@ def data_configs(tmp_path_factory):
     root = tmp_path_factory.mktemp("configs")
     shutil.copytree(REPO / "configs" / "data", root / "data")
     (root / "data" / "misspelled.yaml").write_text(
-        "defaults:\n  - counting_schema\n  - _self_\n\nnum_var: 2\n"
+        "defaults:\n  - /schema/data/counting@_here_\n  - _self_\n\nnum_var: 2\n"
     )
     (root / "main.yaml").write_text("defaults:\n  - data: counting\n  - _self_\n")
     cs = ConfigStore.instance()
     for key, schema in DATA_SCHEMAS.items():
-        cs.store(group="data", name=f"{key}_schema", node=schema)
+        cs.store(group="schema/data", name=key, node=schema)
     return root
 
 
@@ -578,7 +578,7 @@ def test_yaml_composes_onto_its_schema(data_configs, key, jsonl_dir):
     with initialize_config_dir(config_dir=str(data_configs), version_base=None):
         cfg = compose("main", overrides=[f"data={key}"])
         yaml = OmegaConf.to_container(OmegaConf.load(data_configs / "data" / f"{key}.yaml"))
-        assert yaml.pop("defaults") == [f"{key}_schema", "_self_"]
+        assert yaml.pop("defaults") == [f"/schema/data/{key}@_here_", "_self_"]
         schema = OmegaConf.to_container(OmegaConf.structured(DATA_SCHEMAS[key]))
         assert set(yaml) == set(schema)  # the yaml sets every field
         assert OmegaConf.to_container(cfg.data) == yaml
