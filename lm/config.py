@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 # Settings of how a run is carried out and watched, not of what it trains (the kernels and
-# the PyTorch path of attention.impl compute the same model): a resumed run may change them
+# the PyTorch path of attention.impl compute the same model, as do micro-batches): a resumed run may change them
 # while the rest of its config must equal the checkpoint's, and the wandb run's name and
 # experiments/collect.py's cells leave them out. Each covers the keys under it too.
 RUN_CONDUCT_KEYS = (
@@ -28,6 +28,7 @@ RUN_CONDUCT_KEYS = (
     "train.eval_every",
     "train.ckpt_every",
     "train.eval_batch_size",
+    "train.grad_accum_steps",
     "train.resume",
     "train.overwrite",
     "train.max_minutes",
@@ -149,6 +150,9 @@ class OptimConfig:
 class LoopConfig:
     steps: int = 300
     batch_size: int = 32  # per process; the global batch is batch_size * world_size
+    # Micro-batches a step runs each process's rows in (dividing batch_size): the gradients
+    # add up to the whole batch's, so it trades speed for memory and trains the same model.
+    grad_accum_steps: int = 1
     eval_every: int = 100  # and always at the end; 0 = only at the end
     eval_batch_size: int = 64
     log_every: int = 10

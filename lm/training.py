@@ -28,6 +28,7 @@ forward and backward: CUDA events on GPU, wall clock on CPU; ``train.time_attent
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -186,8 +187,13 @@ def _check_options(cfg: DictConfig) -> None:
     unknown attention, before any data is loaded."""
     attention_class(cfg.attention)
     t, optim = cfg.train, cfg.optim
-    for key in ("steps", "batch_size", "eval_batch_size"):
+    for key in ("steps", "batch_size", "eval_batch_size", "grad_accum_steps"):
         check_int(f"train.{key}", t[key], 1)
+    if t.batch_size % t.grad_accum_steps:
+        raise ValueError(
+            f"train.grad_accum_steps={t.grad_accum_steps} must divide train.batch_size="
+            f"{t.batch_size} (the rows each process runs per step)"
+        )
     for key in ("log_every", "eval_every", "ckpt_every"):  # 0 = only at the end
         check_int(f"train.{key}", t[key], 0)
     if t.max_minutes is not None:
@@ -432,7 +438,11 @@ class _Run:
         self.logger.log(metrics, self.step)
 
     def _train_step(self) -> tuple[float, int]:
-        """One optimizer step; returns (the global batch's loss, tokens in the global batch)."""
+        """One optimizer step; returns (the global batch's loss, tokens in the global batch).
+
+        The rank's rows run as ``train.grad_accum_steps`` micro-batches whose gradients add
+        up to the whole batch's: the same step as one pass, up to rounding, in less memory.
+        """
         t, info = self.t, self.info
         # Dropout's masks from a seed of (seed, step, rank): each rank draws its own (one seed
         # for all gave every rank the same masks), and a resumed run draws the masks of the
@@ -440,21 +450,32 @@ class _Run:
         torch.manual_seed(step_seed(self.cfg.seed, self.step, info.rank))
         x, y = self.dataset.train_batch(self.step, t.batch_size, info.rank, info.world_size)
         x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
-        with autocast(info.device):
-            logits = self.ddp(x)  # (B, L, V)
-        summed = F.cross_entropy(
-            logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
         # The mean over the global batch's target tokens, as one process would compute it,
-        # however they fall between the ranks (a flip-flop row has as many as it has reads):
-        # this rank's sum over the global count, times world_size as DDP averages gradients.
+        # however they fall between the ranks and micro-batches (a flip-flop row has as many
+        # as it has reads): each micro-batch's sum over the global count, times world_size as
+        # DDP averages gradients.
         targets = distributed.all_sum((y != IGNORE_INDEX).sum(), info)
-        loss = summed / targets * info.world_size
+        self.opt.zero_grad(set_to_none=True)
+        summed = torch.zeros((), device=info.device)
+        micro_batches = zip(x.chunk(t.grad_accum_steps), y.chunk(t.grad_accum_steps), strict=True)
+        for i, (x_micro, y_micro) in enumerate(micro_batches):
+            # DDP all-reduces the accumulated gradients once, in the last micro-batch's backward
+            last = i == t.grad_accum_steps - 1
+            sync = last or self.ddp is self.model
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with autocast(info.device):
+                    logits = self.ddp(x_micro)  # (batch_size / grad_accum_steps, L, V)
+                part = F.cross_entropy(
+                    logits.float().flatten(0, 1),
+                    y_micro.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                (part / targets * info.world_size).backward()
+            summed += part.detach()
         loss_value = (distributed.all_sum(summed, info) / targets).item()
         if not math.isfinite(loss_value):
             self._fail(f"loss is {loss_value}")
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
         if not math.isfinite(grad_norm):

@@ -155,18 +155,23 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, log_every):
         assert resumed[key] == full[key], key
 
 
-def test_gradient_is_that_of_the_mean_loss_over_the_target_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("grad_accum_steps", [1, 4])
+def test_gradient_is_that_of_the_mean_loss_over_the_target_tokens(
+    tmp_path, monkeypatch, grad_accum_steps
+):
     """The gradient AdamW receives (no clipping) is autograd's of F.cross_entropy's mean over
     the batch's target tokens, ignored positions excluded: not a sum over the positions or a
     mean over the rows. Flip-flop rows hold different numbers of targets, so a division by
     the rows, the positions or any fixed count gives another gradient (AdamW's updates and the
-    logged loss would barely show it). One process: the DDP scaling (x world_size) is 1."""
-    models, batches, checked = [], [], []
+    logged loss would barely show it); so would a micro-batch's mean over its own targets.
+    One process: the DDP scaling (x world_size) is 1."""
+    models, batches, checked, forward_rows = [], [], [], []
     build_optimizer, train_batch = lm.training.build_optimizer, LMDataset.train_batch
     step = torch.optim.AdamW.step
 
     def recording_build_optimizer(model, *args, **kwargs):
         models.append(model)
+        model.register_forward_pre_hook(lambda _, args: forward_rows.append(len(args[0])))
         return build_optimizer(model, *args, **kwargs)
 
     def recording_train_batch(self, *args, **kwargs):
@@ -175,6 +180,7 @@ def test_gradient_is_that_of_the_mean_loss_over_the_target_tokens(tmp_path, monk
 
     def checking_step(self, *args, **kwargs):
         (model,), (x, y) = models, batches[-1]
+        assert forward_rows == [len(x) // grad_accum_steps] * grad_accum_steps
         params = [p for group in self.param_groups for p in group["params"]]
         with torch.enable_grad():
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
@@ -184,6 +190,7 @@ def test_gradient_is_that_of_the_mean_loss_over_the_target_tokens(tmp_path, monk
                 p.grad, e if e is not None else torch.zeros_like(p), rtol=1e-4, atol=1e-7
             )
         checked.append(int((y != IGNORE_INDEX).sum()))
+        forward_rows.clear()
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(lm.training, "build_optimizer", recording_build_optimizer)
@@ -200,6 +207,7 @@ def test_gradient_is_that_of_the_mean_loss_over_the_target_tokens(tmp_path, monk
         "optim.grad_clip=0",
         "train.steps=3",
         "train.eval_every=0",
+        f"train.grad_accum_steps={grad_accum_steps}",
     )
     train(cfg, output_dir=str(tmp_path))
     assert len(checked) == 3
@@ -434,6 +442,11 @@ def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path
     [
         (["train.steps=0"], "train.steps must be >= 1, got 0"),
         (["train.batch_size=0"], "train.batch_size must be >= 1, got 0"),
+        (["train.grad_accum_steps=0"], "train.grad_accum_steps must be >= 1, got 0"),
+        (
+            ["train.batch_size=6", "train.grad_accum_steps=4"],
+            "train.grad_accum_steps=4 must divide train.batch_size=6",
+        ),
         (["train.eval_every=-1"], "train.eval_every must be >= 0, got -1"),
         (["train.ckpt_every=-2"], "train.ckpt_every must be >= 0, got -2"),
         (["optim.lr=0"], "optim.lr must be a positive number, got 0.0"),
@@ -479,6 +492,7 @@ def test_resume_with_another_config_fails_naming_the_keys(tmp_path):
         "train.eval_every=1",
         "train.ckpt_every=1",
         "train.eval_batch_size=8",
+        "train.grad_accum_steps=2",
         "train.max_minutes=5",
         "train.device=cpu",
         "attention.impl=torch",
@@ -551,18 +565,20 @@ def test_relative_ckpt_path_is_under_each_runs_output_dir(tmp_path, monkeypatch)
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "data",
+    "data, grad_accum_steps",
     [
-        SMALL[len(TINY) :],  # counting: one answer token a row
+        (SMALL[len(TINY) :], 1),  # counting: one answer token a row
         # flip-flop: a row has as many answer tokens as reads (1 to 7 here), so the ranks'
-        # shares of the batch hold different numbers of targets
-        ["data=flipflop", "data.num_instructions=8", "data.seq_len=16", "data.eval_samples=16"],
+        # shares of the batch, and each rank's micro-batches, hold different numbers of targets
+        (["data=flipflop", "data.num_instructions=8", "data.seq_len=16",
+          "data.eval_samples=16"], 2),
     ],
-    ids=["counting", "flipflop"],
-)
-def test_ddp_two_cpu_processes_match_one_process(tmp_path, data):
+    ids=["counting", "flipflop-micro-batches"],
+)  # fmt: skip
+def test_ddp_two_cpu_processes_match_one_process(tmp_path, data, grad_accum_steps):
     """Rank r trains on rows r::2 of the global batch: 2 ranks x 2 rows = 1 process x 4 rows,
-    the same losses and updates (the loss is a mean over the global batch's target tokens)."""
+    the same losses and updates (the loss is a mean over the global batch's target tokens),
+    also where each rank runs its rows one at a time (train.grad_accum_steps=2)."""
     common = [
         *TINY,
         *data,
@@ -579,6 +595,7 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path, data):
         "train.py",
         *common,
         "train.batch_size=2",
+        f"train.grad_accum_steps={grad_accum_steps}",
         f"hydra.run.dir={tmp_path / 'ddp'}",
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
