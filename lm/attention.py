@@ -83,7 +83,6 @@ class Attention(nn.Module):
             raise ValueError(
                 f"model.n_head={n_head} must be a multiple of model.n_kv_head={n_kv_head}"
             )
-        self.cfg = cfg
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.head_dim = d_model // n_head
         self.wq = nn.Linear(d_model, n_head * self.head_dim, bias=False)
@@ -156,14 +155,16 @@ class RopeAttention(Attention):
             raise ValueError(
                 f"attention.layout must be 'half' or 'interleaved', got {cfg.layout!r}"
             )
+        # Plain values, not the config: torch.compile traces them without a graph break
+        self.impl, self.layout = cfg.impl, cfg.layout
         self.rope_dim = _rope_dim(cfg, self.head_dim)
         self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         N = q.shape[2]
         inv_freq, factor = self.freqs.for_length(N)
-        layout, R = self.cfg.layout, self.rope_dim
-        if resolve_impl(self.cfg.impl, q.device, "rope") == "triton":
+        layout, R = self.layout, self.rope_dim
+        if resolve_impl(self.impl, q.device, "rope") == "triton":
             from fused_rope.attention import rope_attention
 
             # scaling q and k by the factor is scaling the scores by its square
@@ -191,6 +192,8 @@ class CoRopeAttention(Attention):
         check_impl(cfg.impl)
         if cfg.leader not in ("first", "mean"):
             raise ValueError(f"attention.leader must be 'first' or 'mean', got {cfg.leader!r}")
+        self.impl, self.leader, self.chunk_size = cfg.impl, cfg.leader, cfg.chunk_size
+        self.detach_mileage = cfg.detach_mileage
         self.rope_dim = _rope_dim(cfg, self.head_dim)
         self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
         if self.freqs.attention_factor != 1.0:
@@ -206,16 +209,16 @@ class CoRopeAttention(Attention):
         kwargs = dict(
             inv_freq=inv_freq,
             rope_dim=self.rope_dim,
-            leader=self.cfg.leader,
-            detach_mileage=self.cfg.detach_mileage,
+            leader=self.leader,
+            detach_mileage=self.detach_mileage,
         )
-        if resolve_impl(self.cfg.impl, q.device, "corope") == "triton":
+        if resolve_impl(self.impl, q.device, "corope") == "triton":
             from corope import corope_attention
 
             return corope_attention(q, k, v, **kwargs)
         from corope.naive import corope_attention_ref
 
-        return corope_attention_ref(q, k, v, chunk_size=self.cfg.chunk_size, **kwargs)
+        return corope_attention_ref(q, k, v, chunk_size=self.chunk_size, **kwargs)
 
 
 ATTENTIONS: dict[str, type[Attention]] = {

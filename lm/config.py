@@ -36,6 +36,7 @@ RUN_CONDUCT_KEYS = (
     "train.device",
     "train.cpu_threads",
     "train.time_attention",
+    "train.compile",
     "train.ckpt_path",
 )
 
@@ -174,6 +175,9 @@ class LoopConfig:
     # thread: a tiny model gains little from more, and a shared CPU loses a lot to them.
     cpu_threads: int | None = 1
     time_attention: bool = True  # time spent in the attention op (see lm/profiling.py)
+    # torch.compile the model (the first step and each new evaluation shape compile); the
+    # same model up to rounding, so a run-conduct key. Attention is not timed then.
+    compile: bool = False
     progress: bool = True  # tqdm progress bar on rank 0
 
 

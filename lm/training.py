@@ -1,7 +1,8 @@
 """The training loop: ``train(cfg) -> metrics``.
 
 AdamW (weight decay on matrices only), linear warmup then cosine decay, gradient
-clipping, bf16 autocast on CUDA, DDP under torchrun. Rank 0 evaluates every
+clipping, bf16 autocast on CUDA, DDP under torchrun, micro-batches
+(``train.grad_accum_steps``), ``torch.compile`` (``train.compile``). Rank 0 evaluates every
 ``train.eval_every`` steps and at the end, logs, and writes into the output directory:
 
     metrics.jsonl    one JSON object per log/eval event ({"step": ..., "train/loss": ...})
@@ -350,6 +351,10 @@ class _Run:
         self.stopped_early = False
         if ckpt is not None:
             self._resume(ckpt)
+        if self.t.compile:
+            # nn.Module.compile: the same module and state_dict, its calls through
+            # torch.compile; evaluation's shapes compile once each, after the training step's.
+            model.compile()
         self.ddp = (
             DistributedDataParallel(
                 model, device_ids=[info.device] if info.device.type == "cuda" else None
@@ -357,7 +362,11 @@ class _Run:
             if info.world_size > 1
             else model
         )
-        self.timer = AttentionTimer(info.device) if self.t.time_attention else None
+        # The timer's stamps would break the compiled graph at every attention layer
+        timed = self.t.time_attention and not self.t.compile
+        if self.t.time_attention and not timed and info.main:
+            log.info("train.compile=true: attention is not timed (attn_time_frac is null)")
+        self.timer = AttentionTimer(info.device) if timed else None
         for block in model.blocks:
             block.attn.timer = self.timer
         self._check_metric()  # before anything is written

@@ -664,6 +664,44 @@ def test_gpu_triton_path_trains_like_the_torch_path(attention, tmp_path):
     assert kernel["mfu"] is None or 0.0 < kernel["mfu"] < 1.0
 
 
+@pytest.mark.parametrize(
+    "device, attention",
+    [
+        pytest.param("cpu", "rope", marks=pytest.mark.slow),
+        pytest.param("cuda", "rope", marks=pytest.mark.gpu),
+        pytest.param("cuda", "corope", marks=pytest.mark.gpu),
+    ],
+)
+def test_compiled_run_trains_the_eager_runs_model(device, attention, tmp_path):
+    """train.compile=true traces each forward into one graph (no break: the attention modules
+    hold plain values, not the config), trains the eager run's model (its losses, up to
+    rounding) and writes a checkpoint that an eager run resumes (the same state_dict keys)."""
+    from torch._dynamo.utils import counters
+
+    common = [
+        *SMALL,
+        f"attention={attention}",
+        f"train.device={device}",
+        "train.steps=4",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.ckpt_every=2",
+    ]
+    eager = train(compose_cfg(*common), output_dir=str(tmp_path / "eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    train_killed_at_step(compose_cfg(*common, "train.compile=true"), tmp_path / "compiled", 3)
+    assert counters["stats"]["unique_graphs"] >= 1  # it compiled
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    resumed = train(
+        compose_cfg(*common, "train.resume=true"), output_dir=str(tmp_path / "compiled")
+    )
+    assert resumed["steps"] == eager["steps"] == 4
+    losses = [loss for _, loss in train_losses(tmp_path / "compiled")]
+    rel = 1e-4 if device == "cpu" else 2e-2  # bf16 autocast on CUDA
+    assert losses == pytest.approx([loss for _, loss in train_losses(tmp_path / "eager")], rel=rel)
+
+
 def test_lr_lambda_warms_up_then_decays_to_the_floor():
     """Values written out (the other lr test compares against lr_lambda itself)."""
     assert [lr_lambda(s, 4, 10, 0.1) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
