@@ -14,8 +14,9 @@ out and listed, with the error, under the tables and on stderr.
 A cell is one setting of the overrides that vary between runs (``seed`` aside, as are the keys
 of how a run is carried out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resume`` or
 ``train.max_minutes`` but for those that change its speed (``SPEED_KEYS``: ``attention.impl``,
-``train.device``, ``train.cpu_threads``), and those of ``--ignore``; each with the keys under it: runs of two
-launches that differ only in those share a cell; the shared overrides head the table). A seed
+``train.device``, ``train.cpu_threads``, ``train.compile``, ``train.grad_accum_steps``), and
+those of ``--ignore``; each with the keys under it: runs of two launches that differ only in
+those share a cell; the shared overrides head the table). A seed
 run twice in a cell (a subset re-run into the same root) counts once: the run with the most
 steps, then the newest; the others are listed like failed runs. The task of a cell is its varying
 ``experiment`` / ``data`` / ``data.*`` overrides (or ``summary["data"]``), its variant the rest (``attention=...``).
@@ -64,7 +65,13 @@ ALL_RUNS = "(all runs)"  # the cell when no override varies between the runs
 DEFAULTS = "(defaults)"  # a run that sets none of the overrides that vary between the others
 # Of RUN_CONDUCT_KEYS, those that change the speed a summary reports (tokens_per_s, step_ms,
 # mfu): the same model, but a speed comparison of them needs a cell each (--ignore merges them).
-SPEED_KEYS = ("attention.impl", "train.device", "train.cpu_threads")
+SPEED_KEYS = (
+    "attention.impl",
+    "train.device",
+    "train.cpu_threads",
+    "train.compile",
+    "train.grad_accum_steps",
+)
 NO_CELL_KEYS = tuple(k for k in RUN_CONDUCT_KEYS if k not in SPEED_KEYS)
 
 
@@ -540,7 +547,8 @@ def main(argv: list[str] | None = None) -> str:
         help="comma-separated override keys that define no cell, with the keys under them "
         "(e.g. data.eval_samples). How a run was carried out (lm.config.RUN_CONDUCT_KEYS) "
         "never forms a cell, except the keys that change its speed (attention.impl, "
-        "train.device, train.cpu_threads): name those here to merge them",
+        "train.device, train.cpu_threads, train.compile, train.grad_accum_steps): name those "
+        "here to merge them",
     )
     parser.add_argument("--out", type=Path, help="output directory (default: multirun_dir)")
     args = parser.parse_args(argv)

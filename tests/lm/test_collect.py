@@ -115,12 +115,17 @@ def test_how_a_run_was_carried_out_defines_no_cell(tmp_path):
     assert "| attention=nope | 1 | 1 |" in table
 
 
-def test_the_keys_that_change_the_speed_split_cells(tmp_path):
-    _run(tmp_path, "000", ["attention=rope", "seed=0", "attention.impl=torch"], 0.5)
-    _run(tmp_path, "001", ["attention=rope", "seed=0", "attention.impl=triton"], 0.5)
+@pytest.mark.parametrize(
+    "key, values",
+    [("attention.impl", ("torch", "triton")), ("train.compile", ("false", "true")),
+     ("train.grad_accum_steps", ("1", "4"))],
+)  # fmt: skip
+def test_the_keys_that_change_the_speed_split_cells(tmp_path, key, values):
+    for i, value in enumerate(values):
+        _run(tmp_path, f"00{i}", ["attention=rope", "seed=0", f"{key}={value}"], 0.5)
 
     table = main([str(tmp_path), "--metrics", "test/err"])
-    assert "| attention.impl=torch | 1 |" in table and "| attention.impl=triton | 1 |" in table
+    assert all(f"| {key}={value} | 1 |" in table for value in values), table
     assert "Left out" not in table
 
 
