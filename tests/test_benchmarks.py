@@ -256,3 +256,85 @@ def test_time_corope_configs_parses_tiles():
     assert parse_tile("16,32,0").maxnreg is None
     with pytest.raises(argparse.ArgumentTypeError, match="'32,64'"):
         parse_tile("32,64")
+
+
+def test_read_rows_keeps_one_gpu_orders_by_shape_and_reads_empty_timings_as_none(tmp_path):
+    """A markdown of one GPU shows that GPU's rows only, in the script's shape order (shapes
+    it does not list last), a timing left empty as None (not 0 ms); merged_environment joins
+    the distinct values of split runs."""
+    from experiments.results_io import merged_environment, read_rows
+
+    path = tmp_path / "b.csv"
+    common = dict(op="o", provider="p", mode="fwd", dtype="fp16", torch="2.9", commit="c")
+    upsert_rows([dict(common, shape="other", gpu="H100", ms=1.0, date="d2"),
+                 dict(common, shape="big", gpu="H100", ms=2.0, date="d1"),
+                 dict(common, shape="small", gpu="H100", ms=None, note="OOM", date="d1"),
+                 dict(common, shape="small", gpu="A100", ms=9.0, date="d1"),
+                 dict(common, op="x", shape="small", gpu="H100", ms=8.0, date="d1")], path)  # fmt: skip
+    rows = read_rows(path, "o", "H100", shape_order=["small", "big"])
+    assert [(r["shape"], r["ms"]) for r in rows] == [("small", None), ("big", 2.0), ("other", 1.0)]
+    assert rows[0]["tflops"] is None
+    assert merged_environment(rows, ["gpu", "torch", "date"]) == {
+        "gpu": "H100", "torch": "2.9", "date": "d1, d2"}  # fmt: skip
+
+
+def test_upsert_that_fails_midway_leaves_the_previous_csv(tmp_path, monkeypatch):
+    """Rows are written beside the CSV and moved over it: a run killed mid-write (a time
+    limit) leaves the previous file whole."""
+    from experiments import results_io
+
+    path = tmp_path / "b.csv"
+    row = dict(op="o", provider="p", mode="fwd", shape="s", dtype="fp16", gpu="g", ms=1.0)
+    upsert_rows([row], path)
+    before = path.read_text()
+    fmt = results_io._fmt
+
+    def dying_fmt(value):
+        if value == "boom":
+            raise KeyboardInterrupt
+        return fmt(value)
+
+    monkeypatch.setattr(results_io, "_fmt", dying_fmt)
+    with pytest.raises(KeyboardInterrupt):
+        upsert_rows([dict(row, shape="t"), dict(row, shape="u", note="boom")], path)
+    assert path.read_text() == before
+
+
+def test_timing_helpers_on_fakes(monkeypatch):
+    """experiments/timing.py without a GPU: quantiles are the median, 20th and 80th
+    percentiles; the CPU timing leaves out a warm-up call; input_sets covers three times the
+    L2 cache; peak_extra_mib is the peak over what was allocated before, less the excluded."""
+    import time
+    import types
+
+    from experiments import timing
+
+    assert timing._quantiles([float(t) for t in range(11, 0, -1)]) == (6.0, 2.4, 9.6)
+    assert timing._quantiles([5.0]) == (5.0, 5.0, 5.0)
+
+    calls = []
+
+    def fn():
+        calls.append(None)
+        if len(calls) == 1:
+            time.sleep(0.3)  # a first call that compiles
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    median, p20, p80 = timing.time_ms(fn)
+    assert len(calls) == 4 and p20 <= median <= p80 < 100.0
+
+    cuda = torch.device("cuda")
+    assert timing.input_sets(1000, torch.device("cpu")) == 1
+    props = types.SimpleNamespace(L2_cache_size=50 * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert timing.input_sets(10 * 2**20, cuda) == 15
+    assert timing.input_sets(10**9, cuda) == 1
+
+    assert timing.peak_extra_mib(fn, torch.device("cpu")) is None
+    memory = {"allocated": 3 * 2**20, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: memory["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: memory.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: memory["peak"])
+    grow = lambda: memory.update(peak=memory["allocated"] + 5 * 2**20)  # noqa: E731
+    assert timing.peak_extra_mib(grow, cuda, exclude_bytes=2**20) == 4.0

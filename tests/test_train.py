@@ -745,3 +745,108 @@ def test_logged_lr_is_the_rate_of_the_step_and_log_every_zero_logs_at_the_end(tm
     logged = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in logged] == [3]  # log_every=0: only the last step
     assert logged[0]["lr"] == pytest.approx(lr_lambda(2, 4, 3, cfg.optim.min_lr_ratio))
+
+
+def test_writes_are_flushed_to_disk_before_the_move_and_an_interrupt_leaves_no_temporary(
+    tmp_path, monkeypatch
+):
+    """The temporary file is fsync'ed before os.replace moves it over the target (else a
+    power loss after the move can leave an empty file); a KeyboardInterrupt mid-write (Ctrl-C,
+    a time limit) removes the temporary file as an error does."""
+    import lm.checkpoint
+
+    calls = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(lm.checkpoint.os, "fsync", lambda fd: (calls.append("fsync"), fsync(fd)))
+    monkeypatch.setattr(
+        lm.checkpoint.os, "replace", lambda a, b: (calls.append("replace"), replace(a, b))
+    )
+    write_json(tmp_path / "run.json", {"step": 1})
+    assert calls == ["fsync", "replace"]
+
+    def interrupted_save(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"PK\x03\x04partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "checkpoint.pt", {"step": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+def test_config_changes_name_keys_nested_at_any_depth():
+    from lm.checkpoint import config_changes
+
+    saved = {"model": {"scaling": {"factor": 2.0, "type": "yarn"}}, "seed": 0}
+    now = {"model": {"scaling": {"factor": 4.0}}, "seed": 0}
+    assert config_changes(saved, now, lambda key: True) == (
+        ["model.scaling.factor: 2.0 -> 4.0"],
+        ["model.scaling.type: 'yarn' -> (absent)"],
+    )
+
+
+def test_broadcast_and_all_sum_go_through_the_process_group(monkeypatch):
+    """With several ranks, broadcast returns rank 0's object (not this rank's) and all_sum
+    the reduced value, leaving its input untouched; one rank calls no collective."""
+    from lm.distributed import DistInfo, all_sum, broadcast
+
+    def fake_broadcast(box, src):
+        assert src == 0
+        box[0] = "rank 0's"
+
+    def fake_all_reduce(t):
+        t.mul_(2)  # the sum over two ranks holding the same value
+
+    monkeypatch.setattr(lm.distributed.dist, "broadcast_object_list", fake_broadcast)
+    monkeypatch.setattr(lm.distributed.dist, "all_reduce", fake_all_reduce)
+    cpu = torch.device("cpu")
+    value = torch.tensor(3.0)
+    assert broadcast("mine", DistInfo(1, 2, cpu)) == "rank 0's"
+    assert all_sum(value, DistInfo(1, 2, cpu)).item() == 6.0 and value.item() == 3.0
+    assert broadcast("mine", DistInfo(0, 1, cpu)) == "mine"
+    assert all_sum(value, DistInfo(0, 1, cpu)).item() == 3.0
+
+
+def test_wandb_logger_passes_the_run_options(monkeypatch):
+    """WandbLogger against a stand-in ``wandb`` module (no account, no network): tags are cut
+    to wandb's 64 characters, a resumed run's id is passed on, metrics carry their step and
+    the summary its final/ prefix."""
+    import types
+
+    from lm.loggers import WandbLogger
+
+    calls = []
+
+    class Run:
+        id = "abc123"
+        dir = "/tmp/run/files"
+        settings = types.SimpleNamespace(mode="offline")
+        summary: dict = {}
+
+        def define_metric(self, *args, **kwargs):
+            calls.append(("define_metric", args, kwargs))
+
+        def log(self, metrics):
+            calls.append(("log", metrics))
+
+        def finish(self, exit_code=0):
+            calls.append(("finish", exit_code))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    long_tag = "model.d_model=64," + "x" * 80
+    logger = WandbLogger(project="p", mode="offline", run_dir="/tmp/run", name="n", group="g",
+                         tags=[long_tag, "seed=1"], run_config={"seed": 1},
+                         summaries={"valid/loss": "min"}, run_id="abc123")  # fmt: skip
+    (_, init_kwargs), *defines = calls
+    assert init_kwargs["tags"] == [long_tag[:64], "seed=1"]
+    assert (init_kwargs["id"], init_kwargs["resume"]) == ("abc123", "allow")
+    assert logger.run_id == "abc123"
+    assert ("define_metric", ("valid/loss",), {"step_metric": "step", "summary": "min"}) in defines
+    logger.log({"train/loss": 1.5}, step=7)
+    assert calls[-1] == ("log", {"train/loss": 1.5, "step": 7})
+    logger.finish({"valid/loss": 1.25})
+    assert logger.run.summary == {"final/valid/loss": 1.25} and calls[-1] == ("finish", 0)

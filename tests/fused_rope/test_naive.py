@@ -129,3 +129,32 @@ def test_attention_reference_reads_kv_head_h_over_the_group_size():
         s = (q_rot[:, h] @ k_rot[:, kv].transpose(-1, -2)) * D**-0.5
         expect_lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), dim=-1)
         assert_close(f"lse, head {h}", lse[:, h], expect_lse, 1e-12, 1e-12)
+
+
+@pytest.mark.parametrize("NQ, NK", [(3, 5), (4, 2)])
+def test_attention_reference_aligns_queries_bottom_right(NQ, NK):
+    """Written out (float64, rope_dim < D): by default the queries sit at the last NQ key
+    positions ``NK - NQ .. NK - 1`` (negative when NQ > NK) and query ``i`` sees key ``j``
+    iff ``j <= i + NK - NQ``; the default scale is 1/sqrt(D) (D, not rope_dim); a query that
+    sees no key outputs 0 with lse -inf. Explicit key positions with NQ > NK need
+    q_positions. The kernels are tested against this reference, so these conventions are
+    pinned here, independently of them."""
+    torch.manual_seed(0)
+    D, R = 8, 4
+    q = torch.randn(1, 2, NQ, D, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, NK, D, dtype=torch.float64) for _ in range(2))
+    o, lse = rope_attention_ref(q, k, v, rope_dim=R)
+    inv_freq = rope_frequencies(R)[0].double()
+    q_rot = apply_rope_ref(q, torch.arange(NK - NQ, NK)[:, None] * inv_freq, rope_dim=R)
+    k_rot = apply_rope_ref(k, torch.arange(NK)[:, None] * inv_freq, rope_dim=R)
+    sees = torch.arange(NK)[None, :] <= torch.arange(NQ)[:, None] + NK - NQ
+    s = (q_rot @ k_rot.transpose(-1, -2) / math.sqrt(D)).masked_fill(~sees, float("-inf"))
+    expect_lse = torch.logsumexp(s, dim=-1)
+    assert torch.equal(lse.isinf(), expect_lse.isinf()) and lse.isinf().any() == (NQ > NK)
+    seen = ~expect_lse.isinf()
+    assert_close("lse", lse[seen], expect_lse[seen], 1e-12, 1e-12)
+    expect_o = torch.where(seen[..., None], torch.softmax(s, dim=-1).nan_to_num() @ v, 0.0)
+    assert_close("o", o, expect_o, 1e-12, 1e-12)
+    if NQ > NK:
+        with pytest.raises(ValueError, match="pass q_positions"):
+            rope_attention_ref(q, k, v, positions=torch.arange(NK))

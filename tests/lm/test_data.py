@@ -591,3 +591,97 @@ def test_yaml_composes_onto_its_schema(data_configs, key, jsonl_dir):
         if key == "jsonl":
             cfg = compose("main", overrides=["data=jsonl", f"data.dir={jsonl_dir}"])
             assert build_dataset(cfg.data).kind == "task"
+
+
+# --- audit: gaps found by mutation testing ----------------------------------------------
+
+
+def test_int_checks_refuse_bools():
+    """A bool is not an int here (``True`` would silently be 1): a config value or a call
+    argument given as a bool fails with TypeError naming it."""
+    with pytest.raises(TypeError, match="data.seed"):
+        build_dataset({**SMALL["counting"], "seed": True})
+    with pytest.raises(TypeError, match="batch_size"):
+        build_dataset(SMALL["counting"]).train_batch(0, True)
+
+
+def test_corpus_eval_windows_tile_the_stream_whatever_the_batch_size(tmp_path):
+    """A 20-token valid stream at seq_len 4 holds 20 // 5 = 4 disjoint 1x windows (not
+    20 // 4 = 5 overlapping ones), evenly spaced: together they are the stream itself, and
+    every batch size yields all of them. A stream of exactly seq_len tokens holds no window."""
+    (tmp_path / "t.txt").write_text("".join(chr(ord("a") + i % 26) for i in range(39)))
+    ds = build_dataset({"name": "text", "files": [str(tmp_path / "t.txt")], "seq_len": 4,
+                        "valid_fraction": 0.5, "eval_samples": 64})  # fmt: skip
+    valid = ds._streams["valid"].tolist()
+    assert len(valid) == 20
+    for split, count in (("valid@1x", 4), ("valid@2x", 2), ("valid@4x", 1)):
+        for batch_size in (1, 3, 64):
+            xs, ys = all_eval(ds, split, batch_size)
+            assert len(xs) == count, (split, batch_size)
+        if split == "valid@1x":
+            assert [t for x, y in zip(xs, ys, strict=True) for t in [*x.tolist(), y[-1]]] == valid
+    (tmp_path / "t.txt").write_text("abcdefghijklmnop")  # 17 tokens: 9 train, 8 valid
+    with pytest.raises(ValueError, match="valid stream has 8 tokens"):
+        build_dataset({"name": "text", "files": [str(tmp_path / "t.txt")], "seq_len": 8,
+                       "valid_fraction": 0.5})  # fmt: skip
+
+
+def test_counting_queries_every_variable_and_follows_the_probabilities():
+    """The printed variable is any of them (the last one too); p_pass and p_reset are the
+    probabilities of ``pass ;`` and ``v = 0 ;`` respectively."""
+    ds = build_dataset(SMALL["counting"])
+    xs, ys = all_eval(ds, "test")
+    assert {counting_program(ds, a, b)[1] for a, b in zip(xs, ys, strict=True)} == set("xyz")
+    for override, allowed in (({"p_pass": 1.0, "p_reset": 0.0}, {"pass"}),
+                              ({"p_pass": 0.0, "p_reset": 1.0}, {"x = 0", "y = 0", "z = 0"})):  # fmt: skip
+        ds = build_dataset({**SMALL["counting"], **override})
+        x, y = ds.train_batch(0, 16)
+        for x_row, y_row in zip(x, y, strict=True):
+            assert set(counting_program(ds, x_row, y_row)[0]) <= allowed, override
+
+
+def test_selective_copy_lengths_are_exact():
+    """An example has body + separator + symbols tokens, so its input is body_len + num_copy
+    tokens: seq_len may be exactly that, and max_len is the longest split's input."""
+    ds = build_dataset({**SMALL["selective_copy"], "seq_len": 22 + 6})
+    assert ds.max_len == 60 + 6
+    x, _ = next(ds.eval_batches("ood_dense_blanks", 4))
+    assert x.shape[1] == 60 + 6 and (x != ds.pad_id).all()
+    with pytest.raises(ValueError, match="data.seq_len=27"):
+        build_dataset({**SMALL["selective_copy"], "seq_len": 27})
+
+
+def test_jsonl_limits_and_boundaries(configs, jsonl_dir):
+    """eval_samples caps each eval split's examples; a training example may be exactly seq_len
+    + 1 tokens; words of the training data that spell a special token are that token."""
+    ds = build_dataset({**configs["jsonl"], "eval_samples": 1})
+    assert len(ds.eval_examples("valid")) == len(ds.eval_examples("test")) == 1
+    longest = max(ex.input_len for ex in ds.train)
+    assert build_dataset({**configs["jsonl"], "seq_len": longest}).seq_len == longest
+    with pytest.raises(ValueError, match="raise data.seq_len"):
+        build_dataset({**configs["jsonl"], "seq_len": longest - 1})
+    with (jsonl_dir / "train.jsonl").open("a") as f:
+        f.write(json.dumps({"context": "a <sep> b", "question": "<eos> ?", "answer": "<pad>"}))
+    ds = build_dataset(configs["jsonl"])
+    assert ds.vocab.tokens[:4] == ["<pad>", "<unk>", "<sep>", "<eos>"]
+    assert len(set(ds.vocab.tokens)) == len(ds.vocab)
+
+
+def test_stdlib_cap_and_an_empty_test_split():
+    """A file over the remaining budget is skipped, not the end of the reading: no file left
+    out would still fit under max_bytes. test_fraction=0 gives no test split."""
+    from lm.data.stdlib import stdlib_files
+
+    ds = build_dataset(SMALL["stdlib"])
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chosen = set().union(*ds.files.values())
+    left = 300_000 - sum((root / f).stat().st_size for f in chosen)
+    assert all(p.stat().st_size > left for r, p in stdlib_files(root) if r not in chosen)
+    ds = build_dataset({**SMALL["stdlib"], "test_fraction": 0.0})
+    assert ds.files["test"] == [] and ds.eval_splits() == ["valid@1x", "valid@2x", "valid@4x"]
+
+
+def test_decode_refuses_ids_past_the_vocabulary():
+    ds = build_dataset(SMALL["flipflop"])
+    with pytest.raises(ValueError, match="ids must be in"):
+        ds.decode([len(ds.vocab)])

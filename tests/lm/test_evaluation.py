@@ -80,3 +80,39 @@ def test_lm_metrics_and_evaluate_keys_per_split():
     for split in ("valid", "test"):
         assert metrics[f"{split}/ppl"] == pytest.approx(math.exp(metrics[f"{split}/loss"]))
     assert metrics["test/acc"] == 0.0 and metrics["test/loss"] != metrics["valid/loss"]
+
+
+class ModeRecorder(NextTokenTable):
+    """NextTokenTable that records whether it ran in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(self.training)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluate_runs_in_eval_mode_and_restores_the_mode(training):
+    """Dropout must be off while evaluating, and the model comes back in the mode it had."""
+    model = ModeRecorder().train(training)
+    x = torch.tensor([[0, 1, 2]])
+    dataset = types.SimpleNamespace(
+        kind="lm", eval_splits=lambda: ["valid"], eval_batches=lambda s, b: iter([(x, x)])
+    )
+    evaluate(model, dataset, batch_size=1, device=CPU)
+    assert model.modes == [False] and model.training == training
+
+
+def test_a_diverged_model_gets_a_finite_ppl_and_a_split_without_targets_is_an_error():
+    """ppl = exp(loss) saturates at exp(700) rather than overflowing (a diverged run's
+    evaluation must still be written); a split whose every target is ignored is an error."""
+    model = NextTokenTable()
+    model.table.mul_(1e4)  # the wrong tokens' logits are ~1e4 below the argmax
+    x, y = torch.tensor([[0, 1]]), torch.tensor([[2, 3]])  # targets that are not the argmax
+    metrics = evaluate_split(model, [(x, y)], "lm", CPU)
+    assert metrics["loss"] > 710 and metrics["ppl"] == math.exp(700.0)
+    with pytest.raises(ValueError, match="no target tokens"):
+        evaluate_split(model, [(x, torch.full_like(y, IGNORE_INDEX))], "task", CPU)

@@ -115,3 +115,24 @@ def test_optimizer_decays_matrices_but_no_embedding_table():
     vectors = {id(p) for p in model.parameters() if p.dim() < 2}  # the norms' gains
     assert vectors and not decayed & vectors
     assert decayed  # the attention and MLP matrices still decay
+
+
+def test_mlp_hidden_defaults_to_8_3_of_d_model_rounded_up_to_32():
+    """SwiGLU's hidden width: ``mlp_hidden`` when set, else 8/3 d_model rounded up to a
+    multiple of 32 (d_model 32: 85.3 -> 96; 64: 170.7 -> 192)."""
+    for d_model, hidden in ((32, 96), (64, 192)):
+        mlp = make_model("nope", d_model=d_model).blocks[0].mlp
+        assert (mlp.w_gate_up.out_features, mlp.w_down.in_features) == (2 * hidden, hidden)
+    assert make_model("nope", mlp_hidden=50).blocks[0].mlp.w_down.in_features == 50
+
+
+def test_learned_positions_add_row_p_at_position_p_up_to_max_len():
+    """The learned table's row p is added at position p, for inputs as long as max_len."""
+    model = make_model("learned").eval()
+    idx = torch.randint(0, 11, (2, 40), device=DEVICE)
+    with torch.no_grad():
+        seen = []
+        hook = model.drop.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+        model(idx)
+        hook.remove()
+        torch.testing.assert_close(seen[0], model.tok_emb(idx) + model.pos_emb.weight)
