@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from lm.checkpoint import replace_atomically
+
 RESULTS = Path(__file__).resolve().parent / "results"
 CSV_PATH = RESULTS / "benchmarks.csv"
 
@@ -106,15 +108,16 @@ def upsert_rows(rows: list[dict], path: Path = CSV_PATH) -> None:
     rows = list({key(r): r for r in rows}.values())
     new_keys = {key(r) for r in rows}
     kept = [r for r in existing if key(r) not in new_keys]
-    # Written beside the CSV and moved over it: a run killed mid-write (a time limit) leaves
-    # the previous file whole, not a truncated one.
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for r in kept + rows:
-            writer.writerow({k: _fmt(r.get(k, "")) for k in FIELDS})
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            for r in kept + rows:
+                writer.writerow({k: _fmt(r.get(k, "")) for k in FIELDS})
+
+    # A run killed mid-write (a time limit) leaves the previous file whole, not a truncated one
+    replace_atomically(path, write)
 
 
 def read_rows(path: Path, op: str, gpu: str, shape_order: Sequence[str] = ()) -> list[dict]:

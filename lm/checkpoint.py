@@ -38,7 +38,7 @@ def checkpoint_path(ckpt_path: str | None, out_dir: Path) -> Path:
     return out_dir / (ckpt_path or "checkpoint.pt")  # an absolute ckpt_path replaces out_dir
 
 
-def _replace(path: str | Path, write: Callable[[Path], None]) -> None:
+def replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     """``write`` to a file beside ``path``, flushed to disk, then moved over it: a process
     killed mid-write (or a machine that loses power after the move) leaves the old file or
     the new one, never a truncated one; a write that raises leaves no temporary file."""
@@ -57,14 +57,14 @@ def _replace(path: str | Path, write: Callable[[Path], None]) -> None:
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Atomically writes ``state`` (tensors and primitive containers only) to ``path``."""
-    _replace(path, lambda tmp: torch.save(state, tmp))
+    replace_atomically(path, lambda tmp: torch.save(state, tmp))
 
 
 def write_json(path: str | Path, record: dict[str, Any]) -> None:
     """Atomically writes ``record`` to ``path`` as indented JSON (a run's ``run.json``,
     ``summary.json``, ``failed.json``), so that readers such as collect.py never see a
     truncated one."""
-    _replace(path, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
+    replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

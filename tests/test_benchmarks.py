@@ -279,8 +279,8 @@ def test_read_rows_keeps_one_gpu_orders_by_shape_and_reads_empty_timings_as_none
 
 
 def test_upsert_that_fails_midway_leaves_the_previous_csv(tmp_path, monkeypatch):
-    """Rows are written beside the CSV and moved over it: a run killed mid-write (a time
-    limit) leaves the previous file whole."""
+    """Rows are written beside the CSV and moved over it (lm.checkpoint.replace_atomically): a
+    run killed mid-write (a time limit) leaves the previous file whole and no temporary."""
     from experiments import results_io
 
     path = tmp_path / "b.csv"
@@ -298,6 +298,7 @@ def test_upsert_that_fails_midway_leaves_the_previous_csv(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         upsert_rows([dict(row, shape="t"), dict(row, shape="u", note="boom")], path)
     assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["b.csv"]
 
 
 def test_timing_helpers_on_fakes(monkeypatch):
