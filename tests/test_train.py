@@ -565,20 +565,21 @@ def test_relative_ckpt_path_is_under_each_runs_output_dir(tmp_path, monkeypatch)
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "data, grad_accum_steps",
+    "data, ddp_options",
     [
-        (SMALL[len(TINY) :], 1),  # counting: one answer token a row
+        (SMALL[len(TINY) :], []),  # counting: one answer token a row
         # flip-flop: a row has as many answer tokens as reads (1 to 7 here), so the ranks'
         # shares of the batch, and each rank's micro-batches, hold different numbers of targets
         (["data=flipflop", "data.num_instructions=8", "data.seq_len=16",
-          "data.eval_samples=16"], 2),
+          "data.eval_samples=16"], ["train.grad_accum_steps=2", "train.compile=true"]),
     ],
-    ids=["counting", "flipflop-micro-batches"],
+    ids=["counting", "flipflop-micro-batches-compiled"],
 )  # fmt: skip
-def test_ddp_two_cpu_processes_match_one_process(tmp_path, data, grad_accum_steps):
+def test_ddp_two_cpu_processes_match_one_process(tmp_path, data, ddp_options):
     """Rank r trains on rows r::2 of the global batch: 2 ranks x 2 rows = 1 process x 4 rows,
     the same losses and updates (the loss is a mean over the global batch's target tokens),
-    also where each rank runs its rows one at a time (train.grad_accum_steps=2)."""
+    also where each rank runs its rows one at a time (train.grad_accum_steps=2: DDP syncs the
+    last micro-batch only) through the compiled model."""
     common = [
         *TINY,
         *data,
@@ -595,7 +596,7 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path, data, grad_accum_step
         "train.py",
         *common,
         "train.batch_size=2",
-        f"train.grad_accum_steps={grad_accum_steps}",
+        *ddp_options,
         f"hydra.run.dir={tmp_path / 'ddp'}",
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
