@@ -60,7 +60,8 @@ def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
     check_impl(impl)
     resolved = impl if impl != "auto" else ("triton" if device.type == "cuda" else "torch")
     key = (variant, impl, resolved)
-    if key not in _logged:
+    # Not while torch.compile traces: a logging call breaks the graph (logged when run eagerly)
+    if key not in _logged and not torch.compiler.is_compiling():
         _logged.add(key)
         log.info("attention %s: impl=%s -> %s on %s", variant, impl, resolved, device.type)
     return resolved

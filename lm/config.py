@@ -3,8 +3,8 @@
 Every yaml file of a group ``<group>`` starts with ``defaults: [/schema/<group>/<name>@_here_,
 _self_]``, so Hydra merges it onto its schema and a misspelled key (``model.n_layers=2``) or a
 wrong type fails at start-up with the key's name. The schemas live in their own groups
-(``schema/attention``, ...), so they are not among a group's options (``attention=...``). ``register_configs()`` must run before Hydra
-composes (``train.py`` and the tests call it).
+(``schema/attention``, ...), so they are not among a group's options (``attention=...``).
+``register_configs()`` must run before Hydra composes (``train.py`` and the tests call it).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-# Settings of how a run is carried out and watched, not of what it trains (the kernels and
-# the PyTorch path of attention.impl compute the same model, as do micro-batches): a resumed run may change them
-# while the rest of its config must equal the checkpoint's, and the wandb run's name and
-# experiments/collect.py's cells leave them out. Each covers the keys under it too.
+# Settings of how a run is carried out and watched, not of what it trains (the kernels and the
+# PyTorch path of attention.impl compute the same model, as do micro-batches and compile, up to
+# rounding and dropout's masks): a resumed run may change them while the rest of its config must
+# equal the checkpoint's, and the wandb run's name leaves them out, as do experiments/collect.py's
+# cells, but for the keys that change the speed (its SPEED_KEYS). Each covers the keys under it.
 RUN_CONDUCT_KEYS = (
     "name",
     "metric",
@@ -153,6 +154,7 @@ class LoopConfig:
     batch_size: int = 32  # per process; the global batch is batch_size * world_size
     # Micro-batches a step runs each process's rows in (dividing batch_size): the gradients
     # add up to the whole batch's, so it trades speed for memory and trains the same model.
+    # Evaluation is not split: eval_batch_size bounds its memory.
     grad_accum_steps: int = 1
     eval_every: int = 100  # and always at the end; 0 = only at the end
     eval_batch_size: int = 64
@@ -175,8 +177,8 @@ class LoopConfig:
     # thread: a tiny model gains little from more, and a shared CPU loses a lot to them.
     cpu_threads: int | None = 1
     time_attention: bool = True  # time spent in the attention op (see lm/profiling.py)
-    # torch.compile the model (the first step and each new evaluation shape compile); the
-    # same model up to rounding, so a run-conduct key. Attention is not timed then.
+    # torch.compile the model (the first step and the first evaluations compile); the same
+    # model up to rounding (and dropout's masks), so a run-conduct key. Attention is not timed.
     compile: bool = False
     progress: bool = True  # tqdm progress bar on rank 0
 

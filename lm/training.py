@@ -21,7 +21,8 @@ over an existing checkpoint unless ``train.resume`` (the same config) or
 
 Speed (in ``summary.json`` and the logs), measured over the training steps after the
 first (which pays for kernel compilation and warm-up) and excluding evaluation:
-``tokens_per_s`` (global), ``step_ms``, ``peak_mem_mib`` (CUDA, else null), ``mfu``
+``tokens_per_s`` (global), ``step_ms``, ``peak_mem_mib`` (the most CUDA memory allocated
+during a step, weights and optimizer state included; null on the CPU), ``mfu``
 (``lm.profiling.model_flops_per_token`` x tokens/s over the GPUs' peak bf16 rate; null on
 the CPU and unknown GPUs), ``attn_time_frac`` (share of the step inside the attention op,
 forward and backward: CUDA events on GPU, wall clock on CPU; ``train.time_attention``).
@@ -342,6 +343,8 @@ class _Run:
             "attn_s": 0.0,
             "timed_steps": 0,
             "timed_tokens": 0,
+            # The largest CUDA memory allocated during a timed step (evaluation left out)
+            "peak_mem_bytes": 0,
             # Training losses since the last log line: a resumed run logs the same averages.
             "pending_losses": [],
             # The logger's run (wandb's id): a resumed run logs into the same one.
@@ -412,6 +415,7 @@ class _Run:
         self.step = self.last_ckpt_step = ckpt["step"]
         split = self.state["best_val_split"]
         self.state = ckpt["state"]
+        self.state.setdefault("peak_mem_bytes", 0)  # checkpoints from before the key
         # Checkpoints from before the key: the synthetic tasks' first split was then "test".
         before = "test" if isinstance(self.dataset, SyntheticTask) else split
         if self.state.setdefault("best_val_split", before) != split:
@@ -527,11 +531,14 @@ class _Run:
             mininterval=1.0,
         )
         first_step = self.step
+        cuda = info.device.type == "cuda"
         losses = self.state.setdefault("pending_losses", [])
         eval_metrics: dict[str, float] = {}
         deadline = None if t.max_minutes is None else time.monotonic() + 60 * t.max_minutes
         with logging_redirect_tqdm():
             while self.step < t.steps:
+                if cuda:  # the step's own peak, not an evaluation's or the first step's
+                    torch.cuda.reset_peak_memory_stats(info.device)
                 start = time.perf_counter()
                 loss, tokens = self._train_step()  # its .item() calls synchronise the GPU
                 seconds = time.perf_counter() - start
@@ -541,6 +548,9 @@ class _Run:
                     self.state["attn_s"] += attn_s
                     self.state["timed_steps"] += 1
                     self.state["timed_tokens"] += tokens
+                    if cuda:
+                        peak = torch.cuda.max_memory_allocated(info.device)
+                        self.state["peak_mem_bytes"] = max(self.state["peak_mem_bytes"], peak)
                 losses.append(loss)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
@@ -598,8 +608,8 @@ class _Run:
             "step_ms": 1e3 * s["train_s"] / s["timed_steps"] if timed else None,
             "attn_time_frac": s["attn_s"] / s["train_s"] if self.timer and timed else None,
             "mfu": mfu,
-            "peak_mem_mib": torch.cuda.max_memory_allocated(info.device) / 2**20
-            if info.device.type == "cuda"
+            "peak_mem_mib": s["peak_mem_bytes"] / 2**20
+            if info.device.type == "cuda" and timed
             else None,
         }
 

@@ -675,8 +675,9 @@ def test_gpu_triton_path_trains_like_the_torch_path(attention, tmp_path):
 )
 def test_compiled_run_trains_the_eager_runs_model(device, attention, tmp_path):
     """train.compile=true traces each forward into one graph (no break: the attention modules
-    hold plain values, not the config), trains the eager run's model (its losses, up to
-    rounding) and writes a checkpoint that an eager run resumes (the same state_dict keys)."""
+    hold plain values, not the config), trains and evaluates the eager run's model (its losses,
+    up to rounding) and writes a checkpoint that an eager run resumes (the same state_dict
+    keys)."""
     from torch._dynamo.utils import counters
 
     common = [
@@ -685,7 +686,7 @@ def test_compiled_run_trains_the_eager_runs_model(device, attention, tmp_path):
         f"train.device={device}",
         "train.steps=4",
         "train.log_every=1",
-        "train.eval_every=0",
+        "train.eval_every=2",
         "train.ckpt_every=2",
     ]
     eager = train(compose_cfg(*common), output_dir=str(tmp_path / "eager"))
@@ -701,6 +702,27 @@ def test_compiled_run_trains_the_eager_runs_model(device, attention, tmp_path):
     losses = [loss for _, loss in train_losses(tmp_path / "compiled")]
     rel = 1e-4 if device == "cpu" else 2e-2  # bf16 autocast on CUDA
     assert losses == pytest.approx([loss for _, loss in train_losses(tmp_path / "eager")], rel=rel)
+    evaluations = [  # step 2's evaluation: the compiled model's in the compiled run
+        [r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "valid/loss" in r]
+        for d in ("eager", "compiled")
+    ]
+    assert [r["step"] for r in evaluations[1]] == [2, 4]
+    assert evaluations[1][0]["valid/loss"] == pytest.approx(
+        evaluations[0][0]["valid/loss"], rel=rel
+    )
+
+
+@pytest.mark.gpu
+def test_peak_memory_is_the_training_steps_not_the_evaluations(tmp_path):
+    """peak_mem_mib is the most memory a timed training step allocated: evaluations of
+    8192-row batches between the steps leave it as it is without them."""
+    common = [*SMALL, "train.steps=4", "train.eval_every=1"]
+    light = train(compose_cfg(*common), output_dir=str(tmp_path / "light"))
+    heavy = train(
+        compose_cfg(*common, "data.eval_samples=8192", "train.eval_batch_size=8192"),
+        output_dir=str(tmp_path / "heavy"),
+    )
+    assert 0 < heavy["peak_mem_mib"] <= 1.05 * light["peak_mem_mib"]
 
 
 def test_lr_lambda_warms_up_then_decays_to_the_floor():

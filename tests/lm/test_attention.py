@@ -203,3 +203,18 @@ def test_timer_counts_forward_and_backward_and_changes_nothing():
     assert len(timer._stamps) == 4
     assert torch.equal(grad_timed, grad_plain)
     assert timer.pop_seconds() > 0 and timer._stamps == []
+
+
+@pytest.mark.slow
+def test_rope_attention_compiles_to_one_graph_before_any_eager_call(monkeypatch):
+    """Whatever ran before, the attention module traces without a graph break
+    (fullgraph=True raises on one): resolve_impl's once-per-variant log, whose call would
+    break the graph, stays out of the trace, as does the config (held as plain values)."""
+    import lm.attention
+
+    monkeypatch.setattr(lm.attention, "_logged", set())  # as in a fresh process
+    attn = build_attention(attn_cfg("rope", impl="torch"), 32, 4, 2).to(DEVICE)
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    assert_close("compiled rope", compiled(x), attn(x), atol=1e-6, rtol=1e-5)

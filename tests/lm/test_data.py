@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from lm.config import register_configs
 from lm.data import DATA_SCHEMAS, IGNORE_INDEX, build_dataset
 from lm.data.base import split_rng
 from lm.data.corpus import EOS_ID
@@ -567,9 +567,7 @@ def data_configs(tmp_path_factory):
         "defaults:\n  - /schema/data/counting@_here_\n  - _self_\n\nnum_var: 2\n"
     )
     (root / "main.yaml").write_text("defaults:\n  - data: counting\n  - _self_\n")
-    cs = ConfigStore.instance()
-    for key, schema in DATA_SCHEMAS.items():
-        cs.store(group="schema/data", name=key, node=schema)
+    register_configs()
     return root
 
 
