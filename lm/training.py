@@ -356,7 +356,7 @@ class _Run:
             self._resume(ckpt)
         if self.t.compile:
             # nn.Module.compile: the same module and state_dict, its calls through
-            # torch.compile; evaluation's shapes compile once each, after the training step's.
+            # torch.compile; the first evaluations compile their shapes too (then dynamic).
             model.compile()
         self.ddp = (
             DistributedDataParallel(
