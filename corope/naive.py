@@ -41,8 +41,10 @@ def corope_inv_freq(
     return inv_freq.float().to(device)
 
 
-def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale):
-    """Validates the arguments shared by the reference and the kernels; returns (R, s)."""
+def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=False):
+    """Validates the arguments shared by the reference and the kernels; returns (R, s).
+    ``queries_last``: q may have fewer rows than k (the last keys' positions), as in decoding;
+    otherwise q and k have one length."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(t, name, ndim=4)
     if not (q.dtype == k.dtype == v.dtype):
@@ -52,9 +54,20 @@ def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale):
     B, HQ, N, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[2] != N or k.shape[3] != D:
+    if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(
-            f"k must be [B={B}, HKV, N={N}, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
+            f"k must be [B={B}, HKV, NK, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
+        )
+    if queries_last and k.shape[2] < N:
+        raise ValueError(
+            f"q's {N} rows are the last of k's positions, so k needs at least {N}, got "
+            f"{k.shape[2]} (q {tuple(q.shape)}, k {tuple(k.shape)})"
+        )
+    if not queries_last and k.shape[2] != N:
+        raise ValueError(
+            f"k must be [B={B}, HKV, N={N}, D={D}] to match q {tuple(q.shape)}, got "
+            f"{tuple(k.shape)} (the kernels take q and k of one length; corope_attention_ref "
+            "also takes fewer query rows, the last positions, as a decoding step does)"
         )
     HKV = k.shape[1]
     if HKV == 0 or HQ == 0 or HQ % HKV:
@@ -91,12 +104,12 @@ def mileage(z: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_rows(
-    q: torch.Tensor,  # [B, HKV, G, M, D] query rows i0 .. i0 + M of every head
+    q: torch.Tensor,  # [B, HKV, G, M, D] the rows at positions i0 .. i0 + M - 1, every head
     qL: torch.Tensor,  # [B, HKV, M, D] the leader's rows
     k: torch.Tensor,  # [B, HKV, N, D]
     v: torch.Tensor,  # [B, HKV, N, D]
     w: torch.Tensor,  # [R/2]
-    i0: int,
+    i0: int,  # the position of the first row
     s: float,
     R: int,
     detach_mileage: bool,
@@ -153,8 +166,10 @@ def corope_attention_ref(
     """Causal Co-RoPE-GQA attention, differentiable through q, k and v.
 
     Args:
-        q: ``[B, HQ, N, D]``; head ``h`` belongs to KV group ``h // (HQ // HKV)``.
-        k, v: ``[B, HKV, N, D]`` with ``HQ % HKV == 0``.
+        q: ``[B, HQ, NQ, D]``; head ``h`` belongs to KV group ``h // (HQ // HKV)``. Its rows
+            are the last ``NQ`` positions ``NK - NQ .. NK - 1``: ``NQ = NK`` is a whole
+            sequence, fewer rows continue a KV cache (a decoding step is ``NQ = 1``).
+        k, v: ``[B, HKV, NK, D]`` with ``HQ % HKV == 0`` and ``NK >= NQ``.
         theta: RoPE base; ``w[d] = theta ** (-2d / R)``.
         inv_freq: ``[R/2]`` frequencies overriding ``theta`` (the scaled schedules of
             ``fused_rope.rope_frequencies``).
@@ -171,15 +186,15 @@ def corope_attention_ref(
         rotated_key_dtype: round the rotated key ``Rot(-phi) k`` to this dtype before the
             score products, as a half-precision kernel that feeds it to the tensor cores does
             (the baseline of such a kernel's scores; default: no rounding).
-        rows: compute only these query rows (a ``range`` of step 1, ``0 <= start < stop <= N``), in
-            O(len(rows) * N) memory: how long sequences are checked on sampled rows.
+        rows: compute only these rows of q (a ``range`` of step 1, ``0 <= start < stop <= NQ``),
+            in O(len(rows) * NK) memory: how long sequences are checked on sampled rows.
 
     Returns:
         ``o`` ``[B, HQ, M, D]`` in q's dtype, and with ``return_lse`` the natural-log
-        log-sum-exp ``[B, HQ, M]`` in fp32 (fp64 for fp64 inputs), where ``M`` is ``N`` or
+        log-sum-exp ``[B, HQ, M]`` in fp32 (fp64 for fp64 inputs), where ``M`` is ``NQ`` or
         ``len(rows)``. Computed in fp32 (fp64 for fp64 inputs).
     """
-    R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale)
+    R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=True)
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
@@ -199,7 +214,8 @@ def corope_attention_ref(
         raise ValueError(
             f"rows must be a range of step 1 with 0 <= start < stop <= {N}, got {rows!r}"
         )
-    HKV = k.shape[1]
+    HKV, NK = k.shape[1], k.shape[2]
+    first_position = NK - N  # of q's row 0
     G = HQ // HKV
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     w = corope_inv_freq(R, theta, inv_freq, q.device).to(cd)
@@ -207,7 +223,7 @@ def corope_attention_ref(
     kf, vf = k.to(cd), v.to(cd)
     qL = leader_query(qg, leader)  # [B, HKV, N, D]
     if chunk_size is None:
-        chunk_size = max(1, _CHUNK_ELEMENTS // max(1, B * HKV * N * max(R // 2, 1)))
+        chunk_size = max(1, _CHUNK_ELEMENTS // max(1, B * HKV * NK * max(R // 2, 1)))
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     outs, lses = [], []
     for i0 in range(rows.start, rows.stop, chunk_size):
@@ -218,7 +234,7 @@ def corope_attention_ref(
             kf,
             vf,
             w,
-            i0,
+            first_position + i0,
             s,
             R,
             detach_mileage,

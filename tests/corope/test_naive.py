@@ -145,6 +145,38 @@ def test_rows_are_the_full_references_rows():
 
 
 @pytest.mark.parametrize("leader", ["first", "mean"])
+def test_fewer_query_rows_are_the_last_positions(leader):
+    """q of NQ < NK rows (a KV-cached decoding step: NQ = 1) gives the last NQ rows of the
+    whole sequence's output, its gradients included: its gates and mileage run over all of
+    k, which a cache holds."""
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 6, 2, 19, 16))
+    do = torch.randn(2, 6, 19, 16, **F64)
+    full, lse_full = corope_attention_ref(q, k, v, leader=leader, return_lse=True)
+    for NQ in (1, 4, 19):
+        q_last = q[:, :, -NQ:].detach().requires_grad_()
+        out, lse = corope_attention_ref(q_last, k, v, leader=leader, chunk_size=3, return_lse=True)
+        assert_close(f"o, last {NQ}", out, full[:, :, -NQ:], atol=1e-12, rtol=1e-12)
+        assert_close(f"lse, last {NQ}", lse, lse_full[:, :, -NQ:], atol=1e-12, rtol=1e-12)
+        got = torch.autograd.grad(out, (q_last, k, v), do[:, :, -NQ:])
+        want = torch.autograd.grad(full[:, :, -NQ:], (q, k, v), do[:, :, -NQ:], retain_graph=True)
+        for name, a, b in zip(
+            ("dq", "dk", "dv"), got, (want[0][:, :, -NQ:], *want[1:]), strict=True
+        ):
+            assert_close(f"{name}, last {NQ}", a, b, atol=1e-12, rtol=1e-12)
+    one = q[:, :, -1:].detach()
+    rows = corope_attention_ref(q[:, :, -5:].detach(), k, v, leader=leader, rows=range(4, 5))
+    assert_close(
+        "rows of the last positions",
+        rows,
+        corope_attention_ref(one, k, v, leader=leader),
+        1e-12,
+        1e-12,
+    )
+    with pytest.raises(ValueError, match="q's 20 rows are the last of k's positions, so k needs"):
+        corope_attention_ref(torch.randn(2, 6, 20, 16, **F64), k, v)
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
 def test_gradcheck(leader):
     q, k, v = (x.requires_grad_() for x in _qkv(1, 4, 2, 6, 4))
     fn = lambda q, k, v: corope_attention_ref(q, k, v, leader=leader, theta=10.0, chunk_size=4)
