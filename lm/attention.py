@@ -12,13 +12,19 @@ information enters (or not):
 
 ``impl`` (rope, corope): ``torch`` is the PyTorch reference path, ``triton`` the kernels,
 ``auto`` takes Triton on CUDA and PyTorch elsewhere; the choice is logged once.
+
+``attend`` takes queries for the last ``NQ`` of the ``NK`` key positions (``NQ = NK`` in
+training; fewer when decoding continues a ``lm.generation.KVCache``, which holds the keys as
+projected, unrotated: RoPE and Co-RoPE rotate them at each call, with the frequencies of
+the current length ``NK``, so a cached call computes what a forward over the ``NK`` tokens
+computes at its rows; ``lm/generation.py`` says where dynamic NTK departs from it).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -26,6 +32,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from fused_rope.frequencies import rope_angles, rope_frequencies
+
+if TYPE_CHECKING:
+    from lm.generation import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +76,17 @@ def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
     return resolved
 
 
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal GQA ``scaled_dot_product_attention`` where q's ``NQ`` rows are the last ``NQ``
+    of k's ``NK`` positions (bottom-right alignment; SDPA's ``is_causal`` aligns top-left).
+    q ``(B, H, NQ, D)``, k and v ``(B, HKV, NK, D)`` -> ``(B, H, NQ, D)``."""
+    NQ, NK = q.shape[2], k.shape[2]
+    if NQ == NK:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    mask = torch.ones(NQ, NK, dtype=torch.bool, device=q.device).tril(NK - NQ)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention without position information (``nope``).
 
@@ -91,17 +111,22 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
         self.timer = None  # an lm.profiling.AttentionTimer, set by the trainer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         B, N, _ = x.shape  # (B, N, C)
         q = self.wq(x).view(B, N, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, N, D)
         kv = self.wkv(x).view(B, N, 2, self.n_kv_head, self.head_dim)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, HKV, N, D) each
+        if cache is not None:  # the keys and values of every position so far
+            k, v = cache.append(layer, k, v)  # (B, HKV, cache.length + N, D) each
         o = self.timer.around(self.attend, q, k, v) if self.timer else self.attend(q, k, v)
         return self.wo(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, C)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q ``(B, H, N, D)``, k and v ``(B, HKV, N, D)`` -> ``(B, H, N, D)``."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        """q ``(B, H, NQ, D)`` at the last ``NQ`` positions, k and v ``(B, HKV, NK, D)`` ->
+        ``(B, H, NQ, D)``."""
+        return causal_sdpa(q, k, v)
 
 
 class SinusoidalAttention(Attention):
@@ -162,8 +187,8 @@ class RopeAttention(Attention):
         self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        N = q.shape[2]
-        inv_freq, factor = self.freqs.for_length(N)
+        NQ, NK = q.shape[2], k.shape[2]
+        inv_freq, factor = self.freqs.for_length(NK)
         layout, R = self.layout, self.rope_dim
         if resolve_impl(self.impl, q.device, "rope") == "triton":
             from fused_rope.attention import rope_attention
@@ -175,10 +200,10 @@ class RopeAttention(Attention):
             )
         from fused_rope.naive import apply_rope_ref
 
-        angles = rope_angles(torch.arange(N, device=q.device), inv_freq)  # (N, R/2) fp32
-        q = apply_rope_ref(q, angles, layout, R, output_scale=factor)
+        angles = rope_angles(torch.arange(NK, device=q.device), inv_freq)  # (NK, R/2) fp32
+        q = apply_rope_ref(q, angles[NK - NQ :], layout, R, output_scale=factor)
         k = apply_rope_ref(k, angles, layout, R, output_scale=factor)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return causal_sdpa(q, k, v)
 
 
 class CoRopeAttention(Attention):
@@ -206,14 +231,15 @@ class CoRopeAttention(Attention):
             )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        inv_freq, _ = self.freqs.for_length(q.shape[2])  # the factor is 1 (checked above)
+        inv_freq, _ = self.freqs.for_length(k.shape[2])  # the factor is 1 (checked above)
         kwargs = dict(
             inv_freq=inv_freq,
             rope_dim=self.rope_dim,
             leader=self.leader,
             detach_mileage=self.detach_mileage,
         )
-        if resolve_impl(self.impl, q.device, "corope") == "triton":
+        # The kernels take q and k of one length; a cached step's few rows run the reference
+        if resolve_impl(self.impl, q.device, "corope") == "triton" and q.shape[2] == k.shape[2]:
             from corope import corope_attention
 
             return corope_attention(q, k, v, **kwargs)

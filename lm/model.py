@@ -8,13 +8,16 @@ position encoding added at the input (sinusoidal / learned variants only).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lm.attention import attention_class, build_attention
+
+if TYPE_CHECKING:
+    from lm.generation import KVCache
 
 
 class SwiGLU(nn.Module):
@@ -38,8 +41,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, hidden)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C)
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        # x (B, N, C); with a cache, the keys and values go into its slot ``layer``
+        x = x + self.drop(self.attn(self.norm1(x), cache, layer))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -91,18 +95,26 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.cfg.init_std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """``idx (B, N)`` -> logits ``(B, N, V)``. With a ``cache`` (``lm.generation.KVCache``)
+        the tokens continue the ``cache.length`` tokens it holds: they take the positions
+        after them and attend to them too; their keys and values are appended to it."""
         N = idx.shape[1]
-        if N > self.max_len:
-            raise ValueError(f"sequence length {N} exceeds the model's max_len {self.max_len}")
+        start = 0 if cache is None else cache.length
+        if start + N > self.max_len:
+            raise ValueError(
+                f"sequence length {start + N} exceeds the model's max_len {self.max_len}"
+            )
         x = self.tok_emb(idx)  # (B, N, C)
         if self.pos_emb is not None:
-            x = x + self.pos_emb.weight[:N]
+            x = x + self.pos_emb.weight[start : start + N]
         if self.pos_table is not None:
-            x = x + self.pos_table[:N].to(x.dtype)
+            x = x + self.pos_table[start : start + N].to(x.dtype)
         x = self.drop(x)
-        for block in self.blocks:
-            x = block(x)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.advance(N)
         return self.lm_head(self.norm(x))  # (B, N, V)
 
     def matmul_params(self) -> int:

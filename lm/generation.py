@@ -1,0 +1,195 @@
+"""Text generation with a KV cache, for every attention of ``lm.attention``.
+
+``generate`` runs the prompt once (prefill), then one token per step: each step's query
+attends to the keys and values that ``KVCache`` kept from every earlier position. The cache
+holds them as the layer projected them, before any rotation: RoPE rotates the keys at each
+call (cheap next to the attention) and Co-RoPE must, since its rotation of key ``j`` for
+query ``i`` depends on the mileage from ``j`` to ``i``, which the new query's gates set. So
+a cached call computes what a forward over the sequence so far computes at its rows
+(``tests/lm/test_generation.py`` checks it for every attention). One exception: dynamic
+NTK, whose frequencies follow the sequence length. The first layer's keys are rotated with
+the frequencies of the current length, but a deeper layer's cached keys come from hidden
+states computed at the lengths of their time, where a forward over the whole sequence would
+recompute them: past the original length such a model decodes close to, not exactly as, the
+forward (``use_cache=False`` decodes exactly, at the cost of a forward per token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lm.evaluation import autocast
+from lm.model import GPT
+
+
+def _check_count(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+class KVCache:
+    """The keys and values of every layer for the tokens a model has seen so far.
+
+    ``GPT.forward(idx, cache)`` appends each layer's keys and values of ``idx``'s tokens
+    (``append``) and then advances ``length`` by their number. The buffers are allocated at
+    the first append, ``[B, HKV, capacity, D]`` in the keys' dtype and device (bf16 under
+    autocast). Inference only: the appended tensors must not require grad.
+
+    Args:
+        n_layer: the model's number of layers.
+        capacity: the most tokens the cache will hold (prompt + generated).
+    """
+
+    def __init__(self, n_layer: int, capacity: int) -> None:
+        self.n_layer = _check_count("n_layer", n_layer, 1)
+        self.capacity = _check_count("capacity", capacity, 1)
+        self.length = 0  # tokens held
+        self._k: list[torch.Tensor | None] = [None] * n_layer
+        self._v: list[torch.Tensor | None] = [None] * n_layer
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores ``k`` and ``v`` ``[B, HKV, N, D]`` of the ``N`` new tokens after the
+        ``length`` held ones in slot ``layer``; returns the keys and values of all of them,
+        ``[B, HKV, length + N, D]`` each (views of the buffers)."""
+        if not 0 <= layer < self.n_layer:
+            raise ValueError(f"layer must be in [0, {self.n_layer}), got {layer}")
+        if k.shape != v.shape or k.ndim != 4:
+            raise ValueError(
+                f"k and v must be [B, HKV, N, D] of one shape, got {tuple(k.shape)} and "
+                f"{tuple(v.shape)}"
+            )
+        if k.requires_grad or v.requires_grad:
+            raise ValueError("KVCache is for inference: run the model under torch.no_grad()")
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(
+                f"the cache holds {self.length} of its capacity {self.capacity} tokens and "
+                f"cannot take {k.shape[2]} more"
+            )
+        if self._k[layer] is None:
+            B, HKV, _, D = k.shape
+            self._k[layer] = k.new_empty(B, HKV, self.capacity, D)
+            self._v[layer] = v.new_empty(B, HKV, self.capacity, D)
+        buf_k, buf_v = self._k[layer], self._v[layer]
+        if (k.shape[:2], k.shape[3], k.dtype) != (buf_k.shape[:2], buf_k.shape[3], buf_k.dtype):
+            raise ValueError(
+                f"layer {layer}'s cache holds [B, HKV, *, D] = {tuple(buf_k.shape)} in "
+                f"{buf_k.dtype}, got keys {tuple(k.shape)} in {k.dtype}"
+            )
+        buf_k[:, :, self.length : end] = k
+        buf_v[:, :, self.length : end] = v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Counts ``n`` more tokens held, once every layer has appended theirs."""
+        _check_count("n", n, 0)
+        if self.length + n > self.capacity:
+            raise ValueError(
+                f"the cache holds {self.length} of its capacity {self.capacity} tokens and "
+                f"cannot count {n} more"
+            )
+        self.length += n
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Token ids ``(B,)`` int64 drawn from ``logits (B, V)``: the argmax at temperature 0,
+    else a sample of ``softmax(logits / temperature)`` restricted to the ``top_k`` most
+    likely ids (all with None)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
+    """Continues ``prompt`` by ``max_new_tokens`` tokens, one at a time.
+
+    Args:
+        model: a ``GPT``; run in eval mode (dropout off), its mode restored after; under
+            bf16 autocast on CUDA, as in training.
+        prompt: int64 token ids ``(B, P)``, ``P >= 1``, on the model's device.
+        max_new_tokens: tokens to add; ``P + max_new_tokens <= model.max_len``.
+        temperature: 0 takes the most likely token (greedy); otherwise the logits are divided
+            by it before sampling.
+        top_k: sample among the ``top_k`` most likely tokens only (None: all).
+        generator: the random source of the sampling, on the model's device (None: torch's
+            global one).
+        use_cache: reuse the keys and values of earlier positions (``KVCache``); False runs
+            the whole sequence at every step (the reference the cache is tested against).
+
+    Returns:
+        ``(B, P + max_new_tokens)`` int64: the prompt followed by the new tokens.
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be an lm.model.GPT, got {type(model).__name__}")
+    if not isinstance(prompt, torch.Tensor):
+        raise TypeError(f"prompt must be a torch.Tensor, got {type(prompt).__name__}")
+    if prompt.dtype != torch.int64 or prompt.ndim != 2 or 0 in prompt.shape:
+        raise ValueError(
+            f"prompt must be int64 token ids (B, P) with B, P >= 1, got {prompt.dtype} "
+            f"{tuple(prompt.shape)}"
+        )
+    device = model.lm_head.weight.device
+    if prompt.device != device:
+        raise ValueError(f"prompt is on {prompt.device}, the model on {device}")
+    vocab_size = model.tok_emb.num_embeddings
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab_size:
+        raise ValueError(
+            f"prompt ids must be in [0, {vocab_size}), got [{int(prompt.min())}, "
+            f"{int(prompt.max())}]"
+        )
+    _check_count("max_new_tokens", max_new_tokens, 0)
+    total = prompt.shape[1] + max_new_tokens
+    if total > model.max_len:
+        raise ValueError(
+            f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+            f"exceeds the model's max_len {model.max_len}"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None:
+        _check_count("top_k", top_k, 1)
+    if generator is not None and generator.device != device:
+        raise ValueError(f"generator is on {generator.device}, the model on {device}")
+
+    was_training = model.training
+    model.eval()
+    tokens = prompt
+    cache = KVCache(len(model.blocks), total) if use_cache else None
+    try:
+        with autocast(device):
+            step_input = prompt
+            for _ in range(max_new_tokens):
+                logits = model(step_input if use_cache else tokens, cache)  # (B, n, V)
+                next_id = sample_next(logits[:, -1], temperature, top_k, generator)
+                tokens = torch.cat([tokens, next_id[:, None]], dim=1)
+                step_input = next_id[:, None]
+    finally:
+        model.train(was_training)
+    return tokens

@@ -1,0 +1,261 @@
+"""lm/generation.py: a cached step computes what the whole forward computes, for every
+attention; sampling; the checks of the arguments."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lm.config import ATTENTION_SCHEMAS, ModelConfig
+from lm.generation import KVCache, generate, sample_next
+from lm.model import GPT
+from tests.helpers import DEVICE, ON_GPU, assert_close_to_baseline
+
+VOCAB, MAX_LEN = 13, 96
+# Every attention, and RoPE with dynamic NTK, whose frequencies change with the length
+# (original length 8: the steps below run past it).
+VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
+    "rope_ntk": {
+        "scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+    }
+}
+
+
+def make_model(
+    variant: str, dtype=torch.float64, impl="torch", n_layer=None, d_model=64, **attn
+) -> GPT:
+    """A 2-layer GPT of ``variant`` in eval mode; dynamic NTK has 1 layer unless asked (a
+    cache is exact for it in the first layer only: see the test of it)."""
+    name = "rope" if variant == "rope_ntk" else variant
+    if n_layer is None:
+        n_layer = 1 if variant == "rope_ntk" else 2
+    model_cfg = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig),
+        {"d_model": d_model, "n_layer": n_layer, "n_head": 4, "n_kv_head": 2},
+    )
+    attn_cfg = OmegaConf.merge(
+        OmegaConf.structured(ATTENTION_SCHEMAS[name]),
+        VARIANTS[variant] | ({"impl": impl} if name in ("rope", "corope") else {}) | attn,
+    )
+    torch.manual_seed(0)
+    model = GPT(model_cfg, attn_cfg, vocab_size=VOCAB, max_len=MAX_LEN)
+    return model.to(DEVICE, dtype).eval()
+
+
+def chunk_ends(chunks: list[int]) -> list[tuple[int, int]]:
+    ends = torch.tensor(chunks).cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends, strict=True))
+
+
+def forward_logits(model: GPT, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """``(B, N, V)``: the rows ``start:end`` of each chunk from a forward over ``x[:, :end]``,
+    the sequence a cached call of that chunk continues."""
+    return torch.cat([model(x[:, :end])[:, start:end] for start, end in chunk_ends(chunks)], 1)
+
+
+def cached_logits(model: GPT, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """``(B, N, V)`` from feeding ``x`` through a ``KVCache`` in chunks of these sizes."""
+    cache, out = KVCache(len(model.blocks), x.shape[1]), []
+    for start, end in chunk_ends(chunks):
+        out.append(model(x[:, start:end], cache))
+        assert cache.length == end
+    assert cache.length == x.shape[1]
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("chunks", [[5] + [1] * 18, [1, 4, 3, 3, 7, 2, 3]])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@torch.no_grad()
+def test_cached_steps_compute_the_forward_of_the_sequence_so_far(variant, chunks):
+    """Prefill then single tokens (decoding), or uneven chunks: each chunk's logits equal
+    those of a forward over the sequence up to its end (fp64: to rounding); for the static
+    encodings, those of the whole forward."""
+    model = make_model(variant)
+    x = torch.randint(0, VOCAB, (2, 23), device=DEVICE)
+    expected = forward_logits(model, x, chunks)
+    torch.testing.assert_close(cached_logits(model, x, chunks), expected, atol=1e-10, rtol=1e-10)
+    if variant != "rope_ntk":
+        torch.testing.assert_close(model(x), expected, atol=1e-10, rtol=1e-10)
+
+
+@torch.no_grad()
+def test_dynamic_ntk_caches_deeper_layers_at_the_frequencies_of_their_time():
+    """Past the original length (8) dynamic NTK's frequencies follow the sequence length, so
+    a forward over the prefix recomputes every earlier position's hidden states with the new
+    ones, which a cache cannot: its layer-2 keys were computed from layer-1 outputs of
+    shorter lengths. The cached rows are exact up to position 7 and close after (1e-5 here);
+    ``generate(use_cache=False)`` decodes exactly."""
+    model = make_model("rope_ntk", n_layer=2)
+    x = torch.randint(0, VOCAB, (2, 23), device=DEVICE)
+    steps = [1] * 23
+    expected, cached = forward_logits(model, x, steps), cached_logits(model, x, steps)
+    torch.testing.assert_close(cached[:, :8], expected[:, :8], atol=1e-10, rtol=1e-10)
+    assert not torch.allclose(cached[:, 8:], expected[:, 8:], atol=1e-7, rtol=0)
+    torch.testing.assert_close(cached, expected, atol=1e-3, rtol=0)
+    # and the whole forward's rows are not the prefixes' past the original length
+    assert not torch.allclose(model(x)[:, 8:], expected[:, 8:], atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_generate_with_the_cache_is_generate_without(variant):
+    """Greedy and seeded sampling give the same tokens with and without the cache; the model
+    is back in training mode after."""
+    model = make_model(variant).train()
+    prompt = torch.randint(0, VOCAB, (3, 6), device=DEVICE)
+    for kwargs in ({"temperature": 0.0}, {"temperature": 1.3, "top_k": 5}):
+        runs = [
+            generate(
+                model,
+                prompt,
+                15,
+                generator=torch.Generator(DEVICE).manual_seed(7),
+                use_cache=use_cache,
+                **kwargs,
+            )
+            for use_cache in (True, False)
+        ]
+        assert runs[0].shape == (3, 21) and runs[0].dtype == torch.int64
+        assert torch.equal(runs[0][:, :6], prompt)
+        assert torch.equal(runs[0], runs[1])
+    assert model.training
+
+
+def test_greedy_takes_the_argmax_of_each_step():
+    model = make_model("corope")
+    prompt = torch.randint(0, VOCAB, (2, 4), device=DEVICE)
+    out = generate(model, prompt, 6, temperature=0)
+    with torch.no_grad():
+        logits = model(out[:, :-1])  # row t predicts token t + 1
+    assert torch.equal(out[:, 4:], logits[:, 3:].argmax(-1))
+
+
+def test_sampling_follows_the_distribution_top_k_and_seed():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64, device=DEVICE)
+    logits = probs.log().expand(20000, 4)
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    counts = torch.bincount(sample_next(logits, generator=gen), minlength=4) / 20000
+    torch.testing.assert_close(counts, probs.float(), atol=0.015, rtol=0)
+    top2 = torch.bincount(sample_next(logits, top_k=2, generator=gen), minlength=4) / 20000
+    torch.testing.assert_close(
+        top2, torch.tensor([0.625, 0.375, 0, 0]).to(top2), atol=0.015, rtol=0
+    )
+    # temperature 2 flattens: p ** (1/2), renormalised
+    flat = (probs.sqrt() / probs.sqrt().sum()).float()
+    hot = torch.bincount(sample_next(logits, 2.0, generator=gen), minlength=4) / 20000
+    torch.testing.assert_close(hot, flat, atol=0.015, rtol=0)
+    assert torch.equal(
+        sample_next(logits[:3], 0.0), torch.zeros(3, dtype=torch.long, device=DEVICE)
+    )
+    a, b = (
+        sample_next(logits[:50], generator=torch.Generator(DEVICE).manual_seed(3)) for _ in "ab"
+    )
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"model": torch.nn.Linear(2, 2)}, TypeError, "model must be an lm.model.GPT"),
+        ({"prompt": [[1, 2]]}, TypeError, "prompt must be a torch.Tensor"),
+        ({"prompt": torch.ones(2, 3)}, ValueError, r"prompt must be int64 token ids \(B, P\)"),
+        ({"prompt": torch.ones(3, dtype=torch.long)}, ValueError, "prompt must be int64"),
+        ({"prompt": torch.ones(2, 0, dtype=torch.long)}, ValueError, "B, P >= 1"),
+        (
+            {"prompt": torch.full((1, 3), VOCAB)},
+            ValueError,
+            rf"prompt ids must be in \[0, {VOCAB}\)",
+        ),
+        ({"max_new_tokens": -1}, ValueError, "max_new_tokens must be >= 0, got -1"),
+        ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens must be an int, got float"),
+        (
+            {"max_new_tokens": MAX_LEN - 2},
+            ValueError,
+            f"= {MAX_LEN + 1} exceeds the model's max_len {MAX_LEN}",
+        ),
+        ({"temperature": -0.5}, ValueError, "temperature must be >= 0, got -0.5"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be >= 0"),
+        ({"temperature": "hot"}, TypeError, "temperature must be a float, got str"),
+        ({"top_k": 0}, ValueError, "top_k must be >= 1, got 0"),
+        ({"top_k": True}, TypeError, "top_k must be an int, got bool"),
+    ],
+)
+def test_generate_refuses_bad_arguments_by_name(kwargs, error, match):
+    args = {
+        "model": make_model("nope"),
+        "prompt": torch.ones(1, 3, dtype=torch.long),
+        "max_new_tokens": 2,
+    }
+    args["prompt"] = args["prompt"].to(DEVICE)
+    args.update(
+        {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    )
+    with pytest.raises(error, match=match):
+        generate(**args)
+
+
+def test_generate_refuses_a_prompt_on_another_device():
+    with pytest.raises(ValueError, match=f"prompt is on meta, the model on {DEVICE}"):
+        generate(make_model("nope"), torch.ones(1, 2, dtype=torch.long, device="meta"), 1)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a second device type")
+def test_generate_refuses_a_generator_on_another_device():
+    prompt = torch.ones(1, 2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=f"generator is on cpu, the model on {DEVICE}"):
+        generate(make_model("nope"), prompt, 1, generator=torch.Generator("cpu"))
+
+
+def test_cache_refuses_overflow_mismatches_and_gradients():
+    cache = KVCache(n_layer=2, capacity=5)
+    k = torch.randn(1, 2, 3, 8)
+    keys, values = cache.append(0, k, k + 1)
+    assert torch.equal(keys, k) and torch.equal(values, k + 1)
+    cache.advance(3)
+    with pytest.raises(ValueError, match="holds 3 of its capacity 5 tokens and cannot take 3"):
+        cache.append(0, k, k)
+    with pytest.raises(ValueError, match=r"layer 0's cache holds \[B, HKV, \*, D\]"):
+        cache.append(0, k[..., :1, :4], k[..., :1, :4])
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 2\), got 2"):
+        cache.append(2, k, k)
+    with pytest.raises(ValueError, match="k and v must be"):
+        cache.append(1, k, k[:, :1])
+    with pytest.raises(ValueError, match="is for inference"):
+        cache.append(1, k.requires_grad_(), k)
+    with pytest.raises(ValueError, match="cannot count 3 more"):
+        cache.advance(3)
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        KVCache(2, 0)
+    with pytest.raises(TypeError, match="n_layer must be an int"):
+        KVCache(2.0, 4)
+
+
+@torch.no_grad()
+def test_model_refuses_a_cached_sequence_past_max_len():
+    model = make_model("learned")
+    cache = KVCache(len(model.blocks), MAX_LEN + 4)
+    model(torch.zeros(1, MAX_LEN - 2, dtype=torch.long, device=DEVICE), cache)
+    with pytest.raises(
+        ValueError, match=f"sequence length {MAX_LEN + 1} exceeds the model's max_len"
+    ):
+        model(torch.zeros(1, 3, dtype=torch.long, device=DEVICE), cache)
+
+
+@pytest.mark.parametrize("variant", ["rope", "corope"])
+@torch.no_grad()
+def test_triton_decoding_is_as_close_as_the_torch_path(variant):
+    """A prefill by the kernels (RoPE: ``rope_attention``, Co-RoPE: ``corope_attention``)
+    then single steps (RoPE: ``rope_attention`` with one query row; Co-RoPE: the reference)
+    stay within flash-attention's rule of the PyTorch path run the same way, both against
+    the fp64 forward (head dim 32). On the GPU under bf16 autocast, 45 + 30 tokens; on the
+    CPU in fp32 through the interpreter, 9 + 4."""
+    chunks = [45] + [1] * 30 if ON_GPU else [9] + [1] * 4
+    P, N = chunks[0], sum(chunks)
+    x = torch.randint(0, VOCAB, (2, N), device=DEVICE)
+    ref = forward_logits(make_model(variant, d_model=128), x, chunks)
+    got = {}
+    for impl in ("torch", "triton"):
+        model = make_model(variant, torch.float32, impl, d_model=128)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ON_GPU):
+            got[impl] = cached_logits(model, x, chunks).double()
+    for name, rows in (("prefill", slice(0, P)), ("decode", slice(P, N))):
+        out, base = got["triton"][:, rows], got["torch"][:, rows]
+        assert_close_to_baseline(f"{variant} {name}", out, ref[:, rows], base)
