@@ -77,14 +77,15 @@ def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal GQA ``scaled_dot_product_attention`` where q's ``NQ`` rows are the last ``NQ``
-    of k's ``NK`` positions (bottom-right alignment; SDPA's ``is_causal`` aligns top-left).
-    q ``(B, H, NQ, D)``, k and v ``(B, HKV, NK, D)`` -> ``(B, H, NQ, D)``."""
-    NQ, NK = q.shape[2], k.shape[2]
-    if NQ == NK:
+    """Causal GQA SDPA where q's ``NQ`` rows are the last ``NQ`` of k's ``NK`` positions.
+    q ``(B, H, NQ, D)``, k and v ``(B, HKV, NK, D)`` -> ``(B, H, NQ, D)``. ``NQ < NK`` (a
+    cached step) goes through ``fused_rope.attention.sdpa_attention``: SDPA's bottom-right
+    mask, whose kernels do not replan for every new length as cuDNN's do."""
+    if q.shape[2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    mask = torch.ones(NQ, NK, dtype=torch.bool, device=q.device).tril(NK - NQ)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    from fused_rope.attention import sdpa_attention  # Triton's import, only when decoding
+
+    return sdpa_attention(q, k, v)
 
 
 class Attention(nn.Module):
@@ -139,7 +140,10 @@ class LearnedAttention(Attention):
 
 class RotaryFrequencies(nn.Module):
     """``inv_freq`` of ``rope_frequencies(rope_dim, theta, scaling)``; for dynamic NTK it is
-    recomputed for each sequence length (the schedule depends on it)."""
+    recomputed for each sequence length (the schedule depends on it). A buffer that follows
+    the model's device but stays fp32 when the model is cast to half precision (fp64 with an
+    fp64 model): bf16 frequencies would be off by up to 2^-9 of each, phase errors that grow
+    with the position."""
 
     def __init__(self, rope_dim: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -147,6 +151,13 @@ class RotaryFrequencies(nn.Module):
         self.dynamic = scaling is not None and scaling.get("type") == "dynamic"
         inv_freq, self.attention_factor = rope_frequencies(rope_dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (R/2,)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to(), .cuda(), .bfloat16(), ...: device and dtype
+        if self.inv_freq.dtype not in (torch.float32, torch.float64):  # recomputed, not upcast
+            inv_freq = rope_frequencies(self.rope_dim, self.theta, self.scaling)[0]
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
 
     def for_length(self, seq_len: int) -> tuple[torch.Tensor, float]:
         """``(inv_freq (R/2,), attention_factor)`` for sequences of ``seq_len`` tokens."""

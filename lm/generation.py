@@ -30,6 +30,16 @@ def _check_count(name: str, value: object, low: int) -> int:
     return value
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device, ``cuda`` being the current CUDA device."""
+    if a.type != b.type:
+        return False
+    current = torch.cuda.current_device() if a.type == "cuda" else None
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current
+    )
+
+
 class KVCache:
     """The keys and values of every layer for the tokens a model has seen so far.
 
@@ -175,7 +185,7 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None:
         _check_count("top_k", top_k, 1)
-    if generator is not None and generator.device != device:
+    if generator is not None and not _same_device(generator.device, device):
         raise ValueError(f"generator is on {generator.device}, the model on {device}")
 
     was_training = model.training

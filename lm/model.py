@@ -41,7 +41,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, hidden)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         # x (B, N, C); with a cache, the keys and values go into its slot ``layer``
         x = x + self.drop(self.attn(self.norm1(x), cache, layer))
         return x + self.drop(self.mlp(self.norm2(x)))

@@ -776,6 +776,36 @@ def test_a_cotangent_past_int32_indexing_is_made_contiguous(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("NQ", [1, 5, 37])
+def test_sdpa_attention_is_the_reference_without_rotation(NQ, causal):
+    """``sdpa_attention`` (the separate path's SDPA call, and the harness's for a cached
+    decoding step) is attention with q's rows at the last positions, GQA, bottom-right."""
+    f64 = dict(device=DEVICE, dtype=torch.float64)
+    q, k, v = torch.randn(2, 4, NQ, 16, **f64), *torch.randn(2, 2, 2, 37, 16, **f64).unbind(0)
+    ref, _ = rope_attention_ref(q, k, v, inv_freq=torch.zeros(8, **f64), causal=causal)
+    out = attention_module.sdpa_attention(q, k, v, causal=causal, scale=0.3)
+    ref_scaled, _ = rope_attention_ref(
+        q, k, v, inv_freq=torch.zeros(8, **f64), causal=causal, softmax_scale=0.3
+    )
+    assert_close("o", out, ref_scaled, atol=1e-12, rtol=1e-12)
+    assert_close("o", attention_module.sdpa_attention(q, k, v, causal=causal), ref, 1e-12, 1e-12)
+
+
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (((2, 4, 5, 16), (2, 3, 9, 16), (2, 3, 9, 16)), "q's heads must be a multiple of k's"),
+        (((2, 4, 9, 16), (2, 2, 5, 16), (2, 2, 5, 16)), "causal, q's rows at most k's"),
+        (((2, 4, 5, 16), (2, 2, 9, 16), (2, 2, 8, 16)), "k, v .* of one shape"),
+        (((4, 5, 16), (2, 2, 9, 16), (2, 2, 9, 16)), r"q must be \[B, HQ, NQ, D\]"),
+    ],
+)
+def test_sdpa_attention_refuses_bad_shapes(shapes, match):
+    with pytest.raises(ValueError, match=match):
+        attention_module.sdpa_attention(*(torch.randn(s, device=DEVICE) for s in shapes))
+
+
 def test_lower_right_gqa_on_the_efficient_kernel_gets_every_head(monkeypatch):
     """causal_lower_right passes k and v to SDPA's memory-efficient kernel without expanding
     GQA heads; where that kernel is the one (stubbed here), the separate path repeats them, and

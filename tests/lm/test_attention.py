@@ -177,6 +177,23 @@ def test_corope_takes_a_schedules_frequencies_when_its_factor_is_one():
     assert not torch.equal(expected, rope_frequencies(16, 10000.0)[0])
 
 
+@pytest.mark.parametrize("name", ["rope", "corope"])
+def test_casting_the_module_keeps_the_frequencies_exact(name):
+    """``.bfloat16()`` / ``.half()`` (inference in half precision) cast the weights but not
+    the frequencies, which stay the fp32 schedule (bf16 ones were refused by the kernels and
+    off by up to 2^-9 in the torch path); ``.double()`` widens them."""
+    scaling = {"type": "linear", "factor": 2.0}
+    attn = build_attention(attn_cfg(name, scaling=scaling), 64, 4, 2)
+    expected = rope_frequencies(16, 10000.0, scaling)[0]
+    for cast in (torch.nn.Module.bfloat16, torch.nn.Module.half):
+        cast(attn)
+        assert attn.wq.weight.dtype != torch.float32
+        assert attn.freqs.inv_freq.dtype == torch.float32
+        assert torch.equal(attn.freqs.inv_freq, expected)
+    attn.double()
+    assert torch.equal(attn.freqs.inv_freq, expected.double())
+
+
 def test_unknown_attention_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown attention.name 'alibi'.*corope"):
         build_attention(OmegaConf.create({"name": "alibi"}), 64, 4, 2)

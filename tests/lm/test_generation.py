@@ -77,6 +77,26 @@ def test_cached_steps_compute_the_forward_of_the_sequence_so_far(variant, chunks
         torch.testing.assert_close(model(x), expected, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("variant", ["nope", "rope"])
+@torch.no_grad()
+def test_cached_steps_take_sdpas_bottom_right_mask(variant, monkeypatch):
+    """A cached step (NQ < NK) reaches SDPA through ``causal_lower_right``, whose flash and
+    memory-efficient kernels serve any length; a plain mask (or none at NQ = 1) took cuDNN's
+    kernel on an H100, which plans every new shape anew: 42 ms a step."""
+    from torch.nn.attention.bias import CausalBias
+
+    calls, real = [], CausalBias._dispatch
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(CausalBias, "_dispatch", staticmethod(spy))
+    model = make_model(variant, torch.float32)
+    cached_logits(model, torch.randint(0, VOCAB, (1, 7), device=DEVICE), [5, 1, 1])
+    assert calls == [(1, 6), (1, 6), (1, 7), (1, 7)]  # 2 layers, 2 steps; prefill: is_causal
+
+
 @torch.no_grad()
 def test_dynamic_ntk_caches_deeper_layers_at_the_frequencies_of_their_time():
     """Past the original length (8) dynamic NTK's frequencies follow the sequence length, so
@@ -255,7 +275,7 @@ def test_triton_decoding_is_as_close_as_the_torch_path(variant):
     for impl in ("torch", "triton"):
         model = make_model(variant, torch.float32, impl, d_model=128)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ON_GPU):
-            got[impl] = cached_logits(model, x, chunks).double()
+            got[impl] = cached_logits(model, x, chunks)  # bf16 logits on the GPU
     for name, rows in (("prefill", slice(0, P)), ("decode", slice(P, N))):
         out, base = got["triton"][:, rows], got["torch"][:, rows]
         assert_close_to_baseline(f"{variant} {name}", out, ref[:, rows], base)
