@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("bench_corope.py", "corope", "bench_corope.md"),
         ("bench_rope.py", "rope_qk", "bench_rope.md"),
         ("bench_rope_attention.py", "rope_attention", "bench_rope_attention.md"),
+        ("bench_decode.py", "decode", "bench_decode.md"),
     ],
 )
 def test_benchmark_quick_run(script, op, markdown, tmp_path):
@@ -60,7 +61,13 @@ def test_benchmark_quick_run(script, op, markdown, tmp_path):
     text = (tmp_path / markdown).read_text()
     assert "earlier-shape" in text and "earlier run" in text, text
     assert ACC_FAIL not in text, text
-    if op == "corope":
+    if op == "decode":  # its accuracy: tests/lm/test_generation.py
+        assert {(r["provider"], r["mode"]) for r in rows if r["ms"]} >= {
+            (variant, mode)
+            for variant in ("rope", "corope", "nope")
+            for mode in ("prefill", "decode step")
+        }, rows
+    elif op == "corope":
         forwards = [r for r in rows if (r["provider"], r["mode"]) == ("corope_triton", "fwd")]
         assert forwards and all(r["note"] == "acc ok" for r in forwards), forwards
     else:  # every timed provider's output checked (rope_attention's floor has no RoPE)

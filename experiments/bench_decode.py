@@ -1,0 +1,161 @@
+"""Decoding speed of the harness's model with a KV cache: RoPE, Co-RoPE and NoPE.
+
+The model is ``model=small`` (d_model 512, 8 layers, 8 query heads sharing 2 KV heads, head
+dim 64; bytes as tokens) in bf16 with random weights: speed does not depend on them. Per
+(attention, batch B, prompt length P): the prefill (one forward of the prompt into a fresh
+``lm.generation.KVCache``) and the decoding step (one token per sequence through the cached
+model, the median of ``--steps`` steps, each synchronized). RoPE runs its Triton kernels
+(``rope_attention``: the prompt, then one query row against the cache); Co-RoPE prefills
+with ``corope_attention`` and decodes with the PyTorch reference (``corope_attention_ref``
+with one query row: its gates and mileage over every cached key), NoPE is SDPA.
+
+The floor of a step is the bytes it must read from memory, the bf16 weights and the cached
+keys and values of every layer, over the measured copy bandwidth; eager decoding of a model
+this small is bound by the host's kernel launches, which the table shows against it.
+
+    python experiments/bench_decode.py                  # GPU: results/bench_decode.md + CSV rows
+    python experiments/bench_decode.py --quick --out /tmp/d   # smoke run, also on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the import of any Triton kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from experiments.bench_rope import copy_bandwidth  # noqa: E402
+from experiments.results_io import (  # noqa: E402
+    environment,
+    markdown_table,
+    output_dir,
+    print_report,
+    read_rows,
+    upsert_rows,
+)
+from lm.config import ATTENTION_SCHEMAS, ModelConfig  # noqa: E402
+from lm.generation import KVCache  # noqa: E402
+from lm.model import GPT  # noqa: E402
+
+OP = "decode"
+VARIANTS = ("rope", "corope", "nope")
+BATCHES = (1, 8)
+PROMPTS = (512, 4096, 16384)
+SMALL = {"d_model": 512, "n_layer": 8, "n_head": 8, "n_kv_head": 2}
+QUICK = {"d_model": 64, "n_layer": 2, "n_head": 2, "n_kv_head": 1}
+VOCAB = 256
+
+
+def build_model(variant: str, model: dict, max_len: int, device, dtype) -> GPT:
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), model)
+    attn_cfg = OmegaConf.structured(ATTENTION_SCHEMAS[variant])  # impl auto: Triton on CUDA
+    return GPT(model_cfg, attn_cfg, VOCAB, max_len).to(device, dtype).eval()
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def time_decoding(model: GPT, B: int, P: int, steps: int, device) -> tuple[float, list[float]]:
+    """(prefill ms, the ms of each of ``steps`` decoding steps) after a warm-up run."""
+    prompt = torch.randint(0, VOCAB, (B, P), device=device)
+    step_ids = torch.randint(0, VOCAB, (B, 1), device=device)
+    for warm in (True, False):
+        cache = KVCache(len(model.blocks), P + steps)
+        sync(device)
+        t0 = time.perf_counter()
+        model(prompt, cache)
+        sync(device)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        step_ms = []
+        for _ in range(2 if warm else steps):
+            t0 = time.perf_counter()
+            model(step_ids, cache)
+            sync(device)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+    return prefill_ms, step_ms
+
+
+def floor_ms(model: GPT, B: int, P: int, gbps: float) -> float:
+    """A step's bytes read (bf16 weights, every layer's cached k and v) over ``gbps``."""
+    weights = sum(p.numel() for p in model.parameters()) * 2
+    HKV, D = model.blocks[0].attn.n_kv_head, model.blocks[0].attn.head_dim
+    kv = 2 * len(model.blocks) * B * HKV * P * D * 2
+    return (weights + kv) / gbps / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for csv/md (default: experiments/results/; for a quick run, which a CPU "
+        "forces, a temporary folder: never the committed results)",
+    )
+    parser.add_argument("--steps", type=int, default=32, help="decoding steps timed per case")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quick = args.quick or device.type == "cpu"
+    args.out = output_dir(args.out, quick, "bench_decode")
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out / "benchmarks.csv"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    env = environment()
+    gbps = copy_bandwidth(device, quick)[1]
+    sizes = QUICK if quick else SMALL
+    batches, prompts, steps = ((1,), (16,), 2) if quick else (BATCHES, PROMPTS, args.steps)
+    print(f"results into {args.out}; copy bandwidth {gbps:.4g} GB/s", flush=True)
+    for variant in VARIANTS:
+        model = build_model(variant, sizes, max(prompts) + steps, device, dtype)
+        for B in batches:
+            for P in prompts:
+                prefill, step_ms = time_decoding(model, B, P, steps, device)
+                q = (
+                    statistics.quantiles(step_ms, n=10, method="inclusive")
+                    if len(step_ms) > 1
+                    else step_ms * 9
+                )
+                step = statistics.median(step_ms)
+                common = {"op": OP, "provider": variant, "shape": f"B{B}-P{P}", **env}
+                common["dtype"] = "bf16" if dtype == torch.bfloat16 else "fp32"
+                floor = floor_ms(model, B, P, gbps)
+                rows = [
+                    {**common, "mode": "prefill", "ms": prefill},
+                    {
+                        **common,
+                        "mode": "decode step",
+                        "ms": step,
+                        "ms_p20": q[1],
+                        "ms_p80": q[7],
+                        "note": f"{B / step * 1e3:.0f} tok/s; floor {floor * 1e3:.0f} us",
+                    },
+                ]
+                print(f"{variant} B={B} P={P}: prefill {prefill:.2f} ms, step {step:.3f} ms")
+                upsert_rows(rows, csv_path)  # case by case: a run cut short keeps its rows
+        del model
+    rows = read_rows(csv_path, OP, env["gpu"])
+    cols = ["shape", "mode", "provider", "ms", "ms_p20", "ms_p80", "note", "commit"]
+    text = (
+        f"# Decoding with a KV cache\n\n{env['gpu']}, torch {env['torch']}, triton "
+        f"{env['triton']}, commit {env['commit']}, {env['date']}; copy bandwidth "
+        f"{gbps:.4g} GB/s. Written by `experiments/bench_decode.py` (its docstring says what "
+        f"is timed).\n\n" + markdown_table(rows, cols)
+    )
+    print_report(text, args.out / "bench_decode.md")
+
+
+if __name__ == "__main__":
+    main()
