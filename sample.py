@@ -1,10 +1,12 @@
 """Generate text with a trained model: ``python sample.py <run dir or checkpoint.pt>``.
 
-Rebuilds the model and the tokenizer of the run from the config its checkpoint holds,
-then continues a prompt with ``lm.generation.generate`` (a KV cache; Co-RoPE decodes
-through its PyTorch reference, one query row per step). Without ``--prompt`` the prompt is
-the first example of the run's first evaluation split, up to where its answer starts (a
-task) or its first half (a corpus), and the expected continuation is printed beside it.
+Rebuilds the model and the dataset of the run from the config its checkpoint holds
+(``lm.trained.load_run``: the data must be where the run found it, for the tokenizer and
+lengths; a ``triton`` run runs its PyTorch path off CUDA), then continues a prompt with
+``lm.generation.generate`` (a KV cache; Co-RoPE decodes through its PyTorch reference, one
+query row per step). Without ``--prompt`` the prompt is the first example of the run's
+first evaluation split, up to where its answer starts (a task) or its first half (a
+corpus), and the expected continuation is printed beside it.
 
     python sample.py outputs/2026-11-27/08-00-00 --tokens 20 --temperature 0
     python sample.py runs/ff/003-synth_flipflop_corope_seed0 --prompt "w 1 i 0 r" --tokens 1
@@ -17,14 +19,10 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from lm.checkpoint import load_checkpoint
-from lm.config import ATTENTION_SCHEMAS, ModelConfig
-from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, LMDataset
 from lm.generation import generate
-from lm.model import GPT
+from lm.trained import load_run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,31 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_model(path: Path, device: torch.device) -> tuple[GPT, LMDataset]:
-    """The model of the checkpoint at ``path`` (a file, or a run directory holding
-    ``checkpoint.pt``) on ``device``, and the run's dataset (its tokenizer and lengths)."""
-    ckpt_file = path / "checkpoint.pt" if path.is_dir() else path
-    if not ckpt_file.is_file():
-        raise FileNotFoundError(f"no checkpoint at {ckpt_file}")
-    ckpt = load_checkpoint(ckpt_file)
-    if "config" not in ckpt:
-        raise ValueError(f"{ckpt_file} holds no config (a run from before 2026-11-24)")
-    cfg = OmegaConf.create(ckpt["config"])
-    # The schemas fill in fields added since the run (with their defaults)
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model)
-    attn_cfg = OmegaConf.merge(
-        OmegaConf.structured(ATTENTION_SCHEMAS[cfg.attention.name]), cfg.attention
-    )
-    dataset = build_dataset(cfg.data)
-    model = GPT(model_cfg, attn_cfg, dataset.vocab_size, dataset.max_len)
-    model.load_state_dict(ckpt["model"])
-    return model.to(device), dataset
-
-
 def default_prompt(dataset: LMDataset) -> tuple[list[int], list[int]]:
     """``(prompt, expected)`` ids from the first example of the first evaluation split: a
     task's input up to its first answer and that answer (its consecutive target tokens); a
-    corpus window's first half and the rest."""
+    corpus window's first half and the next 32 tokens."""
     x, y = next(dataset.eval_batches(dataset.eval_splits()[0], 1))  # (1, L) each
     x, y = x[0], y[0]
     if dataset.kind == "task":
@@ -80,30 +57,35 @@ def default_prompt(dataset: LMDataset) -> tuple[list[int], list[int]]:
         # x[t] predicts y[t]: the prompt ends where the first target is predicted
         return x[: first + 1].tolist(), y[first:end].tolist()
     half = max(1, x.shape[0] // 2)
-    return x[:half].tolist(), x[half:].tolist()
+    return x[:half].tolist(), x[half : half + 32].tolist()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.samples < 1:
         raise SystemExit(f"--samples must be >= 1, got {args.samples}")
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
-    model, dataset = load_model(args.run, device)
+    if args.tokens is not None and args.tokens < 0:
+        raise SystemExit(f"--tokens must be >= 0, got {args.tokens}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this torch has no CUDA device")
+    _, model, dataset = load_run(args.run, device=device)
     if args.prompt is None:
         ids, expected = default_prompt(dataset)
     else:
         ids, expected = dataset.encode(args.prompt), None
         if not ids:
             raise SystemExit("--prompt encodes to no tokens")
-    if len(ids) > model.max_len:
+    if len(ids) >= model.max_len:
         raise SystemExit(
-            f"the prompt has {len(ids)} tokens, the model's max_len is {model.max_len}"
+            f"the prompt has {len(ids)} tokens and the model's max_len is {model.max_len}: "
+            "no room for a new one"
         )
     tokens = args.tokens
     if tokens is None:
-        tokens = len(expected) if expected is not None and dataset.kind == "task" else 32
+        tokens = 32 if expected is None else len(expected)
     if len(ids) + tokens > model.max_len:
         tokens = model.max_len - len(ids)
         print(
@@ -129,5 +111,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (FileNotFoundError, ValueError) as e:  # a wrong path, prompt or argument: no trace
+    # a wrong path, prompt, argument or config: the message, no trace
+    except (FileNotFoundError, ValueError, KeyError) as e:
         sys.exit(f"sample.py: {e}")

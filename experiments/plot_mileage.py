@@ -40,14 +40,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 # Run as a script (`python experiments/plot_mileage.py`): the repository root is not on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from corope.naive import check_corope_inputs, gates, leader_query, mileage  # noqa: E402
 from experiments.results_io import markdown_table  # noqa: E402
-from lm.checkpoint import load_checkpoint  # noqa: E402
-from lm.data import build_dataset  # noqa: E402
+from lm import trained  # noqa: E402
 from lm.data.base import LMDataset  # noqa: E402
 from lm.model import GPT  # noqa: E402
 
@@ -57,35 +56,13 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 def load_run(
     path: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[DictConfig, GPT, LMDataset]:
-    """The config, the model (eval mode, on the CPU, in ``dtype``) and the dataset of a
-    Co-RoPE run: ``path`` is the run directory or its checkpoint file."""
-    path = Path(path)
-    ckpt = path / "checkpoint.pt" if path.is_dir() else path
-    if not ckpt.exists():
-        raise FileNotFoundError(f"run: no checkpoint at {ckpt} (pass a train.py run directory)")
-    state = load_checkpoint(ckpt)
-    cfg = run_config(ckpt, state)
+    """The config, the model (eval mode, on the CPU, in ``dtype``, through the Co-RoPE
+    reference) and the dataset of a Co-RoPE run: ``path`` is the run directory or its
+    checkpoint file."""
+    cfg, model, dataset = trained.load_run(path, dtype=dtype, impl="torch")
     if cfg.attention.name != "corope":
-        raise ValueError(f"run: {ckpt} is a {cfg.attention.name!r} run; gates need corope")
-    cfg.attention.impl = "torch"  # the model runs on the CPU: the reference, not the kernels
-    dataset = build_dataset(cfg.data)
-    model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
-    model.load_state_dict(state["model"])
-    return cfg, model.to(dtype).eval(), dataset
-
-
-def run_config(ckpt: Path, state: dict) -> DictConfig:
-    """The config the checkpoint ``ckpt`` (loaded as ``state``) was trained with: the resolved
-    config it stores, else (older checkpoints) Hydra's ``.hydra/config.yaml`` beside it, which
-    a later launch into the same directory may have rewritten."""
-    if "config" in state:
-        return OmegaConf.create(state["config"])
-    config = ckpt.parent / ".hydra" / "config.yaml"
-    if not config.exists():
-        raise FileNotFoundError(
-            f"run: {ckpt} stores no config and there is no Hydra config at {config}"
-        )
-    return OmegaConf.load(config)
+        raise ValueError(f"run: {path} is a {cfg.attention.name!r} run; gates need corope")
+    return cfg, model, dataset
 
 
 @contextlib.contextmanager

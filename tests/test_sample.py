@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import sample
+from lm.data.base import IGNORE_INDEX
 from lm.generation import generate
+from lm.trained import load_run
 from lm.training import train
 from tests.lm.harness import TINY, compose_cfg
 from tests.test_train import run_cli
@@ -27,7 +29,7 @@ def test_greedy_sample_of_the_first_example_is_generate(trained_run, capsys):
     sample.main([str(trained_run), "--tokens", "4", "--temperature", "0", "--device", "cpu"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["prompt", "expected", "generated"]
-    model, dataset = sample.load_model(trained_run / "checkpoint.pt", torch.device("cpu"))
+    _, model, dataset = load_run(trained_run / "checkpoint.pt")
     ids, expected = sample.default_prompt(dataset)
     assert lines[0] == f"prompt:    {dataset.decode(ids)}"
     assert lines[1] == f"expected:  {dataset.decode(expected)}"
@@ -46,7 +48,7 @@ def test_prompt_samples_and_seed(trained_run, capsys):
 
 
 def test_tokens_past_max_len_are_cut_with_a_notice(trained_run, capsys):
-    model, _ = sample.load_model(trained_run, torch.device("cpu"))
+    _, model, _ = load_run(trained_run)
     sample.main([str(trained_run), "--prompt", "x = 1 ;", "--tokens", "10000", "--device", "cpu"])
     captured = capsys.readouterr()
     assert f"the model's max_len is {model.max_len}" in captured.err
@@ -58,8 +60,42 @@ def test_missing_checkpoint_and_bad_arguments_fail_by_name(tmp_path, trained_run
         sample.main([str(tmp_path)])
     with pytest.raises(SystemExit, match="--samples must be >= 1, got 0"):
         sample.main([str(trained_run), "--samples", "0"])
+    with pytest.raises(SystemExit, match="--tokens must be >= 0, got -2"):
+        sample.main([str(trained_run), "--tokens", "-2"])
     with pytest.raises(ValueError, match="unknown tokens"):
         sample.main([str(trained_run), "--prompt", "zebra", "--device", "cpu"])
+    _, model, _ = load_run(trained_run)
+    with pytest.raises(SystemExit, match=f"max_len is {model.max_len}: no room for a new one"):
+        long_prompt = " ".join(["x"] * model.max_len)
+        sample.main([str(trained_run), "--prompt", long_prompt, "--device", "cpu"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: this torch has no CUDA device"):
+            sample.main([str(trained_run), "--device", "cuda"])
+
+
+class OneExample:
+    """A dataset of one evaluation example, for ``default_prompt``."""
+
+    def __init__(self, kind, x, y):
+        self.kind, self.x, self.y = kind, torch.tensor([x]), torch.tensor([y])
+
+    def eval_splits(self):
+        return ["valid"]
+
+    def eval_batches(self, split, batch_size):
+        yield self.x, self.y
+
+
+def test_default_prompt_ends_where_the_first_answer_is_predicted():
+    """A task: x[t] predicts y[t], so the prompt is x[:t + 1] for the first target t, and the
+    expected answer is the run of targets from t (not later answers); a corpus window: its
+    first half, then the next 32 tokens."""
+    no = IGNORE_INDEX
+    x, y = [5, 6, 7, 8, 9, 10, 11, 12], [no, no, 3, 4, no, no, 1, no]
+    assert sample.default_prompt(OneExample("task", x, y)) == ([5, 6, 7], [3, 4])
+    window = list(range(100))
+    prompt, expected = sample.default_prompt(OneExample("lm", window, window))
+    assert (prompt, expected) == (window[:50], window[50:82])
 
 
 @pytest.mark.slow

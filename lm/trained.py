@@ -1,0 +1,99 @@
+"""A trained run loaded back: the config its checkpoint holds, the model and the dataset.
+
+For ``sample.py`` and the studies of a trained model (``experiments/plot_mileage.py``). The
+dataset is rebuilt from the run's config, for its tokenizer, vocabulary and lengths:
+relative data paths resolve against the directory the run was launched from (Hydra records
+it in the run's ``.hydra/hydra.yaml``), as they did in training, and hub corpora load from
+the local cache.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lm.checkpoint import load_checkpoint
+from lm.config import ATTENTION_SCHEMAS, ModelConfig
+from lm.data import build_dataset
+from lm.data.base import LMDataset
+from lm.model import GPT
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """The checkpoint of ``path``: a run directory (its ``checkpoint.pt``) or the file."""
+    path = Path(path)
+    ckpt = path / "checkpoint.pt" if path.is_dir() else path
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"no checkpoint at {ckpt} (pass a train.py run directory)")
+    return ckpt
+
+
+def run_config(ckpt: Path, state: dict) -> DictConfig:
+    """The config the checkpoint ``ckpt`` (loaded as ``state``) was trained with: the resolved
+    config it stores, else (older checkpoints) Hydra's ``.hydra/config.yaml`` beside it, which
+    a later launch into the same directory may have rewritten."""
+    if "config" in state:
+        return OmegaConf.create(state["config"])
+    config = ckpt.parent / ".hydra" / "config.yaml"
+    if not config.exists():
+        raise FileNotFoundError(f"{ckpt} stores no config and there is no Hydra config at {config}")
+    return OmegaConf.load(config)
+
+
+def launch_dir(run_dir: Path) -> Path | None:
+    """The directory ``train.py`` was started in for the run in ``run_dir`` (None when Hydra
+    left no record)."""
+    record = run_dir / ".hydra" / "hydra.yaml"
+    if not record.is_file():
+        return None
+    cwd = OmegaConf.select(OmegaConf.load(record), "hydra.runtime.cwd")
+    return Path(cwd) if cwd and Path(cwd).is_dir() else None
+
+
+def build_run_dataset(cfg: DictConfig, run_dir: Path) -> LMDataset:
+    """``build_dataset(cfg.data)`` with relative paths taken from the run's launch directory."""
+    start = launch_dir(run_dir)
+    if start is None:
+        return build_dataset(cfg.data)
+    here = os.getcwd()
+    os.chdir(start)
+    try:
+        return build_dataset(cfg.data)
+    finally:
+        os.chdir(here)
+
+
+def load_run(
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    impl: str | None = None,
+) -> tuple[DictConfig, GPT, LMDataset]:
+    """The config, the model (eval mode, on ``device`` in ``dtype``) and the dataset of the
+    run at ``path`` (a run directory or its checkpoint file). ``impl`` overrides
+    ``attention.impl`` (rope, corope); a saved ``triton`` becomes ``auto`` off CUDA, where the
+    kernels cannot run."""
+    ckpt = checkpoint_file(path)
+    state = load_checkpoint(ckpt)
+    cfg = run_config(ckpt, state)
+    name = cfg.attention.name
+    if name not in ATTENTION_SCHEMAS:
+        raise ValueError(
+            f"{ckpt}: unknown attention.name {name!r}; known: {sorted(ATTENTION_SCHEMAS)}"
+        )
+    # The schemas fill in the fields added since the run, with their defaults
+    cfg.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model)
+    cfg.attention = OmegaConf.merge(OmegaConf.structured(ATTENTION_SCHEMAS[name]), cfg.attention)
+    if "impl" in cfg.attention:
+        if impl is not None:
+            cfg.attention.impl = impl
+        elif cfg.attention.impl == "triton" and torch.device(device).type != "cuda":
+            cfg.attention.impl = "auto"
+    dataset = build_run_dataset(cfg, ckpt.parent)
+    model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
+    model.load_state_dict(state["model"])
+    return cfg, model.to(device, dtype).eval(), dataset

@@ -1,0 +1,73 @@
+"""lm/trained.py: a run's checkpoint loaded back, from wherever the caller stands."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lm.checkpoint import load_checkpoint, save_checkpoint
+from lm.trained import load_run
+from lm.training import train
+from tests.lm.harness import TINY, compose_cfg
+
+TEXT = [
+    *TINY,
+    "data=text",
+    "data.files=[corpus.txt]",  # relative: to the directory the run starts in
+    "data.seq_len=32",
+    "data.eval_samples=4",
+    "train.steps=2",
+    "train.device=cpu",
+]
+
+
+@pytest.fixture
+def text_run(tmp_path, monkeypatch):
+    """A 2-step run on a relative text file, started in ``tmp_path/launch``, with Hydra's
+    record of that directory; returns the run directory. The test then stands elsewhere."""
+    launch, run_dir = tmp_path / "launch", tmp_path / "run"
+    launch.mkdir()
+    (launch / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    monkeypatch.chdir(launch)
+    train(compose_cfg(*TEXT), output_dir=str(run_dir))
+    record = {"hydra": {"runtime": {"cwd": str(launch)}}}
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(OmegaConf.create(record), run_dir / ".hydra" / "hydra.yaml")
+    monkeypatch.chdir(tmp_path)
+    return run_dir
+
+
+def test_relative_data_paths_resolve_from_the_runs_launch_directory(text_run):
+    cfg, model, dataset = load_run(text_run)
+    assert cfg.data.files == ["corpus.txt"] and dataset.decode(dataset.encode("fox")) == "fox"
+    state = load_checkpoint(text_run / "checkpoint.pt")["model"]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    assert not model.training
+    (text_run / ".hydra" / "hydra.yaml").unlink()  # no record: the current directory
+    with pytest.raises(FileNotFoundError, match="corpus.txt is not a file"):
+        load_run(text_run)
+
+
+def test_a_triton_run_loads_on_the_cpu_through_its_pytorch_path(text_run):
+    """``attention.impl=triton`` cannot run off CUDA: it becomes ``auto``; ``impl`` overrides
+    it; fields a newer schema has and the saved config lacks take their defaults."""
+    ckpt = load_checkpoint(text_run / "checkpoint.pt")
+    ckpt["config"]["attention"]["impl"] = "triton"
+    del ckpt["config"]["attention"]["layout"]
+    save_checkpoint(text_run / "checkpoint.pt", ckpt)
+    cfg, model, _ = load_run(text_run)
+    assert cfg.attention.impl == "auto" and model.blocks[0].attn.impl == "auto"
+    assert cfg.attention.layout == "half"
+    assert load_run(text_run, impl="torch")[0].attention.impl == "torch"
+    if torch.cuda.is_available():
+        assert load_run(text_run, device="cuda")[0].attention.impl == "triton"
+
+
+def test_unknown_attention_and_missing_checkpoint_fail_by_name(text_run, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_run(tmp_path / "nowhere")
+    ckpt = load_checkpoint(text_run / "checkpoint.pt")
+    ckpt["config"]["attention"]["name"] = "alibi"
+    save_checkpoint(text_run / "checkpoint.pt", ckpt)
+    with pytest.raises(ValueError, match="unknown attention.name 'alibi'; known: .*corope"):
+        load_run(text_run)
