@@ -18,16 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from lm.data.base import check_int
 from lm.evaluation import autocast
 from lm.model import GPT
-
-
-def _check_count(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -54,8 +47,8 @@ class KVCache:
     """
 
     def __init__(self, n_layer: int, capacity: int) -> None:
-        self.n_layer = _check_count("n_layer", n_layer, 1)
-        self.capacity = _check_count("capacity", capacity, 1)
+        self.n_layer = check_int("n_layer", n_layer, 1)
+        self.capacity = check_int("capacity", capacity, 1)
         self.length = 0  # tokens held
         self._k: list[torch.Tensor | None] = [None] * n_layer
         self._v: list[torch.Tensor | None] = [None] * n_layer
@@ -73,6 +66,11 @@ class KVCache:
                 f"k and v must be [B, HKV, N, D] of one shape, got {tuple(k.shape)} and "
                 f"{tuple(v.shape)}"
             )
+        if not k.is_floating_point() or v.dtype != k.dtype or v.device != k.device:
+            raise ValueError(
+                f"k and v must be floating point of one dtype and device, got {k.dtype} on "
+                f"{k.device} and {v.dtype} on {v.device}"
+            )
         if k.requires_grad or v.requires_grad:
             raise ValueError("KVCache is for inference: run the model under torch.no_grad()")
         end = self.length + k.shape[2]
@@ -86,10 +84,12 @@ class KVCache:
             self._k[layer] = k.new_empty(B, HKV, self.capacity, D)
             self._v[layer] = v.new_empty(B, HKV, self.capacity, D)
         buf_k, buf_v = self._k[layer], self._v[layer]
-        if (k.shape[:2], k.shape[3], k.dtype) != (buf_k.shape[:2], buf_k.shape[3], buf_k.dtype):
+        held = (buf_k.shape[:2], buf_k.shape[3], buf_k.dtype, buf_k.device)
+        if (k.shape[:2], k.shape[3], k.dtype, k.device) != held:
             raise ValueError(
                 f"layer {layer}'s cache holds [B, HKV, *, D] = {tuple(buf_k.shape)} in "
-                f"{buf_k.dtype}, got keys {tuple(k.shape)} in {k.dtype}"
+                f"{buf_k.dtype} on {buf_k.device}, got keys {tuple(k.shape)} in {k.dtype} on "
+                f"{k.device}"
             )
         buf_k[:, :, self.length : end] = k
         buf_v[:, :, self.length : end] = v
@@ -97,13 +97,24 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         """Counts ``n`` more tokens held, once every layer has appended theirs."""
-        _check_count("n", n, 0)
+        check_int("n", n, 0)
         if self.length + n > self.capacity:
             raise ValueError(
                 f"the cache holds {self.length} of its capacity {self.capacity} tokens and "
                 f"cannot count {n} more"
             )
         self.length += n
+
+
+def check_sampling(temperature: float, top_k: int | None) -> None:
+    """ValueError/TypeError naming ``temperature`` (a float >= 0) or ``top_k`` (None or an
+    int >= 1)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not temperature >= 0:  # NaN fails too
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None:
+        check_int("top_k", top_k, 1)
 
 
 def sample_next(
@@ -114,13 +125,17 @@ def sample_next(
 ) -> torch.Tensor:
     """Token ids ``(B,)`` int64 drawn from ``logits (B, V)``: the argmax at temperature 0,
     else a sample of ``softmax(logits / temperature)`` restricted to the ``top_k`` most
-    likely ids (all with None)."""
+    likely ids (exactly ``top_k``, ties at the last place broken by ``topk``; None: all)."""
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or not logits.is_floating_point():
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a floating-point tensor (B, V), got {shape}")
+    check_sampling(temperature, top_k)
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        top = logits.topk(top_k, dim=-1)  # (B, top_k) values and ids
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
@@ -154,6 +169,9 @@ def generate(
     Returns:
         ``(B, P + max_new_tokens)`` int64: the prompt followed by the new tokens.
     """
+    # torch.compile(model) wraps the module; decoding calls it directly (a compiled model
+    # would compile again for every cache length)
+    model = getattr(model, "_orig_mod", model)
     if not isinstance(model, GPT):
         raise TypeError(f"model must be an lm.model.GPT, got {type(model).__name__}")
     if not isinstance(prompt, torch.Tensor):
@@ -172,19 +190,16 @@ def generate(
             f"prompt ids must be in [0, {vocab_size}), got [{int(prompt.min())}, "
             f"{int(prompt.max())}]"
         )
-    _check_count("max_new_tokens", max_new_tokens, 0)
+    check_int("max_new_tokens", max_new_tokens, 0)
     total = prompt.shape[1] + max_new_tokens
     if total > model.max_len:
         raise ValueError(
             f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
             f"exceeds the model's max_len {model.max_len}"
         )
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None:
-        _check_count("top_k", top_k, 1)
+    check_sampling(temperature, top_k)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if generator is not None and not _same_device(generator.device, device):
         raise ValueError(f"generator is on {generator.device}, the model on {device}")
 

@@ -171,6 +171,31 @@ def test_sampling_follows_the_distribution_top_k_and_seed():
     assert torch.equal(a, b)
 
 
+def test_top_k_keeps_exactly_k_ids_and_sample_next_checks_its_arguments():
+    ties = torch.tensor([[1.0, 1.0, 1.0, 0.0]], device=DEVICE).expand(500, 4)
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    assert len(sample_next(ties, top_k=1, generator=gen).unique()) == 1
+    assert len(sample_next(ties, top_k=2, generator=gen).unique()) == 2
+    logits = torch.zeros(2, 5, device=DEVICE)
+    for bad, error, match in (
+        ({"logits": logits[0]}, ValueError, r"logits must be a floating-point tensor \(B, V\)"),
+        ({"logits": logits.long()}, ValueError, "logits must be a floating-point"),
+        ({"temperature": -1.0}, ValueError, "temperature must be >= 0, got -1.0"),
+        ({"top_k": 0}, ValueError, "top_k must be >= 1, got 0"),
+    ):
+        with pytest.raises(error, match=match):
+            sample_next(**({"logits": logits} | bad))
+
+
+def test_generate_takes_a_torch_compile_wrapper_and_runs_the_module():
+    """``torch.compile(model)`` is decoded through the module it wraps (compiling every cache
+    length anew would cost more than it saves)."""
+    model = make_model("rope")
+    prompt = torch.randint(0, VOCAB, (2, 5), device=DEVICE)
+    expected = generate(model, prompt, 4, temperature=0)
+    assert torch.equal(generate(torch.compile(model), prompt, 4, temperature=0), expected)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -196,6 +221,7 @@ def test_sampling_follows_the_distribution_top_k_and_seed():
         ({"temperature": "hot"}, TypeError, "temperature must be a float, got str"),
         ({"top_k": 0}, ValueError, "top_k must be >= 1, got 0"),
         ({"top_k": True}, TypeError, "top_k must be an int, got bool"),
+        ({"generator": 7}, TypeError, "generator must be a torch.Generator, got int"),
     ],
 )
 def test_generate_refuses_bad_arguments_by_name(kwargs, error, match):
@@ -238,6 +264,10 @@ def test_cache_refuses_overflow_mismatches_and_gradients():
         cache.append(2, k, k)
     with pytest.raises(ValueError, match="k and v must be"):
         cache.append(1, k, k[:, :1])
+    with pytest.raises(ValueError, match="floating point of one dtype and device"):
+        cache.append(1, k, k.double())
+    with pytest.raises(ValueError, match="floating point of one dtype and device"):
+        cache.append(1, k.long(), k.long())
     with pytest.raises(ValueError, match="is for inference"):
         cache.append(1, k.requires_grad_(), k)
     with pytest.raises(ValueError, match="cannot count 3 more"):
