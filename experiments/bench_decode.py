@@ -68,24 +68,33 @@ def sync(device) -> None:
 
 
 @torch.no_grad()
-def time_decoding(model: GPT, B: int, P: int, steps: int, device) -> tuple[float, list[float]]:
-    """(prefill ms, the ms of each of ``steps`` decoding steps) after a warm-up run."""
+def time_decoding(
+    model: GPT, B: int, P: int, steps: int, device
+) -> tuple[list[float], list[float]]:
+    """(the ms of each of 3 prefills, the ms of each of ``steps`` decoding steps after the
+    last) after a warm-up run."""
     prompt = torch.randint(0, VOCAB, (B, P), device=device)
     step_ids = torch.randint(0, VOCAB, (B, 1), device=device)
-    for warm in (True, False):
+    prefill_ms, step_ms = [], []
+    for run in range(4):  # run 0 warms up
         cache = KVCache(len(model.blocks), P + steps)
         sync(device)
         t0 = time.perf_counter()
         model(prompt, cache)
         sync(device)
-        prefill_ms = (time.perf_counter() - t0) * 1e3
-        step_ms = []
-        for _ in range(2 if warm else steps):
+        prefill_ms.append((time.perf_counter() - t0) * 1e3)
+        for _ in range(2 if run == 0 else steps if run == 3 else 0):
             t0 = time.perf_counter()
             model(step_ids, cache)
             sync(device)
             step_ms.append((time.perf_counter() - t0) * 1e3)
-    return prefill_ms, step_ms
+    return prefill_ms[1:], step_ms[2:]
+
+
+def quantiles(ms: list[float]) -> tuple[float, float, float]:
+    """(median, 20th, 80th percentile)."""
+    q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else ms * 9
+    return statistics.median(ms), q[1], q[7]
 
 
 def floor_ms(model: GPT, B: int, P: int, gbps: float) -> float:
@@ -122,28 +131,22 @@ def main() -> None:
         model = build_model(variant, sizes, max(prompts) + steps, device, dtype)
         for B in batches:
             for P in prompts:
-                prefill, step_ms = time_decoding(model, B, P, steps, device)
-                q = (
-                    statistics.quantiles(step_ms, n=10, method="inclusive")
-                    if len(step_ms) > 1
-                    else step_ms * 9
-                )
-                step = statistics.median(step_ms)
+                prefill_ms, step_ms = time_decoding(model, B, P, steps, device)
+                prefill, step = quantiles(prefill_ms), quantiles(step_ms)
                 common = {"op": OP, "provider": variant, "shape": f"B{B}-P{P}", **env}
                 common["dtype"] = "bf16" if dtype == torch.bfloat16 else "fp32"
                 floor = floor_ms(model, B, P, gbps)
+                timing = lambda q: dict(zip(("ms", "ms_p20", "ms_p80"), q, strict=True))
                 rows = [
-                    {**common, "mode": "prefill", "ms": prefill},
+                    {**common, "mode": "prefill", **timing(prefill), "note": "3 prefills"},
                     {
                         **common,
                         "mode": "decode step",
-                        "ms": step,
-                        "ms_p20": q[1],
-                        "ms_p80": q[7],
-                        "note": f"{B / step * 1e3:.0f} tok/s; floor {floor * 1e3:.0f} us",
+                        **timing(step),
+                        "note": f"{B / step[0] * 1e3:.0f} tok/s; floor {floor * 1e3:.0f} us",
                     },
                 ]
-                print(f"{variant} B={B} P={P}: prefill {prefill:.2f} ms, step {step:.3f} ms")
+                print(f"{variant} B={B} P={P}: prefill {prefill[0]:.2f} ms, step {step[0]:.3f} ms")
                 upsert_rows(rows, csv_path)  # case by case: a run cut short keeps its rows
         del model
     rows = read_rows(csv_path, OP, env["gpu"])
