@@ -39,9 +39,10 @@ from corope.naive import corope_inv_freq  # noqa: E402
 from experiments.results_io import (  # noqa: E402
     ACC_FAIL,
     accuracy_failed,
+    add_output_arguments,
     environment,
     markdown_table,
-    output_dir,
+    quick_and_output,
     read_rows,
     upsert_rows,
 )
@@ -236,13 +237,7 @@ def write_markdown(path: Path, rows, env, lines) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="folder for csv/md/png (default: experiments/results/; for a quick run, which a "
-        "CPU forces, a temporary folder: never the committed results)",
-    )
+    add_output_arguments(parser)
     parser.add_argument("--max-n", type=int, default=max(NS), help="largest N to run")
     parser.add_argument("--min-n", type=int, default=min(NS), help="smallest N to run")
     parser.add_argument(
@@ -253,9 +248,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    quick = args.quick or device.type == "cpu"
-    args.out = output_dir(args.out, quick, "bench_corope")
-    print(f"results into {args.out}", flush=True)
+    quick, args.out = quick_and_output(args, device, "bench_corope")
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # interpreter: no bf16
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -36,10 +36,11 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from experiments.bench_rope import copy_bandwidth  # noqa: E402
 from experiments.results_io import (  # noqa: E402
+    add_output_arguments,
     environment,
     markdown_table,
-    output_dir,
     print_report,
+    quick_and_output,
     read_rows,
     upsert_rows,
 )
@@ -107,18 +108,11 @@ def floor_ms(model: GPT, B: int, P: int, gbps: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="folder for csv/md (default: experiments/results/; for a quick run, which a CPU "
-        "forces, a temporary folder: never the committed results)",
-    )
+    add_output_arguments(parser)
     parser.add_argument("--steps", type=int, default=32, help="decoding steps timed per case")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    quick = args.quick or device.type == "cpu"
-    args.out = output_dir(args.out, quick, "bench_decode")
+    quick, args.out = quick_and_output(args, device, "bench_decode")
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / "benchmarks.csv"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -43,10 +43,11 @@ from experiments.plot_benchmarks import plot_op  # noqa: E402
 from experiments.results_io import (  # noqa: E402
     accuracy_failed,
     accuracy_note,
+    add_output_arguments,
     environment,
     markdown_table,
     merged_environment,
-    output_dir,
+    quick_and_output,
     read_rows,
     upsert_rows,
 )
@@ -267,13 +268,7 @@ def tune_shape(shape, device, dtype=torch.bfloat16) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="folder for csv/md/png (default: experiments/results/; for a quick run, which a "
-        "CPU forces, a temporary folder: never the committed results)",
-    )
+    add_output_arguments(parser)
     parser.add_argument("--tune", action="store_true", help="sweep the kernel's launch shape")
     parser.add_argument(
         "--shapes",
@@ -288,9 +283,7 @@ def main() -> None:
         for shape in chosen:
             tune_shape(shape, device)
         return
-    quick = args.quick or device.type == "cpu"
-    args.out = output_dir(args.out, quick, "bench_rope")
-    print(f"results into {args.out}", flush=True)
+    quick, args.out = quick_and_output(args, device, "bench_rope")
     env = environment()
     copy_ms, copy_gbps = copy_bandwidth(device, quick)
     print(f"copy bandwidth: {copy_gbps:.4g} GB/s ({env['gpu']})")

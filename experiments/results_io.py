@@ -9,6 +9,7 @@ every run (split by ``--shapes``) and not only the last; ``markdown_table`` rend
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import os
@@ -30,6 +31,26 @@ def output_dir(out: Path | None, quick: bool, script: str) -> Path:
     if out is not None:
         return out
     return Path(tempfile.gettempdir()) / f"{script}_quick" if quick else RESULTS
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """A benchmark's ``--quick`` and ``--out`` options; ``quick_and_output`` reads them."""
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (CPU works)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for the csv, markdown and plots (default: experiments/results/; for a quick "
+        "run, which a CPU forces, a temporary folder: never the committed results)",
+    )
+
+
+def quick_and_output(args: argparse.Namespace, device, script: str) -> tuple[bool, Path]:
+    """(quick, the folder to write to) from ``add_output_arguments``' options: a run without
+    CUDA is quick (the interpreter), and the folder is ``output_dir``'s; says where."""
+    quick = args.quick or device.type != "cuda"
+    out = output_dir(args.out, quick, script)
+    print(f"results into {out}", flush=True)
+    return quick, out
 
 
 FIELDS = [

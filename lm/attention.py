@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from fused_rope.frequencies import rope_angles, rope_frequencies
+from fused_rope.sdpa import sdpa_attention
 
 if TYPE_CHECKING:
     from lm.generation import KVCache
@@ -76,18 +76,6 @@ def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
     return resolved
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal GQA SDPA where q's ``NQ`` rows are the last ``NQ`` of k's ``NK`` positions.
-    q ``(B, H, NQ, D)``, k and v ``(B, HKV, NK, D)`` -> ``(B, H, NQ, D)``. ``NQ < NK`` (a
-    cached step) goes through ``fused_rope.attention.sdpa_attention``: SDPA's bottom-right
-    mask, whose kernels do not replan for every new length as cuDNN's do."""
-    if q.shape[2] == k.shape[2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    from fused_rope.attention import sdpa_attention  # Triton's import, only when decoding
-
-    return sdpa_attention(q, k, v)
-
-
 class Attention(nn.Module):
     """Causal GQA self-attention without position information (``nope``).
 
@@ -127,7 +115,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``(B, H, NQ, D)`` at the last ``NQ`` positions, k and v ``(B, HKV, NK, D)`` ->
         ``(B, H, NQ, D)``."""
-        return causal_sdpa(q, k, v)
+        return sdpa_attention(q, k, v)
 
 
 class SinusoidalAttention(Attention):
@@ -214,7 +202,7 @@ class RopeAttention(Attention):
         angles = rope_angles(torch.arange(NK, device=q.device), inv_freq)  # (NK, R/2) fp32
         q = apply_rope_ref(q, angles[NK - NQ :], layout, R, output_scale=factor)
         k = apply_rope_ref(k, angles, layout, R, output_scale=factor)
-        return causal_sdpa(q, k, v)
+        return sdpa_attention(q, k, v)
 
 
 class CoRopeAttention(Attention):

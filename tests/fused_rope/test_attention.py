@@ -17,10 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fused_rope.sdpa
 from fused_rope import attention as attention_module
 from fused_rope.attention import rope_attention
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref, rope_attention_ref
+from fused_rope.sdpa import sdpa_attention
 from tests.helpers import DEVICE, ON_GPU, assert_close, assert_close_to_baseline
 
 
@@ -784,12 +786,12 @@ def test_sdpa_attention_is_the_reference_without_rotation(NQ, causal):
     f64 = dict(device=DEVICE, dtype=torch.float64)
     q, k, v = torch.randn(2, 4, NQ, 16, **f64), *torch.randn(2, 2, 2, 37, 16, **f64).unbind(0)
     ref, _ = rope_attention_ref(q, k, v, inv_freq=torch.zeros(8, **f64), causal=causal)
-    out = attention_module.sdpa_attention(q, k, v, causal=causal, scale=0.3)
+    out = sdpa_attention(q, k, v, causal=causal, scale=0.3)
     ref_scaled, _ = rope_attention_ref(
         q, k, v, inv_freq=torch.zeros(8, **f64), causal=causal, softmax_scale=0.3
     )
     assert_close("o", out, ref_scaled, atol=1e-12, rtol=1e-12)
-    assert_close("o", attention_module.sdpa_attention(q, k, v, causal=causal), ref, 1e-12, 1e-12)
+    assert_close("o", sdpa_attention(q, k, v, causal=causal), ref, 1e-12, 1e-12)
 
 
 @pytest.mark.parametrize(
@@ -803,14 +805,14 @@ def test_sdpa_attention_is_the_reference_without_rotation(NQ, causal):
 )
 def test_sdpa_attention_refuses_bad_shapes(shapes, match):
     with pytest.raises(ValueError, match=match):
-        attention_module.sdpa_attention(*(torch.randn(s, device=DEVICE) for s in shapes))
+        sdpa_attention(*(torch.randn(s, device=DEVICE) for s in shapes))
 
 
 def test_lower_right_gqa_on_the_efficient_kernel_gets_every_head(monkeypatch):
     """causal_lower_right passes k and v to SDPA's memory-efficient kernel without expanding
     GQA heads; where that kernel is the one (stubbed here), the separate path repeats them, and
     the result is unchanged."""
-    monkeypatch.setattr(attention_module, "_lower_right_backend", lambda *a: "efficient")
+    monkeypatch.setattr(fused_rope.sdpa, "_lower_right_backend", lambda *a: "efficient")
     from torch.nn.attention.bias import CausalBias
 
     heads, real = [], CausalBias._dispatch

@@ -1,0 +1,67 @@
+"""PyTorch's ``scaled_dot_product_attention`` with this package's conventions, no Triton:
+GQA, and causal attention of ``NQ < NK`` queries aligned bottom-right (q's rows are the last
+``NQ`` of k's positions). ``rope_attention``'s separate path runs it after the Triton RoPE,
+and the harness (``lm.attention``) for NoPE, the input encodings and its PyTorch RoPE path,
+in training and in cached decoding steps alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+
+def _lower_right_backend(q, k, v) -> str:
+    """The SDPA kernel that ``torch.nn.attention.bias.causal_lower_right`` dispatches these
+    inputs to: ``"flash"`` (FlashAttention-2, whose causal mask is bottom-right),
+    ``"efficient"`` (the memory-efficient kernel) or ``"math"`` (a materialized ``NQ x NK``
+    mask, O(NQ NK) memory)."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    params = SDPAParams(q, k, v, None, 0.0, False, q.shape[1] != k.shape[1])
+    if can_use_flash_attention(params):
+        return "flash"
+    return "efficient" if can_use_efficient_attention(params) else "math"
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """PyTorch's ``scaled_dot_product_attention`` with ``rope_attention``'s conventions and
+    no position encoding: GQA, and causal with ``NQ < NK`` aligned bottom-right (q's rows are
+    the last ``NQ`` of k's positions: a prefill or a decoding step that continues a KV cache).
+    q ``[B, HQ, NQ, D]``, k and v ``[B, HKV, NK, D]`` -> ``[B, HQ, NQ, D]``; ``scale``
+    defaults to ``1/sqrt(D)``.
+
+    ``NQ != NK`` goes through ``causal_lower_right``, which dispatches to the flash,
+    memory-efficient or math kernel, never to cuDNN's: a plain mask (or none, at ``NQ =
+    1``) takes cuDNN on an H100 (torch 2.11), which builds a plan for every new shape, 42 ms
+    a call where flash takes 0.08 ms, so a cache growing by a token per step replanned at
+    every step (``experiments/bench_decode.py``)."""
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(
+            f"q must be [B, HQ, NQ, D] and k, v [B, HKV, NK, D] of one shape, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    HQ, HKV, NQ, NK = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if HKV == 0 or HQ % HKV or (causal and NQ > NK):
+        raise ValueError(
+            f"q's heads must be a multiple of k's and, causal, q's rows at most k's: got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    mask = causal_lower_right(NQ, NK) if causal and NQ != NK else None
+    if mask is not None and HQ != HKV and _lower_right_backend(q, k, v) == "efficient":
+        # causal_lower_right hands the memory-efficient kernel k and v as they are, without
+        # the GQA head expansion of its other branches (torch 2.5-2.13): give it every head.
+        k, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
+    # enable_gqa must be a bool, which a head-count comparison is not under
+    # torch.compile(dynamic=True) (a SymBool); a branch on it is guarded into one.
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, **gqa
+    )
