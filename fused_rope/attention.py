@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 
+from fused_rope._device import num_sms
 from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
@@ -236,8 +237,7 @@ def _fused_prefill_fills_the_gpu(q: torch.Tensor) -> bool:
     if q.device.type != "cuda":
         return False
     B, HQ, NQ, _ = q.shape
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return fused_prefill_wins(B, HQ, NQ, sms)
+    return fused_prefill_wins(B, HQ, NQ, num_sms(q.device))
 
 
 def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim):
@@ -255,7 +255,9 @@ def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, la
         angles=rope_angles(pos.detach(), inv_freq)
     )  # fmt: skip
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
-    if NQ == NK and q_positions is None:  # q and k share the angles: one launch
+    if NQ <= NK and q_positions is None:
+        # q's rows take k's last positions: one launch, sin/cos shared (a decoding step or a
+        # prefill continuing a KV cache included).
         q_rot, k_rot = apply_rope_qk(q, k, layout=layout, rope_dim=rope_dim, **rope(positions))
     else:
         q_pos = _query_positions(positions, q_positions, NQ, NK, q.device)

@@ -126,6 +126,7 @@ def _rope_kernel(
     stride_ab,
     stride_an,
     N,
+    q_shift,
     q_scale,
     k_scale,
     H_Q: tl.constexpr,
@@ -147,6 +148,8 @@ def _rope_kernel(
     """Program (n-tile, head chunk, b): positions ``[n0, n0 + BLOCK_N)`` of batch ``b`` in
     ``HEADS_PER_PROGRAM`` heads of the list "q's ``H_Q`` heads, then k's ``H_K``" (a chunk may
     hold heads of both; ``HEADS_PER_PROGRAM >= H_Q + H_K`` is one program for all of them).
+    k has ``N`` rows at positions ``0..N-1``; q's row ``i`` sits at position ``q_shift + i``
+    (q has ``N - q_shift`` rows: the last positions, as a query chunk continuing a KV cache).
 
     The last dimension of every tensor has unit stride (checked by the launcher), which lets
     loads vectorize. ``H_K = 0`` rotates q alone. ``stride_ab = 0`` shares angles over batches.
@@ -182,8 +185,8 @@ def _rope_kernel(
         k_lo, k_hi = tl.maximum(h_lo - H_Q, 0), tl.minimum(h_hi - H_Q, H_K)
     _rotate_heads(
         q_ptr + pid_b * stride_qb, q_out_ptr + pid_b * stride_qob,
-        stride_qh, stride_qn, stride_qoh, stride_qon, offs_n, mask_n, cos, sin, q_scale,
-        q_lo, q_hi,
+        stride_qh, stride_qn, stride_qoh, stride_qon, offs_n - q_shift,
+        mask_n & (offs_n >= q_shift), cos, sin, q_scale, q_lo, q_hi,
         D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HQ, INTERLEAVED, COPY_PASS,
     )  # fmt: skip
     _rotate_heads(
@@ -267,8 +270,9 @@ def _launch(
     conjugate: bool,
     config: TileConfig | None,
 ) -> None:
-    B, H_Q, N, D = q.shape
+    B, H_Q, NQ, D = q.shape
     H_K = 0 if k is None else k.shape[1]
+    N = NQ if k is None else k.shape[2]  # the positions: k's, with q's rows the last NQ
     if B == 0 or N == 0 or H_Q + H_K == 0:
         return  # a grid with a zero dimension is not a valid launch
     if k is None:  # the k loop runs zero times; any valid pointer and strides do
@@ -288,7 +292,7 @@ def _launch(
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         stride_ab, angles.stride(-2) if angles.dim() > 1 else 0,
-        N, float(q_scale), float(k_scale),
+        N, N - NQ, float(q_scale), float(k_scale),
         H_Q=H_Q, H_K=H_K, D=D, R=rope_dim,
         HALF_P=triton.next_power_of_2(rope_dim // 2),
         PASS_P=triton.next_power_of_2(max(D - rope_dim, 1)),
@@ -327,7 +331,8 @@ def rope_fwd(
     config: TileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None. ``angles``:
-    fp32 ``[N, R/2]`` or ``[B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the positions ``0..N-1``.
+    fp32 ``[N, R/2]`` or ``[B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the positions ``0..N-1``,
+    ``N`` k's length (q's without k); q's ``NQ <= N`` rows take the last ``NQ`` positions.
 
     ``conjugate=True`` rotates by ``-theta``: the backward, with the SAME scales (seed 000's
     rule: ``y = s R x`` gives ``dx = s R^T dy``). Outputs come from ``torch.empty_like``: the
@@ -586,9 +591,13 @@ def apply_rope_qk(
     """Rotates q and k by the same angles in one launch (Triton); sin/cos computed once.
 
     Args:
-        q: ``[B, HQ, N, D]`` fp32/fp16/bf16, any strides with a contiguous last dimension.
-        k: ``[B, HK, N, D]``, same B, N, D and dtype as ``q``; ``HK`` may differ (GQA, MQA).
-        angles: fp32 ``[N, R/2]`` or ``[B, N, R/2]``; no gradient (see ``apply_rope``).
+        q: ``[B, HQ, NQ, D]`` fp32/fp16/bf16, any strides with a contiguous last dimension,
+            ``NQ <= N``: q's rows take k's last ``NQ`` positions (``NQ < N``: a query chunk
+            or decoding step continuing a KV cache, aligned bottom-right as causal attention
+            aligns it).
+        k: ``[B, HK, N, D]``, same B, D and dtype as ``q``; ``HK`` may differ (GQA, MQA).
+        angles: fp32 ``[N, R/2]`` or ``[B, N, R/2]``, k's positions' angles; no gradient (see
+            ``apply_rope``).
         inv_freq: fp32 ``[R/2]`` instead of ``angles``, for the positions ``0..N-1`` (see
             ``apply_rope``).
         layout, rope_dim: as ``apply_rope``.
@@ -596,17 +605,18 @@ def apply_rope_qk(
             attention scale into q; backward uses the same scales).
 
     Returns:
-        ``(q_out [B, HQ, N, D], k_out [B, HK, N, D])``, dtypes and strides as ``apply_rope``;
+        ``(q_out [B, HQ, NQ, D], k_out [B, HK, N, D])``, dtypes and strides as ``apply_rope``;
         differentiable in q and k.
     """
     _check_kernel_tensor(q, "q")
     _check_kernel_tensor(k, "k")
     check_layout(layout)
-    B, _, N, D = q.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (B, N, D):
+    B, _, NQ, D = q.shape
+    N = k.shape[2]
+    if (k.shape[0], k.shape[3]) != (B, D) or NQ > N:
         raise ValueError(
-            f"k must match q in batch, length and head dim, got q {tuple(q.shape)} "
-            f"and k {tuple(k.shape)}"
+            f"k must match q in batch and head dim and have at least q's length (q's rows "
+            f"take k's last positions), got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
     if k.dtype != q.dtype:
         raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")

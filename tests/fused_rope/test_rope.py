@@ -108,6 +108,43 @@ def test_qk_forward_and_backward(B, HQ, HK, N, D, layout, per_batch, dtype):
     _check("dk", k.grad, k, angles, layout, None, k_scale, dy=dk_out)
 
 
+# (B, HQ, HK, NQ, N, D, R): q's rows are k's last NQ positions (a decoding step, a chunk that
+# continues a cache).
+LAST_ROWS_SHAPES = [
+    pytest.param(2, 4, 2, 1, 63, 64, None, id="B2-HQ4-HK2-NQ1-N63-D64"),
+    pytest.param(1, 3, 1, 20, 37, 80, 48, id="B1-HQ3-HK1-NQ20-N37-D80-R48"),
+    pytest.param(2, 32, 8, 1, 4096, 128, None, marks=gpu, id="B2-HQ32-HK8-NQ1-N4096-D128"),
+    pytest.param(1, 8, 2, 300, 4096, 128, None, marks=gpu, id="B1-HQ8-HK2-NQ300-N4096-D128"),
+]
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["shared-angles", "per-batch-angles"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("B, HQ, HK, NQ, N, D, R", LAST_ROWS_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_queries_take_the_last_positions(B, HQ, HK, NQ, N, D, R, layout, per_batch, dtype):
+    """q with fewer rows than k: its rows are rotated by the angles of k's last NQ positions,
+    forward and backward; with ``inv_freq`` bitwise as with the table of positions 0..N-1."""
+    q = torch.randn(B, HQ, NQ, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, HK, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    angles = _angles(B, N, R or D, per_batch)
+    q_angles = angles[..., N - NQ :, :]
+    q_out, k_out = apply_rope_qk(q, k, angles, layout=layout, rope_dim=R, q_scale=0.5)
+    _check("q_out", q_out, q, q_angles, layout, R, 0.5)
+    _check("k_out", k_out, k, angles, layout, R, 1.0)
+    dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
+    torch.autograd.backward((q_out, k_out), (dq_out, dk_out))
+    _check("dq", q.grad, q, q_angles, layout, R, 0.5, dy=dq_out)
+    _check("dk", k.grad, k, angles, layout, R, 1.0, dy=dk_out)
+    inv_freq = rope_frequencies(R or D)[0].to(DEVICE)
+    table = rope_angles(torch.arange(N, device=DEVICE), inv_freq)
+    by_table, by_freq = (
+        apply_rope_qk(q.detach(), k.detach(), layout=layout, rope_dim=R, **rope)
+        for rope in (dict(angles=table), dict(inv_freq=inv_freq))
+    )
+    assert all(torch.equal(a, b) for a, b in zip(by_table, by_freq, strict=True))
+
+
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize(
     "B, HQ, HK, N, D, R",
@@ -361,6 +398,8 @@ def test_custom_ops_pass_torch_library_opcheck():
         ops.rope_qk, (x, k.requires_grad_(), angles, "interleaved", 16, 2.0, 1.0, False)
     )
     torch.library.opcheck(ops.rope_, (x.detach().clone(), angles, "half", 16, 0.5))
+    # q of fewer rows than k: its rows are k's last positions
+    torch.library.opcheck(ops.rope_qk, (x[:, :, 5:], k, angles, "half", 16, 2.0, 1.0, False))
     # Gradients reach the ops with any strides: fake and real outputs must agree on them.
     strided = torch.randn(1, 2, 16, 9, device=DEVICE).transpose(-1, -2).requires_grad_()
     torch.library.opcheck(ops.rope, (strided, angles, "interleaved", 16, 0.5, True))
@@ -477,9 +516,9 @@ BAD_INPUTS = [
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), inplace=1), TypeError,
                  "inplace must be a bool, got int", id="inplace-int"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(2, 2, 8, 16), A()), ValueError,
-                 "k must match q in batch, length and head dim", id="qk-different-B"),
-    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 9, 16), A()), ValueError,
-                 "k must match q .*\\(1, 2, 9, 16\\)", id="qk-different-N"),
+                 "k must match q in batch and head dim", id="qk-different-B"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 9, 16), _x(1, 2, 8, 16), A()), ValueError,
+                 "at least q's length .*\\(1, 2, 8, 16\\)", id="qk-q-longer-than-k"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 32), A()), ValueError,
                  "k must match q", id="qk-different-D"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16, dtype=torch.float16),
@@ -575,7 +614,7 @@ for dtype, layout, D, R, heads, from_inv_freq in json.loads(sys.argv[1]):
     for i, name in enumerate(_rope_kernel.arg_names):
         if name.endswith("_ptr"):
             sig[name] = "*fp32" if name == "angles_ptr" else "*" + dtype
-        elif name.startswith("stride") or name == "N":
+        elif name.startswith("stride") or name in ("N", "q_shift"):
             sig[name] = "i32"
         elif name.endswith("_scale"):
             sig[name] = "fp32"
