@@ -6,7 +6,9 @@ lengths; a ``triton`` run runs its PyTorch path off CUDA), then continues a prom
 ``lm.generation.generate`` (a KV cache; Co-RoPE decodes through its PyTorch reference, one
 query row per step). Without ``--prompt`` the prompt is the first example of the run's
 first evaluation split, up to where its answer starts (a task) or its first half (a
-corpus), and the expected continuation is printed beside it.
+corpus), and the expected continuation is printed beside it. A continuation ends at the
+data's end-of-sequence token (``<eos>`` of the corpora and the jsonl tasks) unless
+``--stop none``.
 
     python sample.py outputs/2026-11-27/08-00-00 --tokens 20 --temperature 0
     python sample.py runs/ff/003-synth_flipflop_corope_seed0 --prompt "w 1 i 0 r" --tokens 1
@@ -38,6 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
     p.add_argument("--samples", type=int, default=1, help="continuations of the prompt")
+    p.add_argument(
+        "--stop",
+        choices=("eos", "none"),
+        default="eos",
+        help="eos (default): a continuation ends at the data's end-of-sequence token, where it "
+        "has one; none: always --tokens tokens",
+    )
     p.add_argument("--seed", type=int, default=0, help="of the sampling (default 0)")
     p.add_argument("--device", default="auto", help="auto (cuda if there), cpu, cuda, cuda:1")
     return p.parse_args(argv)
@@ -100,12 +109,16 @@ def main(argv: list[str] | None = None) -> None:
         temperature=args.temperature,
         top_k=args.top_k,
         generator=generator,
+        stop_token=dataset.eos_id if args.stop == "eos" else None,
     )
     print(f"prompt:    {dataset.decode(ids)}")
     if expected is not None:
         print(f"expected:  {dataset.decode(expected)}")
     for row in out:
-        print(f"generated: {dataset.decode(row[len(ids) :])}")
+        new = row[len(ids) :].tolist()
+        if args.stop == "eos" and dataset.eos_id in new:  # up to its first stop, not the fill
+            new = new[: new.index(dataset.eos_id) + 1]
+        print(f"generated: {dataset.decode(new)}")
 
 
 if __name__ == "__main__":

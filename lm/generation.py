@@ -150,8 +150,9 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    stop_token: int | None = None,
 ) -> torch.Tensor:
-    """Continues ``prompt`` by ``max_new_tokens`` tokens, one at a time.
+    """Continues ``prompt`` by up to ``max_new_tokens`` tokens, one at a time.
 
     Args:
         model: a ``GPT``; run in eval mode (dropout off), its mode restored after; under
@@ -165,9 +166,14 @@ def generate(
             global one).
         use_cache: reuse the keys and values of earlier positions (``KVCache``); False runs
             the whole sequence at every step (the reference the cache is tested against).
+        stop_token: a sequence is done once it generates this id (a dataset's ``eos_id``):
+            its later positions repeat it, and decoding ends when every sequence is done.
+            None: always ``max_new_tokens`` steps.
 
     Returns:
-        ``(B, P + max_new_tokens)`` int64: the prompt followed by the new tokens.
+        ``(B, P + n)`` int64: the prompt followed by the new tokens, ``n = max_new_tokens``
+        unless every sequence generated ``stop_token`` first (then ``n`` is the step at
+        which the last one did).
     """
     # torch.compile(model) wraps the module; decoding calls it directly (a compiled model
     # would compile again for every cache length)
@@ -198,6 +204,8 @@ def generate(
             f"exceeds the model's max_len {model.max_len}"
         )
     check_sampling(temperature, top_k)
+    if stop_token is not None:
+        check_int("stop_token", stop_token, 0, vocab_size - 1)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if generator is not None and not _same_device(generator.device, device):
@@ -207,14 +215,20 @@ def generate(
     model.eval()
     tokens = prompt
     cache = KVCache(len(model.blocks), total) if use_cache else None
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
     try:
         with autocast(device):
             step_input = prompt
             for _ in range(max_new_tokens):
                 logits = model(step_input if use_cache else tokens, cache)  # (B, n, V)
                 next_id = sample_next(logits[:, -1], temperature, top_k, generator)
+                if stop_token is not None:
+                    next_id = next_id.masked_fill(done, stop_token)
+                    done |= next_id == stop_token
                 tokens = torch.cat([tokens, next_id[:, None]], dim=1)
                 step_input = next_id[:, None]
+                if stop_token is not None and bool(done.all()):  # one sync a step
+                    break
     finally:
         model.train(was_training)
     return tokens

@@ -47,6 +47,30 @@ def test_prompt_samples_and_seed(trained_run, capsys):
     assert capsys.readouterr().out.splitlines() == first
 
 
+def test_a_continuation_ends_at_the_datas_end_token(trained_run, capsys, monkeypatch):
+    """With an end-of-sequence id (counting has none: take one the greedy answer makes), the
+    printed continuation stops after its first one; ``--stop none`` prints every token."""
+    _, model, dataset = load_run(trained_run)
+    ids = dataset.encode("x = 1 ;")
+    new = generate(model, torch.tensor([ids]), 6, temperature=0)[0, len(ids) :].tolist()
+    eos = new[2]
+    first = new.index(eos)
+
+    def load_with_eos(*args, **kwargs):
+        run = load_run(*args, **kwargs)
+        run[2].eos_id = eos
+        return run
+
+    monkeypatch.setattr(sample, "load_run", load_with_eos)
+    args = [str(trained_run), "--prompt", "x = 1 ;", "--tokens", "6", "--temperature", "0"]
+    sample.main([*args, "--device", "cpu"])
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"generated: {dataset.decode(new[: first + 1])}"
+    )
+    sample.main([*args, "--device", "cpu", "--stop", "none"])
+    assert capsys.readouterr().out.splitlines()[1] == f"generated: {dataset.decode(new)}"
+
+
 def test_tokens_past_max_len_are_cut_with_a_notice(trained_run, capsys):
     _, model, _ = load_run(trained_run)
     sample.main([str(trained_run), "--prompt", "x = 1 ;", "--tokens", "10000", "--device", "cpu"])

@@ -54,6 +54,8 @@ class LMDataset(ABC):
         kind: "task" (loss and accuracy on answer tokens only) or "lm" (every token).
         vocab_size: number of token ids; every id is in [0, vocab_size).
         pad_id: the id of the padding token (its targets are IGNORE_INDEX).
+        eos_id: the id of the token that ends a document or an answer, where generation
+            stops (``sample.py``); None where the data has none (the synthetic tasks).
         seq_len: training context length; train batches are [batch_size, seq_len].
         max_len: the longest input any split yields (train and every eval split, the
             length-extrapolation ones included): learned position tables need it.
@@ -63,6 +65,7 @@ class LMDataset(ABC):
     kind: str
     vocab_size: int
     pad_id: int
+    eos_id: int | None = None
     seq_len: int
     max_len: int
     seed: int

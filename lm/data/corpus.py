@@ -41,6 +41,7 @@ class ByteCorpus(LMDataset):
     kind = "lm"
     vocab_size = BYTE_VOCAB_SIZE
     pad_id = PAD_ID
+    eos_id = EOS_ID
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ class ExampleDataset(LMDataset):
         self.vocab = vocab
         self.vocab_size = len(vocab)
         self.pad_id = vocab[pad_token]
+        self.eos_id = vocab.ids.get("<eos>")  # answers of the jsonl tasks end with it
         self.seq_len = check_int("data.seq_len", seq_len, 1)
         self.eval_samples = check_int("data.eval_samples", eval_samples, 1)
         self.seed = check_int("data.seed", seed, 0)

@@ -364,6 +364,7 @@ def test_jsonl_round_trip(configs):
     assert " ".join(words(ds, vx[0])).startswith("the <unk> sat on the <unk> <sep>")
     tx, ty = next(ds.eval_batches("test", 8))
     assert answers(ty)[1] == [ds.vocab["<eos>"]]  # an empty answer: only the end is scored
+    assert ds.eos_id == ds.vocab["<eos>"]  # where sample.py stops an answer
     assert ds.encode("the cat zebra") == [ds.vocab["the"], ds.vocab["cat"], ds.vocab["<unk>"]]
 
 
@@ -409,6 +410,7 @@ def test_text_splits_the_end_of_the_stream(configs, text_files):
     assert "Ünïcödé" in ds.decode(ds.train.tolist())
     assert ds.decode(ds.encode("é<x>")) == "é<x>"
     assert ds.decode([104, 105, EOS_ID, 0xC3]) == "hi<eos>\ufffd"
+    assert ds.eos_id == EOS_ID
 
 
 def test_text_windows_stay_inside_the_shortest_stream(tmp_path):

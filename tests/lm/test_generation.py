@@ -196,6 +196,36 @@ def test_generate_takes_a_torch_compile_wrapper_and_runs_the_module():
     assert torch.equal(generate(torch.compile(model), prompt, 4, temperature=0), expected)
 
 
+def test_stop_token_ends_each_sequence_then_the_loop():
+    """A sequence that generates ``stop_token`` repeats it from there, the others go on as
+    they would without it (the same draws: every row draws at every step), and decoding ends
+    at the step where the last one stopped."""
+    model = make_model("rope")
+    prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.to(DEVICE)
+
+    def run(**kw):
+        gen = torch.Generator(DEVICE).manual_seed(5)
+        return generate(model, prompt, 30, temperature=1.5, generator=gen, **kw)
+
+    full = run()
+    new = full[:, 4:].tolist()
+    in_all = [t for t in range(VOCAB) if all(t in row for row in new)]
+    in_some = [t for t in range(VOCAB) if t not in in_all and any(t in row for row in new)]
+    assert in_all and in_some  # both cases occur with this seed
+    for stop in in_all[:2] + in_some[:2]:
+        firsts = [row.index(stop) if stop in row else None for row in new]
+        out = run(stop_token=stop)
+        n = 30 if None in firsts else max(firsts) + 1
+        assert out.shape == (3, 4 + n) and (n < 30) == (stop in in_all)
+        for r, first in enumerate(firsts):
+            kept = n if first is None else first + 1
+            assert out[r, 4:].tolist() == new[r][:kept] + [stop] * (n - kept)
+    unseen = [t for t in range(VOCAB) if all(t not in row for row in new)]
+    for stop in unseen[:1]:  # a stop that never comes: all the steps, as without one
+        assert torch.equal(run(stop_token=stop), full)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -222,6 +252,8 @@ def test_generate_takes_a_torch_compile_wrapper_and_runs_the_module():
         ({"top_k": 0}, ValueError, "top_k must be >= 1, got 0"),
         ({"top_k": True}, TypeError, "top_k must be an int, got bool"),
         ({"generator": 7}, TypeError, "generator must be a torch.Generator, got int"),
+        ({"stop_token": VOCAB}, ValueError, rf"stop_token must be in \[0, {VOCAB - 1}\]"),
+        ({"stop_token": 1.0}, TypeError, "stop_token must be an int, got float"),
     ],
 )
 def test_generate_refuses_bad_arguments_by_name(kwargs, error, match):
