@@ -54,9 +54,11 @@ from experiments.results_io import (  # noqa: E402
     RESULTS,
     accuracy_failed,
     accuracy_note,
+    add_output_arguments,
     environment,
     markdown_table,
     merged_environment,
+    quick_and_output,
     read_rows,
     upsert_rows,
 )
@@ -322,17 +324,7 @@ def verdicts(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny shapes, fp16 only: a smoke run that also works on the CPU",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=RESULTS,
-        help="folder for benchmarks.csv, the markdown and the PNG",
-    )
+    add_output_arguments(parser)  # --quick: tiny shapes, fp16 only
     parser.add_argument("--shapes", nargs="*", default=None, help="subset of the shape names")
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument(
@@ -354,26 +346,30 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.report:  # rewrites a results folder's report: the committed one by default
+        quick, out = args.quick, args.out or RESULTS
+    else:  # a run without CUDA is quick and never writes into the committed results
+        quick, out = quick_and_output(args, device, "bench_rope_attention")
+    shapes = QUICK_SHAPES if quick else SHAPES
     if args.shapes:
         shapes = {n: shapes[n] for n in args.shapes}
-    dtypes = ["fp16"] if args.quick else args.dtypes
+    dtypes = ["fp16"] if quick else args.dtypes
     if args.precompile and device.type == "cuda" and not args.report:
         precompile(shapes, dtypes, args.precompile, args.providers)
     env = environment()
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     for name, shape in {} if args.report else shapes.items():
         for dtype_name in dtypes:
-            rows = run_shape(name, shape, dtype_name, env, device, args.quick, args.providers)
-            upsert_rows(rows, path=args.out / "benchmarks.csv")  # a cut-short run keeps its rows
+            rows = run_shape(name, shape, dtype_name, env, device, quick, args.providers)
+            upsert_rows(rows, path=out / "benchmarks.csv")  # a cut-short run keeps its rows
             print(f"done {name} {dtype_name}", flush=True)
 
     # the tables cover every row of this op on this GPU, so runs split by --shapes add up
     gpu = args.report or env["gpu"]
     order = [shape_label(n, s) for n, s in {**SHAPES, **QUICK_SHAPES}.items()]
-    rows = read_rows(args.out / "benchmarks.csv", OP, gpu, shape_order=order)
+    rows = read_rows(out / "benchmarks.csv", OP, gpu, shape_order=order)
     if not rows:
-        raise SystemExit(f"no {OP} rows for GPU {gpu!r} in {args.out}")
+        raise SystemExit(f"no {OP} rows for GPU {gpu!r} in {out}")
     # the header names the machine and versions of the rows (runs split by --shapes add up)
     env = merged_environment(rows, env)
     summary = verdicts(rows)
@@ -403,18 +399,18 @@ def main() -> None:
         f"{markdown_table(rows, columns)}\n## Targets\n\n{markdown_table(summary, v_columns)}"
         f"\n{verdict}\n"
     )
-    (args.out / "bench_rope_attention.md").write_text(text)
+    (out / "bench_rope_attention.md").write_text(text)
     try:
         from experiments.plot_benchmarks import plot_op
 
-        csv_path = args.out / "benchmarks.csv"
+        csv_path = out / "benchmarks.csv"
         figures = {
             f"{OP}.png": {},
             f"{OP}_vs_floor.png": dict(relative_to="sdpa_no_rope", target=1.1),
         }
         for name, relative in figures.items():  # vs_floor: the targets' ratio, 1.10x drawn
-            out = plot_op(OP, csv_path, args.out / name, "ms", gpu, shape_order=order, **relative)
-            print("plot:", out)
+            png = plot_op(OP, csv_path, out / name, "ms", gpu, shape_order=order, **relative)
+            print("plot:", png)
     except Exception as e:  # matplotlib missing or no timed rows: the tables still stand
         print(f"no plot: {type(e).__name__}: {e}")
     print(markdown_table(summary, v_columns))
