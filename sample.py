@@ -3,8 +3,8 @@
 Rebuilds the model and the dataset of the run from the config its checkpoint holds
 (``lm.trained.load_run``: the data must be where the run found it, for the tokenizer and
 lengths; a ``triton`` run runs its PyTorch path off CUDA), then continues a prompt with
-``lm.generation.generate`` (a KV cache; Co-RoPE decodes through its PyTorch reference, one
-query row per step). Without ``--prompt`` the prompt is the first example of the run's
+``lm.generation.generate`` (a KV cache; on CUDA Co-RoPE decodes through its decoding kernels,
+elsewhere through its PyTorch reference, one query row per step). Without ``--prompt`` the prompt is the first example of the run's
 first evaluation split, up to where its answer starts (a task) or its first half (a
 corpus), and the expected continuation is printed beside it. A continuation ends at the
 data's end-of-sequence token (``<eos>`` of the corpora and the jsonl tasks) unless

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from corope.backward import corope_bwd
+from corope.decode import corope_decode
 from corope.forward import SUPPORTED_HEAD_DIMS, corope_fwd
 from corope.naive import check_corope_inputs, corope_inv_freq
 from fused_rope._validation import (
@@ -45,6 +46,24 @@ def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, determ
     B, HQ, N, _ = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     return o, q.new_empty((B, HQ, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("corope::decode", mutates_args=())
+def _decode_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inv_freq: torch.Tensor,
+    softmax_scale: float,
+    rope_dim: int,
+    leader: str,
+) -> torch.Tensor:
+    return corope_decode(q, k, v, inv_freq, softmax_scale, rope_dim, leader)
+
+
+@_decode_op.register_fake
+def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("corope::attention_backward", mutates_args=())
@@ -121,7 +140,10 @@ def corope_attention(
     Same function as ``corope.corope_attention_ref`` (the math is in ``corope/README.md``).
 
     Args:
-        q: ``[B, HQ, N, D]``; head ``h`` belongs to KV group ``h // (HQ // HKV)``.
+        q: ``[B, HQ, N, D]``; head ``h`` belongs to KV group ``h // (HQ // HKV)``. Or one row,
+            ``[B, HQ, 1, D]``, at k's last position: a decoding step against a KV cache
+            (``corope.decode``: split over the cache's keys; no gradient, so grad mode must
+            be off or q, k, v must not require grad).
         k, v: ``[B, HKV, N, D]`` with ``HQ % HKV == 0``. fp16, bf16 or fp32, one dtype and one
             CUDA device for all three (the CPU only under ``TRITON_INTERPRET=1``, fp16/fp32);
             ``D`` in ``SUPPORTED_HEAD_DIMS`` (32, 64, 128, 256). Any strides.
@@ -137,7 +159,13 @@ def corope_attention(
     Returns:
         ``o`` ``[B, HQ, N, D]`` in q's dtype (contiguous).
     """
-    R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale)
+    R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=True)
+    NQ, NK = q.shape[2], k.shape[2]
+    if NQ != NK and NQ != 1:
+        raise ValueError(
+            f"the kernels take q and k of one length, or one query row (a decoding step), got "
+            f"NQ={NQ} and NK={NK}; corope_attention_ref takes any NQ <= NK (the last positions)"
+        )
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(
             f"q, k, v must be one of {[str(d) for d in KERNEL_DTYPES]} for the kernels, got "
@@ -152,5 +180,13 @@ def corope_attention(
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
     w = corope_inv_freq(R, theta, inv_freq, q.device)
+    if NQ < NK:
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            raise ValueError(
+                "a decoding step (one query row against a longer k) has no backward kernel: "
+                "run it under torch.no_grad() / torch.inference_mode(), or differentiate "
+                "corope_attention_ref"
+            )
+        return _decode_op(q, k, v, w, s, R, leader)
     o, _ = _attention_op(q, k, v, w, s, R, leader, detach_mileage, deterministic)
     return o

@@ -6,8 +6,8 @@ dim 64; bytes as tokens) in bf16 with random weights: speed does not depend on t
 ``lm.generation.KVCache``) and the decoding step (one token per sequence through the cached
 model, the median of ``--steps`` steps, each synchronized). RoPE runs its Triton kernels
 (``rope_attention``: the prompt, then one query row against the cache); Co-RoPE prefills
-with ``corope_attention`` and decodes with the PyTorch reference (``corope_attention_ref``
-with one query row: its gates and mileage over every cached key), NoPE is SDPA.
+with ``corope_attention`` and decodes with it too (one query row: the decoding kernels of
+``corope/decode.py``, its gates and mileage over every cached key), NoPE is SDPA.
 
 The floor of a step is the bytes it must read from memory, the bf16 weights and the cached
 keys and values of every layer, over the measured copy bandwidth; eager decoding of a model

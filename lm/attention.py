@@ -237,8 +237,11 @@ class CoRopeAttention(Attention):
             leader=self.leader,
             detach_mileage=self.detach_mileage,
         )
-        # The kernels take q and k of one length; a cached step's few rows run the reference
-        if resolve_impl(self.impl, q.device, "corope") == "triton" and q.shape[2] == k.shape[2]:
+        # The kernels take q and k of one length (training, a prefill) or, without autograd,
+        # one query row (a decoding step); a cached chunk of several rows runs the reference.
+        NQ, NK = q.shape[2], k.shape[2]
+        kernels = NQ == NK or (NQ == 1 and not torch.is_grad_enabled())
+        if resolve_impl(self.impl, q.device, "corope") == "triton" and kernels:
             from corope import corope_attention
 
             return corope_attention(q, k, v, **kwargs)

@@ -1,0 +1,268 @@
+"""Co-RoPE-GQA decoding: one new query row per head against a KV cache, in Triton.
+
+A decoding step has one query row, at the last position ``NK - 1``, per head. The training
+forward would give each KV group a single program that walks the cache in order, leaving the
+GPU idle; the PyTorch reference takes about 30 small kernels a layer, which bound a step by
+the host. Here the cache's keys are split into blocks of ``BLOCK_N`` that programs take in
+parallel (split-K, as FlashDecoding), in three launches:
+
+1. ``_gate_sums_kernel`` (a program per (group, block)): the leader's gates
+   ``z[t] = sigmoid(s <qL, k[t]>)`` of the block's keys, summed.
+2. ``_block_kernel`` (the same grid): a key's mileage ``delta[j] = sum_{t > j} z[t]`` is the
+   gate sums of the blocks after its own (added in fp64) plus the suffix sum inside its block;
+   then the phases, the rotated keys, every head's scores and the block's softmax partials
+   (its row max, its sum of ``exp`` and its unnormalised output).
+3. ``_combine_kernel`` (a program per (group, head)): the partials merged into ``o``.
+
+The phase is formed as in the training forward: ``(carry w mod 2 pi)`` reduced in fp64 once
+per block and frequency, plus ``local w`` with ``local < BLOCK_N``, so the per-pair sin/cos
+sees small arguments and the phase error does not grow with the cache. The products run in
+fp32 (``tl.dot`` in IEEE precision): a step is a few hundred thousand multiply-adds a
+program, so exactness costs nothing measurable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from corope.forward import check_index_span
+from fused_rope._trig import cos_sin
+from fused_rope._validation import interpreting
+
+_INTERPRET = interpreting()
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # keys a program
+# tl.dot's least M, N and K: the heads, the rotary halves and the pass-through channels
+# are padded to it (zero rows and columns).
+MIN_DOT = 16
+
+
+@triton.jit
+def _leader_query(q_group, stride_qh, offs_d, G: tl.constexpr, G_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, LEADER_MEAN: tl.constexpr):  # fmt: skip
+    """``qL`` ``[D_PAD]`` fp32: the group's first query head, or the mean of its ``G``."""
+    offs_h = tl.arange(0, G_PAD)
+    heads = tl.load(
+        q_group + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=(offs_h < G)[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    if LEADER_MEAN:
+        return tl.sum(heads, axis=0) / G
+    return tl.sum(tl.where((offs_h == 0)[:, None], heads, 0.0), axis=0)
+
+
+@triton.jit
+def _gate_sums_kernel(
+    Q, K, ZSUM,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
+    HKV, NK, gate_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    LEADER_MEAN: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``ZSUM[bg, blk]`` fp32: the sum of the leader's gates over block ``blk``'s keys."""
+    bg = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = (bg // HKV).to(tl.int64)
+    g = (bg % HKV).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    q_lead = _leader_query(Q + b * stride_qb + g * G * stride_qh, stride_qh, offs_d, G, G_PAD,
+                           HEAD_DIM, LEADER_MEAN)  # fmt: skip
+    offs_j = blk * BLOCK + tl.arange(0, BLOCK)
+    key_ok = offs_j < NK
+    k = tl.load(
+        K + b * stride_kb + g * stride_kh + offs_j[:, None] * stride_kn + offs_d[None, :],
+        mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    z = tl.where(key_ok, tl.sigmoid(tl.sum(k * q_lead[None, :], axis=1) * gate_scale), 0.0)
+    tl.store(ZSUM + bg * tl.num_programs(1) + blk, tl.sum(z, axis=0))
+
+
+@triton.jit
+def _block_kernel(
+    Q, K, V, W, ZSUM, M_PART, L_PART, O_PART,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    HKV, NK, n_blocks, gate_scale, qk_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    ROPE_DIM: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
+    LEADER_MEAN: tl.constexpr, FAST_TRIG: tl.constexpr, BLOCK: tl.constexpr,
+    SUM_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Block ``blk``'s softmax partials for the ``G`` heads of group ``bg``: ``M_PART`` and
+    ``L_PART`` ``[bg, blk, G_PAD]`` (base-2 row max and sum of ``exp2``), ``O_PART``
+    ``[bg, blk, G_PAD, D_PAD]`` (the unnormalised output), all fp32."""
+    bg = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = (bg // HKV).to(tl.int64)
+    g = (bg % HKV).to(tl.int64)
+    HALF: tl.constexpr = ROPE_DIM // 2
+    offs_d = tl.arange(0, D_PAD)
+    q_group = Q + b * stride_qb + g * G * stride_qh
+    q_lead = _leader_query(q_group, stride_qh, offs_d, G, G_PAD, HEAD_DIM, LEADER_MEAN)
+
+    # The carry: the gates of every block after this one, summed in fp64 (it reaches NK).
+    carry = tl.zeros([SUM_CHUNK], tl.float64)
+    for c0 in range(blk + 1, n_blocks, SUM_CHUNK):
+        offs_c = c0 + tl.arange(0, SUM_CHUNK)
+        part = tl.load(ZSUM + bg * n_blocks + offs_c, mask=offs_c < n_blocks, other=0.0)
+        carry += part.to(tl.float64)
+    carry = tl.sum(carry, axis=0)
+
+    offs_j = blk * BLOCK + tl.arange(0, BLOCK)
+    key_ok = offs_j < NK
+    k_rows = K + b * stride_kb + g * stride_kh + offs_j[:, None] * stride_kn
+    k = tl.load(k_rows + offs_d[None, :], mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    z = tl.where(key_ok, tl.sigmoid(tl.sum(k * q_lead[None, :], axis=1) * gate_scale), 0.0)
+    local = tl.cumsum(z, axis=0, reverse=True) - z  # [BLOCK]: the gates after j in the block
+
+    # The rotary halves, k rotated by -(carry + local) w: the carry's angle reduced in fp64.
+    offs_f = tl.arange(0, HALF_PAD)
+    f_ok = offs_f < HALF
+    w = tl.load(W + offs_f, mask=f_ok, other=0.0)
+    two_pi = tl.full([HALF_PAD], 6.283185307179586, tl.float64)
+    ang = carry * w.to(tl.float64)
+    ang = (ang - two_pi * tl.floor(ang / two_pi)).to(tl.float32)
+    cos_p, sin_p = cos_sin(ang[None, :] + local[:, None] * w[None, :], FAST_TRIG)
+    mask_k = key_ok[:, None] & f_ok[None, :]
+    k1 = tl.load(k_rows + offs_f[None, :], mask=mask_k, other=0.0).to(tl.float32)
+    k2 = tl.load(k_rows + HALF + offs_f[None, :], mask=mask_k, other=0.0).to(tl.float32)
+    kr1 = k1 * cos_p + k2 * sin_p
+    kr2 = k2 * cos_p - k1 * sin_p
+
+    # Scores of the G heads [G_PAD, BLOCK]
+    offs_h = tl.arange(0, G_PAD)
+    h_ok = offs_h < G
+    q_heads = q_group + offs_h[:, None] * stride_qh
+    mask_q = h_ok[:, None] & f_ok[None, :]
+    q1 = tl.load(q_heads + offs_f[None, :], mask=mask_q, other=0.0).to(tl.float32)
+    q2 = tl.load(q_heads + HALF + offs_f[None, :], mask=mask_q, other=0.0).to(tl.float32)
+    s = tl.dot(q1, tl.trans(kr1), input_precision="ieee")
+    s = tl.dot(q2, tl.trans(kr2), s, input_precision="ieee")
+    if ROPE_DIM < HEAD_DIM:
+        offs_p = ROPE_DIM + tl.arange(0, PASS_PAD)
+        p_ok = offs_p < HEAD_DIM
+        qn = tl.load(q_heads + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        kn = tl.load(k_rows + offs_p[None, :], mask=key_ok[:, None] & p_ok[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        s = tl.dot(qn, tl.trans(kn), s, input_precision="ieee")
+    s = tl.where(key_ok[None, :], s * qk_scale, float("-inf"))
+
+    # The block's partials in base 2; every block has at least one key, so m is finite.
+    m = tl.max(s, axis=1)
+    p = tl.exp2(s - m[:, None])
+    v = tl.load(V + b * stride_vb + g * stride_vh + offs_j[:, None] * stride_vn + offs_d[None, :],
+                mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+    o = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [G_PAD, D_PAD]
+    part = (bg * n_blocks + blk) * G_PAD + offs_h
+    tl.store(M_PART + part, m)
+    tl.store(L_PART + part, tl.sum(p, axis=1))
+    tl.store(O_PART + part[:, None] * D_PAD + offs_d[None, :], o)
+
+
+@triton.jit
+def _combine_kernel(
+    M_PART, L_PART, O_PART, O,
+    stride_ob, stride_oh,
+    HKV, n_blocks,
+    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """``O[b, g * G + h, 0]``: head ``h``'s blocks merged, ``sum exp2(m_b - m) o_b`` over
+    ``sum exp2(m_b - m) l_b`` with ``m`` the largest ``m_b``."""
+    bg = tl.program_id(0)
+    h = tl.program_id(1)
+    b = (bg // HKV).to(tl.int64)
+    g = (bg % HKV).to(tl.int64)
+    offs_c = tl.arange(0, CHUNK)
+    m = tl.full([CHUNK], float("-inf"), tl.float32)
+    for c0 in range(0, n_blocks, CHUNK):
+        ok = c0 + offs_c < n_blocks
+        part = (bg * n_blocks + c0 + offs_c) * G_PAD + h
+        m = tl.maximum(m, tl.load(M_PART + part, mask=ok, other=float("-inf")))
+    m_all = tl.max(m, axis=0)
+    offs_d = tl.arange(0, D_PAD)
+    acc = tl.zeros([D_PAD], tl.float32)
+    l_all = tl.zeros([CHUNK], tl.float32)
+    for c0 in range(0, n_blocks, CHUNK):
+        ok = c0 + offs_c < n_blocks
+        part = (bg * n_blocks + c0 + offs_c) * G_PAD + h
+        scale = tl.where(ok, tl.exp2(tl.load(M_PART + part, mask=ok, other=0.0) - m_all), 0.0)
+        l_all += scale * tl.load(L_PART + part, mask=ok, other=0.0)
+        o_b = tl.load(O_PART + part[:, None] * D_PAD + offs_d[None, :], mask=ok[:, None],
+                      other=0.0)  # fmt: skip
+        acc += tl.sum(scale[:, None] * o_b, axis=0)
+    out = acc / tl.sum(l_all, axis=0)
+    o_ptrs = O + b * stride_ob + (g * G + h) * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def corope_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inv_freq: torch.Tensor,
+    softmax_scale: float,
+    rope_dim: int,
+    leader: str,
+) -> torch.Tensor:
+    """Launches the decoding kernels; inputs are assumed validated (``corope.attention``).
+
+    Args:
+        q: ``[B, HQ, 1, D]``, the query row at position ``NK - 1``; k, v: ``[B, HKV, NK, D]``,
+            the cache (unrotated keys); any strides (copied to a contiguous last dim when
+            needed), fp16, bf16 or fp32, on CUDA (or the CPU under ``TRITON_INTERPRET=1``).
+        inv_freq: ``[R/2]`` frequencies; softmax_scale: ``s``, which scales the gate logits
+            and the scores; rope_dim: ``R``, even, ``<= D``; leader: ``"first"`` or ``"mean"``.
+
+    Returns:
+        ``o`` ``[B, HQ, 1, D]`` in q's dtype, contiguous.
+
+    Besides ``o``, the launch allocates ``B * HKV * ceil(NK / BLOCK_N)`` gate sums and the
+    blocks' partials, ``G_PAD * (D_PAD + 2)`` fp32 a block and group.
+    """
+    B, HQ, _, D = q.shape
+    HKV, NK = k.shape[1], k.shape[2]
+    G = HQ // HKV
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    check_index_span(G, dict(q=q), dict(k=k, v=v))
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if B == 0 or HQ == 0:
+        return o
+    n_blocks = triton.cdiv(NK, BLOCK_N)
+    g_pad = max(MIN_DOT, triton.next_power_of_2(G))
+    d_pad = max(MIN_DOT, triton.next_power_of_2(D))
+    shape = dict(G=G, G_PAD=g_pad, HEAD_DIM=D, D_PAD=d_pad, LEADER_MEAN=leader == "mean")
+    f32 = dict(device=q.device, dtype=torch.float32)
+    zsum = torch.empty(B * HKV, n_blocks, **f32)
+    m_part = torch.empty(B * HKV, n_blocks, g_pad, **f32)
+    l_part = torch.empty_like(m_part)
+    o_part = torch.empty(B * HKV, n_blocks, g_pad, d_pad, **f32)
+    w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    grid = (B * HKV, n_blocks)
+    _gate_sums_kernel[grid](
+        q, k, zsum, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        HKV, NK, softmax_scale, BLOCK=BLOCK_N, **shape,
+    )  # fmt: skip
+    _block_kernel[grid](
+        q, k, v, w, zsum, m_part, l_part, o_part,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        HKV, NK, n_blocks, softmax_scale, softmax_scale * LOG2E,
+        ROPE_DIM=rope_dim, HALF_PAD=max(MIN_DOT, triton.next_power_of_2(rope_dim // 2)),
+        PASS_PAD=max(MIN_DOT, triton.next_power_of_2(max(D - rope_dim, 1))),
+        FAST_TRIG=not _INTERPRET and q.dtype != torch.float32, BLOCK=BLOCK_N, SUM_CHUNK=256,
+        **shape,
+    )  # fmt: skip
+    _combine_kernel[(B * HKV, G)](
+        m_part, l_part, o_part, o, o.stride(0), o.stride(1), HKV, n_blocks,
+        G=G, G_PAD=g_pad, HEAD_DIM=D, D_PAD=d_pad, CHUNK=64,
+    )  # fmt: skip
+    return o
+
+
+__all__ = ["BLOCK_N", "corope_decode"]

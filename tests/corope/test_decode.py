@@ -1,0 +1,82 @@
+"""The Co-RoPE decoding kernels (corope/decode.py) through corope_attention with one query row.
+
+The output is checked with flash-attention's rule against the float64 reference on the same
+(rounded) inputs; the baseline is the reference in the inputs' dtype (fp32 math on half
+inputs, o rounded to half), as for the forward. Outputs come from torch.empty, which
+tests/conftest.py fills with NaN: an element the kernels never write fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corope import corope_attention, corope_attention_ref
+from corope.decode import BLOCK_N
+from tests.helpers import DEVICE, assert_close_to_baseline
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _check_step(B, HQ, HKV, NK, D, rope_dim=None, leader="first", dtype=F32, **kwargs):
+    q = torch.randn(B, HQ, 1, D, device=DEVICE).to(dtype)
+    k, v = (torch.randn(B, HKV, NK, D, device=DEVICE).to(dtype) for _ in "kv")
+    kw = dict(rope_dim=rope_dim, leader=leader, **kwargs)
+    with torch.no_grad():
+        o = corope_attention(q, k, v, **kw)
+    o64 = corope_attention_ref(q.double(), k.double(), v.double(), **kw)
+    assert o.dtype == dtype and o.shape == q.shape and o.is_contiguous()
+    assert_close_to_baseline("o", o, o64, corope_attention_ref(q, k, v, **kw))
+
+
+# NK around the key blocks (one key, a block, a block and one, several); every group size of
+# the training kernels' tests; partial rotation with a pass-through part.
+CASES = [
+    pytest.param(1, 4, 1, 1, 64, None, "first", F32, id="G4-NK1-D64-f32"),
+    pytest.param(2, 4, 2, BLOCK_N, 64, None, "mean", F32, id="B2-G2-NK64-D64-mean-f32"),
+    pytest.param(1, 8, 1, BLOCK_N + 1, 128, 96, "first", F32, id="G8-NK65-D128-R96-f32"),
+    pytest.param(1, 3, 3, 200, 32, 20, "mean", F16, id="G1-NK200-D32-R20-mean-f16"),
+    pytest.param(2, 16, 2, 130, 64, None, "first", F16, id="B2-G8-NK130-D64-f16"),
+]
+GPU_CASES = [
+    pytest.param(1, 32, 8, 16384, 128, None, "first", BF16, id="G4-NK16384-D128-bf16"),
+    pytest.param(8, 8, 2, 4096, 64, None, "mean", BF16, id="B8-G4-NK4096-D64-mean-bf16"),
+    pytest.param(1, 16, 1, 1000, 64, 48, "first", F16, id="G16-NK1000-D64-R48-f16"),
+    pytest.param(2, 4, 2, 777, 256, None, "first", BF16, id="G2-NK777-D256-bf16"),
+    pytest.param(1, 2, 2, 3000, 128, None, "mean", F32, id="G1-NK3000-D128-mean-f32"),
+]
+
+
+@pytest.mark.parametrize("B, HQ, HKV, NK, D, rope_dim, leader, dtype", CASES)
+def test_decoding_step_matches_reference(B, HQ, HKV, NK, D, rope_dim, leader, dtype):
+    _check_step(B, HQ, HKV, NK, D, rope_dim, leader, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, HQ, HKV, NK, D, rope_dim, leader, dtype", GPU_CASES)
+def test_decoding_step_matches_reference_gpu(B, HQ, HKV, NK, D, rope_dim, leader, dtype):
+    _check_step(B, HQ, HKV, NK, D, rope_dim, leader, dtype)
+
+
+def test_decoding_step_takes_the_options():
+    """inv_freq (a scaled schedule), a custom scale, strided inputs."""
+    from fused_rope.frequencies import rope_frequencies
+
+    inv_freq, _ = rope_frequencies(32, 10000.0, {"rope_type": "linear", "factor": 4.0})
+    kw = dict(inv_freq=inv_freq.to(DEVICE), softmax_scale=0.2)
+    _check_step(1, 4, 2, 90, 32, **kw)
+    base = torch.randn(1, 90, 8, 32, device=DEVICE)  # [B, N, heads, D]: strided head views
+    q, k, v = base[:, -1:, :4].transpose(1, 2), base[:, :, 4:6].transpose(1, 2), base[:, :, 6:]
+    v = v.transpose(1, 2)
+    with torch.no_grad():
+        o = corope_attention(q, k, v, **kw)
+    o64 = corope_attention_ref(q.double(), k.double(), v.double(), **kw)
+    assert_close_to_baseline("o", o, o64, corope_attention_ref(q, k, v, **kw))
+
+
+def test_decoding_step_traces_under_compile():
+    q = torch.randn(1, 4, 1, 32, device=DEVICE)
+    k, v = (torch.randn(1, 2, 70, 32, device=DEVICE) for _ in "kv")
+    step = torch.compile(lambda q, k, v: corope_attention(q, k, v), fullgraph=True, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(step(q, k, v), corope_attention(q, k, v))
