@@ -55,6 +55,26 @@ def _leader_query(q_group, stride_qh, offs_d, G: tl.constexpr, G_PAD: tl.constex
 
 
 @triton.jit
+def _block_gates(Q, K, stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, bg, blk, HKV, NK,
+                 gate_scale, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 D_PAD: tl.constexpr, LEADER_MEAN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The leader's gates of block ``blk``'s keys in group ``bg``: ``(z [BLOCK], the keys' row
+    pointers [BLOCK, 1], the keys that exist [BLOCK])``, with ``z = 0`` past the cache."""
+    b = (bg // HKV).to(tl.int64)
+    g = (bg % HKV).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    q_lead = _leader_query(Q + b * stride_qb + g * G * stride_qh, stride_qh, offs_d, G, G_PAD,
+                           HEAD_DIM, LEADER_MEAN)  # fmt: skip
+    offs_j = blk * BLOCK + tl.arange(0, BLOCK)
+    key_ok = offs_j < NK
+    k_rows = K + b * stride_kb + g * stride_kh + offs_j[:, None] * stride_kn
+    k = tl.load(k_rows + offs_d[None, :], mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    z = tl.where(key_ok, tl.sigmoid(tl.sum(k * q_lead[None, :], axis=1) * gate_scale), 0.0)
+    return z, k_rows, key_ok
+
+
+@triton.jit
 def _gate_sums_kernel(
     Q, K, ZSUM,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
@@ -65,19 +85,9 @@ def _gate_sums_kernel(
     """``ZSUM[bg, blk]`` fp32: the sum of the leader's gates over block ``blk``'s keys."""
     bg = tl.program_id(0)
     blk = tl.program_id(1)
-    b = (bg // HKV).to(tl.int64)
-    g = (bg % HKV).to(tl.int64)
-    offs_d = tl.arange(0, D_PAD)
-    q_lead = _leader_query(Q + b * stride_qb + g * G * stride_qh, stride_qh, offs_d, G, G_PAD,
-                           HEAD_DIM, LEADER_MEAN)  # fmt: skip
-    offs_j = blk * BLOCK + tl.arange(0, BLOCK)
-    key_ok = offs_j < NK
-    k = tl.load(
-        K + b * stride_kb + g * stride_kh + offs_j[:, None] * stride_kn + offs_d[None, :],
-        mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    z = tl.where(key_ok, tl.sigmoid(tl.sum(k * q_lead[None, :], axis=1) * gate_scale), 0.0)
+    z, _, _ = _block_gates(Q, K, stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, bg,
+                              blk, HKV, NK, gate_scale, G, G_PAD, HEAD_DIM, D_PAD, LEADER_MEAN,
+                              BLOCK)  # fmt: skip
     tl.store(ZSUM + bg * tl.num_programs(1) + blk, tl.sum(z, axis=0))
 
 
@@ -101,7 +111,6 @@ def _block_kernel(
     HALF: tl.constexpr = ROPE_DIM // 2
     offs_d = tl.arange(0, D_PAD)
     q_group = Q + b * stride_qb + g * G * stride_qh
-    q_lead = _leader_query(q_group, stride_qh, offs_d, G, G_PAD, HEAD_DIM, LEADER_MEAN)
 
     # The carry: the gates of every block after this one, summed in fp64 (it reaches NK).
     carry = tl.zeros([SUM_CHUNK], tl.float64)
@@ -111,12 +120,10 @@ def _block_kernel(
         carry += part.to(tl.float64)
     carry = tl.sum(carry, axis=0)
 
+    z, k_rows, key_ok = _block_gates(Q, K, stride_qb, stride_qh, stride_kb, stride_kh,
+                                        stride_kn, bg, blk, HKV, NK, gate_scale, G, G_PAD,
+                                        HEAD_DIM, D_PAD, LEADER_MEAN, BLOCK)  # fmt: skip
     offs_j = blk * BLOCK + tl.arange(0, BLOCK)
-    key_ok = offs_j < NK
-    k_rows = K + b * stride_kb + g * stride_kh + offs_j[:, None] * stride_kn
-    k = tl.load(k_rows + offs_d[None, :], mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-                other=0.0).to(tl.float32)  # fmt: skip
-    z = tl.where(key_ok, tl.sigmoid(tl.sum(k * q_lead[None, :], axis=1) * gate_scale), 0.0)
     local = tl.cumsum(z, axis=0, reverse=True) - z  # [BLOCK]: the gates after j in the block
 
     # The rotary halves, k rotated by -(carry + local) w: the carry's angle reduced in fp64.
