@@ -78,17 +78,19 @@ def _block_gates(Q, K, stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, bg
 def _gate_sums_kernel(
     Q, K, ZSUM,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
-    HKV, NK, gate_scale,
+    HKV, NK, n_blocks, gate_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     LEADER_MEAN: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``ZSUM[bg, blk]`` fp32: the sum of the leader's gates over block ``blk``'s keys."""
-    bg = tl.program_id(0)
-    blk = tl.program_id(1)
+    # A 1-D grid (group-major): its 2**31 - 1 programs bound no realistic cache, where a
+    # second grid axis (at most 65535) would stop at 4M cached tokens.
+    bg = tl.program_id(0) // n_blocks
+    blk = tl.program_id(0) % n_blocks
     z, _, _ = _block_gates(Q, K, stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, bg,
                               blk, HKV, NK, gate_scale, G, G_PAD, HEAD_DIM, D_PAD, LEADER_MEAN,
                               BLOCK)  # fmt: skip
-    tl.store(ZSUM + bg * tl.num_programs(1) + blk, tl.sum(z, axis=0))
+    tl.store(ZSUM + bg * n_blocks + blk, tl.sum(z, axis=0))
 
 
 @triton.jit
@@ -102,10 +104,11 @@ def _block_kernel(
     SUM_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Block ``blk``'s softmax partials for the ``G`` heads of group ``bg``: ``M_PART`` and
-    ``L_PART`` ``[bg, blk, G_PAD]`` (base-2 row max and sum of ``exp2``), ``O_PART``
-    ``[bg, blk, G_PAD, D_PAD]`` (the unnormalised output), all fp32."""
-    bg = tl.program_id(0)
-    blk = tl.program_id(1)
+    ``L_PART`` ``[bg, blk, G]`` (base-2 row max and sum of ``exp2``), ``O_PART``
+    ``[bg, blk, G, HEAD_DIM]`` (the unnormalised output), all fp32; the grid as
+    ``_gate_sums_kernel``'s."""
+    bg = tl.program_id(0) // n_blocks
+    blk = tl.program_id(0) % n_blocks
     b = (bg // HKV).to(tl.int64)
     g = (bg % HKV).to(tl.int64)
     HALF: tl.constexpr = ROPE_DIM // 2
@@ -165,10 +168,12 @@ def _block_kernel(
     v = tl.load(V + b * stride_vb + g * stride_vh + offs_j[:, None] * stride_vn + offs_d[None, :],
                 mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
     o = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [G_PAD, D_PAD]
-    part = (bg * n_blocks + blk) * G_PAD + offs_h
-    tl.store(M_PART + part, m)
-    tl.store(L_PART + part, tl.sum(p, axis=1))
-    tl.store(O_PART + part[:, None] * D_PAD + offs_d[None, :], o)
+    # int64: B * HKV * n_blocks * G * D can pass 2**31 for a large batch of long caches
+    part = (bg * n_blocks + blk).to(tl.int64) * G + offs_h
+    tl.store(M_PART + part, m, mask=h_ok)
+    tl.store(L_PART + part, tl.sum(p, axis=1), mask=h_ok)
+    tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+             mask=h_ok[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -176,8 +181,7 @@ def _combine_kernel(
     M_PART, L_PART, O_PART, O,
     stride_ob, stride_oh,
     HKV, n_blocks,
-    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """``O[b, g * G + h, 0]``: head ``h``'s blocks merged, ``sum exp2(m_b - m) o_b`` over
     ``sum exp2(m_b - m) l_b`` with ``m`` the largest ``m_b``."""
@@ -189,7 +193,7 @@ def _combine_kernel(
     m = tl.full([CHUNK], float("-inf"), tl.float32)
     for c0 in range(0, n_blocks, CHUNK):
         ok = c0 + offs_c < n_blocks
-        part = (bg * n_blocks + c0 + offs_c) * G_PAD + h
+        part = (bg * n_blocks + c0 + offs_c).to(tl.int64) * G + h
         m = tl.maximum(m, tl.load(M_PART + part, mask=ok, other=float("-inf")))
     m_all = tl.max(m, axis=0)
     offs_d = tl.arange(0, D_PAD)
@@ -197,11 +201,11 @@ def _combine_kernel(
     l_all = tl.zeros([CHUNK], tl.float32)
     for c0 in range(0, n_blocks, CHUNK):
         ok = c0 + offs_c < n_blocks
-        part = (bg * n_blocks + c0 + offs_c) * G_PAD + h
+        part = (bg * n_blocks + c0 + offs_c).to(tl.int64) * G + h
         scale = tl.where(ok, tl.exp2(tl.load(M_PART + part, mask=ok, other=0.0) - m_all), 0.0)
         l_all += scale * tl.load(L_PART + part, mask=ok, other=0.0)
-        o_b = tl.load(O_PART + part[:, None] * D_PAD + offs_d[None, :], mask=ok[:, None],
-                      other=0.0)  # fmt: skip
+        o_b = tl.load(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
         acc += tl.sum(scale[:, None] * o_b, axis=0)
     out = acc / tl.sum(l_all, axis=0)
     o_ptrs = O + b * stride_ob + (g * G + h) * stride_oh + offs_d
@@ -230,7 +234,8 @@ def corope_decode(
         ``o`` ``[B, HQ, 1, D]`` in q's dtype, contiguous.
 
     Besides ``o``, the launch allocates ``B * HKV * ceil(NK / BLOCK_N)`` gate sums and the
-    blocks' partials, ``G_PAD * (D_PAD + 2)`` fp32 a block and group.
+    blocks' partials, ``G * (D + 2)`` fp32 a block and group (about a quarter of the bf16
+    cache's bytes at ``G = 4``, ``D = 64``).
     """
     B, HQ, _, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
@@ -246,14 +251,14 @@ def corope_decode(
     shape = dict(G=G, G_PAD=g_pad, HEAD_DIM=D, D_PAD=d_pad, LEADER_MEAN=leader == "mean")
     f32 = dict(device=q.device, dtype=torch.float32)
     zsum = torch.empty(B * HKV, n_blocks, **f32)
-    m_part = torch.empty(B * HKV, n_blocks, g_pad, **f32)
+    m_part = torch.empty(B * HKV, n_blocks, G, **f32)
     l_part = torch.empty_like(m_part)
-    o_part = torch.empty(B * HKV, n_blocks, g_pad, d_pad, **f32)
+    o_part = torch.empty(B * HKV, n_blocks, G, D, **f32)
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
-    grid = (B * HKV, n_blocks)
+    grid = (B * HKV * n_blocks,)
     _gate_sums_kernel[grid](
         q, k, zsum, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        HKV, NK, softmax_scale, BLOCK=BLOCK_N, **shape,
+        HKV, NK, n_blocks, softmax_scale, BLOCK=BLOCK_N, **shape,
     )  # fmt: skip
     _block_kernel[grid](
         q, k, v, w, zsum, m_part, l_part, o_part,
@@ -267,7 +272,7 @@ def corope_decode(
     )  # fmt: skip
     _combine_kernel[(B * HKV, G)](
         m_part, l_part, o_part, o, o.stride(0), o.stride(1), HKV, n_blocks,
-        G=G, G_PAD=g_pad, HEAD_DIM=D, D_PAD=d_pad, CHUNK=64,
+        G=G, HEAD_DIM=D, D_PAD=d_pad, CHUNK=64,
     )  # fmt: skip
     return o
 
