@@ -17,8 +17,9 @@ parallel (split-K, as FlashDecoding), in three launches:
 The phase is formed as in the training forward: ``(carry w mod 2 pi)`` reduced in fp64 once
 per block and frequency, plus ``local w`` with ``local < BLOCK_N``, so the per-pair sin/cos
 sees small arguments and the phase error does not grow with the cache. The products run in
-fp32 (``tl.dot`` in IEEE precision): a step is a few hundred thousand multiply-adds a
-program, so exactness costs nothing measurable.
+fp32 (``tl.dot`` in IEEE precision, the group padded to 16 rows): exact, at the cost of
+CUDA-core products, which may be what makes a step grow with the cache at B = 8
+(``experiments/results/corope_decode_ab_h100.md``; not profiled).
 """
 
 from __future__ import annotations

@@ -352,6 +352,11 @@ def main() -> None:
         quick, out = quick_and_output(args, device, "bench_rope_attention")
     shapes = QUICK_SHAPES if quick else SHAPES
     if args.shapes:
+        unknown = [n for n in args.shapes if n not in shapes]
+        if unknown:
+            raise SystemExit(
+                f"--shapes {unknown}: the {'quick' if quick else 'full'} run has {list(shapes)}"
+            )
         shapes = {n: shapes[n] for n in args.shapes}
     dtypes = ["fp16"] if quick else args.dtypes
     if args.precompile and device.type == "cuda" and not args.report:

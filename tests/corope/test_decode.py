@@ -29,14 +29,16 @@ def _check_step(B, HQ, HKV, NK, D, rope_dim=None, leader="first", dtype=F32, **k
     assert_close_to_baseline("o", o, o64, corope_attention_ref(q, k, v, **kw))
 
 
-# NK around the key blocks (one key, a block, a block and one, several); every group size of
-# the training kernels' tests; partial rotation with a pass-through part.
+# NK around the key blocks (two keys: NK = 1 is a whole sequence, the training kernels'; a
+# block, a block and one, several, and past the 256 blocks the carry loop reads at a time);
+# every group size of the training kernels' tests; partial rotation with a pass-through part.
 CASES = [
-    pytest.param(1, 4, 1, 1, 64, None, "first", F32, id="G4-NK1-D64-f32"),
+    pytest.param(1, 4, 1, 2, 64, None, "first", F32, id="G4-NK2-D64-f32"),
     pytest.param(2, 4, 2, BLOCK_N, 64, None, "mean", F32, id="B2-G2-NK64-D64-mean-f32"),
     pytest.param(1, 8, 1, BLOCK_N + 1, 128, 96, "first", F32, id="G8-NK65-D128-R96-f32"),
     pytest.param(1, 3, 3, 200, 32, 20, "mean", F16, id="G1-NK200-D32-R20-mean-f16"),
     pytest.param(2, 16, 2, 130, 64, None, "first", F16, id="B2-G8-NK130-D64-f16"),
+    pytest.param(1, 1, 1, 257 * BLOCK_N + 3, 32, None, "mean", F32, id="G1-NK16451-D32-f32"),
 ]
 GPU_CASES = [
     pytest.param(1, 32, 8, 16384, 128, None, "first", BF16, id="G4-NK16384-D128-bf16"),
@@ -72,6 +74,13 @@ def test_decoding_step_takes_the_options():
         o = corope_attention(q, k, v, **kw)
     o64 = corope_attention_ref(q.double(), k.double(), v.double(), **kw)
     assert_close_to_baseline("o", o, o64, corope_attention_ref(q, k, v, **kw))
+
+
+def test_decode_op_passes_opcheck():
+    q = torch.randn(1, 4, 1, 32, device=DEVICE)
+    k, v = (torch.randn(1, 2, 70, 32, device=DEVICE) for _ in "kv")
+    w = torch.rand(16, device=DEVICE)
+    torch.library.opcheck(torch.ops.corope.decode, (q, k, v, w, 0.25, 32, "mean"))
 
 
 def test_decoding_step_traces_under_compile():
