@@ -4,6 +4,9 @@ Configs in ``configs/`` (root: ``configs/train.yaml``); the loop is ``lm.trainin
 Returns ``cfg.metric`` from the run's summary, so Hydra sweepers (Optuna) can optimise it.
 """
 
+import faulthandler
+import signal
+
 import hydra
 from omegaconf import DictConfig
 
@@ -19,4 +22,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: where a
+    # hung process (a DDP rank at a collective, say) waits. SIGUSR1 is POSIX only.
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     main()

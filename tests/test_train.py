@@ -1,11 +1,14 @@
 """The training harness as a user runs it: train.py end to end, resume, DDP, sweeps + collect,
 failures with clear messages."""
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,10 +44,57 @@ def train_killed_at_step(cfg, output_dir, step: int) -> None:
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root. Past ``timeout`` seconds the command has hung:
+    every ``train.py`` process of it (torchrun's ranks too) prints its threads' stacks
+    (train.py's SIGUSR1 handler), the whole process tree is killed, and the test fails with
+    the stacks, so that a hang says where it waits and leaves no rank behind."""
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = process_tree(proc.pid)
+        for pid in tree:
+            if trainer_process(pid):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)  # time to write the stacks
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"{' '.join(args[:4])} ... hung for {timeout} s; its stacks:\n{stderr[-20000:]}\n"
+            f"stdout:\n{stdout[-2000:]}"
+        )
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process descended from it (Linux: read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'
+            fields = stat.read_text().rpartition(")")[2].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def trainer_process(pid: int) -> bool:
+    """Whether ``pid`` runs train.py itself (not torchrun, whom SIGUSR1 would kill)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"train.py" in argv and b"torch.distributed.run" not in argv
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -615,6 +665,20 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path, data, ddp_options):
         for d in ("ddp", "one")
     ]
     assert len(norms[0]) == 4 and norms[0] == pytest.approx(norms[1], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_hung_run_prints_its_stacks(tmp_path):
+    """train.py's SIGUSR1 prints where each thread is, and run_cli's timeout collects it from
+    every rank and leaves no process behind (a run far longer than its timeout stands in for
+    a hang)."""
+    args = [*SMALL, "train.steps=100000", "train.device=cpu", f"hydra.run.dir={tmp_path}"]
+    with pytest.raises(pytest.fail.Exception, match="hung for 15 s") as hung:
+        run_cli("-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
+                *args, timeout=15)  # fmt: skip
+    # Each rank's main thread: its stack ends at train.py's module level
+    assert str(hung.value).count('train.py", line') >= 2, str(hung.value)
+    assert not [pid for pid in process_tree(os.getpid())[1:] if trainer_process(pid)]
 
 
 @pytest.mark.slow
