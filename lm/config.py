@@ -4,16 +4,18 @@ Every yaml file of a group ``<group>`` starts with ``defaults: [/schema/<group>/
 _self_]``, so Hydra merges it onto its schema and a misspelled key (``model.n_layers=2``) or a
 wrong type fails at start-up with the key's name. The schemas live in their own groups
 (``schema/attention``, ...), so they are not among a group's options (``attention=...``).
-``register_configs()`` must run before Hydra composes (``train.py`` and the tests call it).
+``register_configs()`` must run before Hydra composes (``train.py`` and the tests call it); it
+also registers the ``${launch_time:...}`` resolver of the output directories' names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 # Settings of how a run is carried out and watched, not of what it trains (the kernels and the
 # PyTorch path of attention.impl compute the same model, as do micro-batches and compile, up to
@@ -218,9 +220,26 @@ class TrainConfig:
     logger: Any = MISSING
 
 
+def launch_time(pattern: str) -> str:
+    """``${launch_time:<strftime pattern>}``, the stamp of ``hydra.run.dir`` and
+    ``hydra.sweep.dir``: Hydra's ``${now:<pattern>}`` (this process's clock) in one process;
+    on every rank of a torchrun launch, rank 0's instant (``lm.distributed.launch_time``), so
+    that all ranks resolve the one run directory where rank 0 writes the run, and no rank
+    creates a directory of its own."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a strftime pattern (str), got {type(pattern).__name__}")
+    from lm import distributed  # imports torch: only where a directory is named
+
+    shared = distributed.shares_torchrun_store()
+    return (distributed.launch_time() if shared else datetime.now()).strftime(pattern)
+
+
 def register_configs() -> None:
-    """Registers every schema; idempotent."""
+    """Registers every schema and the ``launch_time`` resolver; idempotent."""
     from lm.data.config import DATA_SCHEMAS
+
+    # Cached per config and pattern, as Hydra's ``now``: a sweep's jobs get its directory.
+    OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)

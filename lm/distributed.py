@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
+
+# How long a rank waits for rank 0's launch time in torchrun's store (rank 0 may still be
+# importing); rank 0 itself never waits.
+LAUNCH_TIME_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -69,3 +75,53 @@ def all_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.world_size > 1:
         dist.all_reduce(value)
     return value
+
+
+def shares_torchrun_store() -> bool:
+    """Whether this process is a rank of a multi-process torchrun launch whose agent keeps a
+    store every rank can reach at ``MASTER_ADDR:MASTER_PORT`` (torchrun sets
+    ``TORCHELASTIC_USE_AGENT_STORE=True`` then: its c10d and static rendezvous do)."""
+    return (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and "MASTER_ADDR" in os.environ
+        and "MASTER_PORT" in os.environ
+    )
+
+
+@functools.cache
+def launch_time() -> datetime:
+    """Rank 0's ``datetime.now()``, the same on every rank of this torchrun launch (and in each
+    call of a process): rank 0 writes it into the agent's store (``shares_torchrun_store()``
+    must hold), under a key of the launch's id and restart count, and the other ranks read it
+    there, so that no rank's path depends on its own clock. Hydra's run directory comes from it
+    (``lm.config.launch_time``), before any process group exists.
+
+    Raises TimeoutError when rank 0's time is not there within ``LAUNCH_TIME_TIMEOUT_S``."""
+    if not shares_torchrun_store():
+        raise RuntimeError(
+            "launch_time() needs a multi-process torchrun launch with its agent's store "
+            "(WORLD_SIZE > 1, TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR, MASTER_PORT)"
+        )
+    rank = int(os.environ["RANK"])
+    key = "lm/launch_time/{}/{}".format(
+        os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    where = f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=LAUNCH_TIME_TIMEOUT_S),
+        )
+        if rank == 0:
+            store.set(key, datetime.now().isoformat())
+        stamp = store.get(key).decode()
+    except dist.DistError as e:  # a timeout, or no store there
+        raise TimeoutError(
+            f"rank {rank} got no launch time from rank 0 in {where} within "
+            f"{LAUNCH_TIME_TIMEOUT_S:g} s ({e}); name the run's directory instead: "
+            "hydra.run.dir=..."
+        ) from e
+    return datetime.fromisoformat(stamp)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,14 +44,15 @@ def train_killed_at_step(cfg, output_dir, step: int) -> None:
             train(cfg, output_dir=str(output_dir))
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python *args`` from the repository root. Past ``timeout`` seconds the command has hung:
+def run_cli(*args: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python *args`` from ``cwd`` (the repository root: relative paths in ``args`` are
+    under it). Past ``timeout`` seconds the command has hung:
     every ``train.py`` process of it (torchrun's ranks too) prints its threads' stacks
     (train.py's SIGUSR1 handler), the whole process tree is killed, and the test fails with
     the stacks, so that a hang says where it waits and leaves no rank behind."""
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, env=env, text=True,
+        [sys.executable, *args], cwd=cwd, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -665,6 +667,31 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path, data, ddp_options):
         for d in ("ddp", "one")
     ]
     assert len(norms[0]) == 4 and norms[0] == pytest.approx(norms[1], rel=1e-4)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS's pick)."""
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_ddp_ranks_write_one_default_run_dir(tmp_path, rendezvous):
+    """Without hydra.run.dir, the ranks of a torchrun launch resolve Hydra's default directory
+    (outputs/<date>/<time>, under the directory it is started in) from rank 0's clock: one
+    directory, which holds the run, and none of a rank of its own. torchrun's default on one
+    node (c10d) and its static rendezvous (a --master-port given) each keep a store."""
+    static = ["--master-port", str(free_port())] if rendezvous == "static" else []
+    args = [*SMALL, "train.steps=2", "train.eval_every=0", "train.device=cpu"]
+    ddp = run_cli("-m", "torch.distributed.run", "--nproc_per_node=2", *static,
+                  str(ROOT / "train.py"), *args, cwd=tmp_path)  # fmt: skip
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+    (run_dir,) = tmp_path.glob("outputs/*/*")
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
 
 
 @pytest.mark.slow

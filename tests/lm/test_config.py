@@ -2,6 +2,7 @@
 forward pass; bad overrides fail at start-up with the key's name."""
 
 import datetime
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from lm.config import register_configs
+import lm.distributed
+from lm.config import launch_time, register_configs
 from lm.data import build_dataset
 from lm.model import GPT
 from lm.training import _config_choice
@@ -47,6 +49,70 @@ def test_output_dirs_of_runs_started_in_the_same_second_differ():
     for key in ("run", "sweep"):
         a, b = Path(first[key].dir), Path(second[key].dir)
         assert a != b and a.parent.name == b.parent.name == today, (a, b)
+
+
+def torchrun_env(monkeypatch, port: int, rank: int) -> None:
+    """The environment torchrun gives rank ``rank`` of 2 whose agent keeps its store at
+    ``port``."""
+    env = {"WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    env |= {"TORCHELASTIC_RUN_ID": "launch-1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    lm.distributed.launch_time.cache_clear()
+
+
+@pytest.fixture
+def agent_store():
+    """A store as torchrun's agent keeps one, in this process; launch_time's cache cleared
+    after the test."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True)
+    yield store
+    lm.distributed.launch_time.cache_clear()
+
+
+def test_torchrun_ranks_resolve_rank_0s_output_dir(monkeypatch, agent_store):
+    """Each rank of a torchrun launch composes the run directory that rank 0 does: rank 0's
+    instant, written into the agent's store, not the rank's own clock (rank 1 composes 2 s
+    later here: its own clock would name another directory, as another host's clock could)."""
+    register_configs()
+    dirs = []
+    for rank in (0, 1):
+        torchrun_env(monkeypatch, agent_store.port, rank)
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            hydra = compose("train", return_hydra_config=True).hydra
+            dirs.append((hydra.run.dir, hydra.sweep.dir))
+        if rank == 0:
+            time.sleep(2)
+    assert dirs[0] == dirs[1], dirs
+    assert datetime.date.today().isoformat() in dirs[0][0] and dirs[0][0].startswith("outputs/")
+    # Another launch (or a restart of this one) has its own key: it is rank 0's time again.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    lm.distributed.launch_time.cache_clear()
+    monkeypatch.setenv("RANK", "0")
+    assert launch_time("%H-%M-%S-%f") != dirs[0][0].rsplit("/", 1)[1]
+
+
+def test_a_rank_without_rank_0s_launch_time_fails_naming_the_way_out(monkeypatch, agent_store):
+    torchrun_env(monkeypatch, agent_store.port, rank=1)
+    monkeypatch.setattr(lm.distributed, "LAUNCH_TIME_TIMEOUT_S", 0.5)
+    with pytest.raises(TimeoutError, match=r"rank 1 got no launch time .*hydra\.run\.dir="):
+        launch_time("%H")
+
+
+def test_launch_time_outside_torchrun_is_this_processs_clock(monkeypatch):
+    """One process, or ranks without torchrun's agent store (the store opted out with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): Hydra's ``now``."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert not lm.distributed.shares_torchrun_store()
+    before = datetime.datetime.now().replace(microsecond=0)
+    stamp = datetime.datetime.strptime(launch_time("%Y-%m-%d %H:%M:%S"), "%Y-%m-%d %H:%M:%S")
+    assert before <= stamp <= datetime.datetime.now()
+    with pytest.raises(RuntimeError, match="needs a multi-process torchrun launch"):
+        lm.distributed.launch_time()
+    with pytest.raises(TypeError, match="pattern"):
+        launch_time(3)
 
 
 def test_default_is_rope_on_flipflop(monkeypatch):
