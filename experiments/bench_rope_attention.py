@@ -30,6 +30,7 @@ pass) miss the targets.
 
     python experiments/bench_rope_attention.py                      # GPU, results/ files
     python experiments/bench_rope_attention.py --quick --out /tmp/b  # CPU smoke (interpreter)
+    python experiments/bench_rope_attention.py --report "NVIDIA H200"  # rebuild results/ tables
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from experiments.results_io import (  # noqa: E402
-    RESULTS,
     accuracy_failed,
     accuracy_note,
     add_output_arguments,
@@ -341,15 +341,15 @@ def main() -> None:
         "--report",
         metavar="GPU",
         default=None,
-        help="time nothing: rewrite the markdown and PNG from the CSV rows of this GPU name",
+        help="time nothing: rewrite the markdown and PNG from the CSV rows of this GPU name "
+        "(in --out; default experiments/results/, with --quick the quick runs' folder)",
     )
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.report:  # rewrites a results folder's report: the committed one by default
-        quick, out = args.quick, args.out or RESULTS
-    else:  # a run without CUDA is quick and never writes into the committed results
-        quick, out = quick_and_output(args, device, "bench_rope_attention")
+    # A quick run or report (a run without CUDA is quick; a report, timing nothing, only with
+    # --quick) writes into the committed results only where --out names them.
+    quick, out = quick_and_output(args, device, "bench_rope_attention", times=not args.report)
     shapes = QUICK_SHAPES if quick else SHAPES
     if args.shapes:
         unknown = [n for n in args.shapes if n not in shapes]
@@ -372,7 +372,8 @@ def main() -> None:
     # the tables cover every row of this op on this GPU, so runs split by --shapes add up
     gpu = args.report or env["gpu"]
     order = [shape_label(n, s) for n, s in {**SHAPES, **QUICK_SHAPES}.items()]
-    rows = read_rows(out / "benchmarks.csv", OP, gpu, shape_order=order)
+    csv_path = out / "benchmarks.csv"
+    rows = read_rows(csv_path, OP, gpu, shape_order=order) if csv_path.exists() else []
     if not rows:
         raise SystemExit(f"no {OP} rows for GPU {gpu!r} in {out}")
     # the header names the machine and versions of the rows (runs split by --shapes add up)
@@ -408,7 +409,6 @@ def main() -> None:
     try:
         from experiments.plot_benchmarks import plot_op
 
-        csv_path = out / "benchmarks.csv"
         figures = {
             f"{OP}.png": {},
             f"{OP}_vs_floor.png": dict(relative_to="sdpa_no_rope", target=1.1),

@@ -28,6 +28,8 @@ def output_dir(out: Path | None, quick: bool, script: str) -> Path:
     """Where a benchmark writes: ``out`` when given, else ``RESULTS`` for a full run and a
     temporary ``<script>_quick`` folder for a quick one (a smoke test, which a CPU forces):
     in ``RESULTS`` it would replace the committed GPU tables with its own."""
+    if not isinstance(script, str) or not script or Path(script).name != script:
+        raise ValueError(f"script must be a bare name (the temporary folder's), got {script!r}")
     if out is not None:
         return out
     return Path(tempfile.gettempdir()) / f"{script}_quick" if quick else RESULTS
@@ -44,10 +46,16 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def quick_and_output(args: argparse.Namespace, device, script: str) -> tuple[bool, Path]:
-    """(quick, the folder to write to) from ``add_output_arguments``' options: a run without
-    CUDA is quick (the interpreter), and the folder is ``output_dir``'s; says where."""
-    quick = args.quick or device.type != "cuda"
+def quick_and_output(
+    args: argparse.Namespace, device, script: str, *, times: bool = True
+) -> tuple[bool, Path]:
+    """(quick, the folder to write to) from ``add_output_arguments``' options, for every run
+    of a benchmark, reports included: the folder is ``output_dir``'s, so a quick run writes
+    into ``RESULTS`` only where ``--out`` names it; says where. A run that times (``times``)
+    without CUDA is quick (the interpreter); one that times nothing (a report rebuilt from a
+    folder's CSV) is quick with ``--quick`` only, so a CPU machine can rebuild the committed
+    report, and a quick report is the quick runs' (their folder's CSV)."""
+    quick = args.quick or (times and device.type != "cuda")
     out = output_dir(args.out, quick, script)
     print(f"results into {out}", flush=True)
     return quick, out

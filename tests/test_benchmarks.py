@@ -9,19 +9,22 @@ import csv
 import os
 import subprocess
 import sys
+import tempfile
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 
 import corope.forward
-from experiments import bench_rope, bench_rope_attention
+from experiments import bench_rope, bench_rope_attention, results_io
 from experiments.results_io import (
     ACC_FAIL,
     RESULTS,
     accuracy_failed,
     accuracy_note,
     output_dir,
+    quick_and_output,
     upsert_rows,
 )
 from fused_rope._validation import interpreter_blocker
@@ -84,6 +87,47 @@ def test_a_quick_run_never_writes_into_the_committed_results(tmp_path):
     quick = output_dir(None, quick=True, script="bench_corope")
     assert RESULTS not in quick.parents and quick != RESULTS
     assert output_dir(tmp_path, quick=True, script="bench_corope") == tmp_path
+
+
+def test_a_report_is_quick_with_quick_alone_and_then_never_in_the_committed_results(tmp_path):
+    """A report (timing nothing) on a CPU rebuilds the committed tables (no GPU needed); with
+    --quick it is the quick runs' report, in their temporary folder, unless --out names one."""
+    cpu = torch.device("cpu")
+
+    def chosen(quick, out=None, times=False):
+        args = Namespace(quick=quick, out=out)
+        return quick_and_output(args, cpu, "bench_rope_attention", times=times)
+
+    assert chosen(quick=False) == (False, RESULTS)
+    assert chosen(quick=True) == (True, output_dir(None, True, "bench_rope_attention"))
+    assert RESULTS not in chosen(quick=True)[1].parents
+    assert chosen(quick=True, out=RESULTS) == (True, RESULTS)  # named: the user's choice
+    assert chosen(quick=False, times=True)[0]  # a timing run without CUDA is quick
+    with pytest.raises(ValueError, match="script"):
+        output_dir(None, True, "../results")
+
+
+def test_bench_rope_attention_quick_report_leaves_the_committed_report(tmp_path, monkeypatch):
+    """``--report GPU --quick`` without --out rewrote experiments/results/'s markdown and plots
+    (from the committed CSV): it now rebuilds the quick runs' folder's; ``--report GPU`` alone
+    still rewrites the committed one, also on a CPU."""
+    committed, temp = tmp_path / "results", tmp_path / "tmp"
+    monkeypatch.setattr(results_io, "RESULTS", committed)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    quick = temp / "bench_rope_attention_quick"
+    rows = [dict(op="rope_attention", provider=p, mode="fwd", shape="Tiny (1,2,64,32)",
+                 dtype="fp16", ms=1.0, gpu="cpu") for p in ("rope_attention", "sdpa_no_rope")]  # fmt: skip
+    for folder in (committed, quick):
+        upsert_rows(rows, folder / "benchmarks.csv")
+    argv = ["bench_rope_attention.py", "--report", "cpu"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--quick"])
+    bench_rope_attention.main()
+    assert [p.name for p in committed.iterdir()] == ["benchmarks.csv"]
+    assert "Tiny (1,2,64,32)" in (quick / "bench_rope_attention.md").read_text()
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_rope_attention.main()
+    assert (committed / "bench_rope_attention.md").is_file()
 
 
 def test_plot_draws_rows_without_the_metric_as_no_bar(tmp_path):
