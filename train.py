@@ -7,11 +7,17 @@ Returns ``cfg.metric`` from the run's summary, so Hydra sweepers (Optuna) can op
 import faulthandler
 import signal
 
-import hydra
-from omegaconf import DictConfig
+if __name__ == "__main__" and hasattr(signal, "SIGUSR1"):  # SIGUSR1 is POSIX only
+    # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: where a
+    # hung process (a DDP rank at a collective, say) waits. Registered before the imports
+    # below, which take seconds: until then SIGUSR1 would end the process.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
-from lm.config import register_configs
-from lm.training import train
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from lm.config import register_configs  # noqa: E402
+from lm.training import train  # noqa: E402
 
 register_configs()
 
@@ -22,8 +28,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: where a
-    # hung process (a DDP rank at a collective, say) waits. SIGUSR1 is POSIX only.
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     main()

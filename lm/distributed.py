@@ -116,7 +116,10 @@ def launch_time() -> datetime:
             timeout=timedelta(seconds=LAUNCH_TIME_TIMEOUT_S),
         )
         if rank == 0:
-            store.set(key, datetime.now().isoformat())
+            # The first value written stays: a rendezvous round that keeps the restart count
+            # (a node joining) finds its launch's time there, which the other ranks may
+            # already have read.
+            store.compare_set(key, "", datetime.now().isoformat())
         stamp = store.get(key).decode()
     except dist.DistError as e:  # a timeout, or no store there
         raise TimeoutError(

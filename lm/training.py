@@ -35,7 +35,9 @@ import gc
 import json
 import logging
 import math
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -304,12 +306,17 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
                 run.logger.abort()
             raise
     finally:
-        if run is not None and run.ddp is not run.model:
+        if info.world_size > 1:
             # The DDP wrapper holds the process group. Freed on this function's return, after
             # the group's destruction, it hung at times in gloo's teardown on a rank whose
-            # peer had exited (2 of 40 two-rank CPU runs, and a CI run): free it first, while
-            # every rank is alive (collected: a module with hooks may sit in cycles).
-            run.ddp = None
+            # peer had exited (2 of 40 two-rank CPU runs; CI's hang looked the same): free it first, while
+            # every rank is alive. An error's traceback holds it too (the frames of DDP's
+            # forward): their locals are cleared, their lines still print.
+            if run is not None:
+                run.ddp = None
+            error = sys.exc_info()[1]
+            if error is not None:
+                traceback.clear_frames(error.__traceback__)
             gc.collect()
         distributed.teardown(synchronize=finished)
 
@@ -367,13 +374,6 @@ class _Run:
             # nn.Module.compile: the same module and state_dict, its calls through
             # torch.compile; the first evaluations compile their shapes too (then dynamic).
             model.compile()
-        self.ddp = (
-            DistributedDataParallel(
-                model, device_ids=[info.device] if info.device.type == "cuda" else None
-            )
-            if info.world_size > 1
-            else model
-        )
         # The timer's stamps would break the compiled graph at every attention layer
         timed = self.t.time_attention and not self.t.compile
         if self.t.time_attention and not timed and info.main:
@@ -405,6 +405,14 @@ class _Run:
                 _convert_="all",  # run_config holds _target_ keys: keep them as data
             )
             self.state["logger_run_id"] = self.logger.run_id
+        # Last: a check above that fails leaves no DDP wrapper behind (see train()'s finally).
+        self.ddp = (
+            DistributedDataParallel(
+                model, device_ids=[info.device] if info.device.type == "cuda" else None
+            )
+            if info.world_size > 1
+            else model
+        )
 
     def _check_metric(self) -> None:
         """``metric`` (what train.py returns to sweepers) must be a key of the summary."""

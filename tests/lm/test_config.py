@@ -86,11 +86,18 @@ def test_torchrun_ranks_resolve_rank_0s_output_dir(monkeypatch, agent_store):
             time.sleep(2)
     assert dirs[0] == dirs[1], dirs
     assert datetime.date.today().isoformat() in dirs[0][0] and dirs[0][0].startswith("outputs/")
-    # Another launch (or a restart of this one) has its own key: it is rank 0's time again.
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    # Rank 0 again in the same launch and round (a rendezvous round that keeps the restart
+    # count): the time first written stays, which the other ranks may have read.
     lm.distributed.launch_time.cache_clear()
     monkeypatch.setenv("RANK", "0")
-    assert launch_time("%H-%M-%S-%f") != dirs[0][0].rsplit("/", 1)[1]
+    assert launch_time("%H-%M-%S-%f") == dirs[0][0].rsplit("/", 1)[1]
+    # A restart has a key of its own: nothing there until its rank 0 writes it.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(lm.distributed, "LAUNCH_TIME_TIMEOUT_S", 0.5)
+    lm.distributed.launch_time.cache_clear()
+    with pytest.raises(TimeoutError, match="rank 1 got no launch time"):
+        launch_time("%H")
 
 
 def test_a_rank_without_rank_0s_launch_time_fails_naming_the_way_out(monkeypatch, agent_store):
