@@ -93,8 +93,8 @@ def shares_torchrun_store() -> bool:
 def launch_time() -> datetime:
     """Rank 0's ``datetime.now()``, the same on every rank of this torchrun launch (and in each
     call of a process): rank 0 writes it into the agent's store (``shares_torchrun_store()``
-    must hold), under a key of the launch's id and restart count, and the other ranks read it
-    there, so that no rank's path depends on its own clock. Hydra's run directory comes from it
+    must hold), under a key of the launch's id (the same for its restarts), and the other ranks
+    read it there, so that no rank's path depends on its own clock. Hydra's run directory comes from it
     (``lm.config.launch_time``), before any process group exists.
 
     Raises TimeoutError when rank 0's time is not there within ``LAUNCH_TIME_TIMEOUT_S``."""
@@ -104,9 +104,9 @@ def launch_time() -> datetime:
             "(WORLD_SIZE > 1, TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR, MASTER_PORT)"
         )
     rank = int(os.environ["RANK"])
-    key = "lm/launch_time/{}/{}".format(
-        os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    )
+    # The launch's id, not its restart count: a restart (torchrun --max-restarts) runs in the
+    # launch's directory, where train.resume=true can continue from its last checkpoint.
+    key = f"lm/launch_time/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
     where = f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         store = dist.TCPStore(
@@ -116,9 +116,8 @@ def launch_time() -> datetime:
             timeout=timedelta(seconds=LAUNCH_TIME_TIMEOUT_S),
         )
         if rank == 0:
-            # The first value written stays: a rendezvous round that keeps the restart count
-            # (a node joining) finds its launch's time there, which the other ranks may
-            # already have read.
+            # The first value written stays: a later rendezvous round (a restart, a node
+            # joining) finds its launch's time there, which other ranks may have read.
             store.compare_set(key, "", datetime.now().isoformat())
         stamp = store.get(key).decode()
     except dist.DistError as e:  # a timeout, or no store there

@@ -86,13 +86,14 @@ def test_torchrun_ranks_resolve_rank_0s_output_dir(monkeypatch, agent_store):
             time.sleep(2)
     assert dirs[0] == dirs[1], dirs
     assert datetime.date.today().isoformat() in dirs[0][0] and dirs[0][0].startswith("outputs/")
-    # Rank 0 again in the same launch and round (a rendezvous round that keeps the restart
-    # count): the time first written stays, which the other ranks may have read.
+    # A restart of the launch (torchrun --max-restarts): its rank 0 finds the launch's time,
+    # which stays, so the restarted ranks run (and train.resume=true resumes) in its directory.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     lm.distributed.launch_time.cache_clear()
     monkeypatch.setenv("RANK", "0")
     assert launch_time("%H-%M-%S-%f") == dirs[0][0].rsplit("/", 1)[1]
-    # A restart has a key of its own: nothing there until its rank 0 writes it.
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    # Another launch has a key of its own: nothing there until its rank 0 writes it.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-launch")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(lm.distributed, "LAUNCH_TIME_TIMEOUT_S", 0.5)
     lm.distributed.launch_time.cache_clear()
