@@ -619,6 +619,41 @@ def test_relative_ckpt_path_is_under_each_runs_output_dir(tmp_path, monkeypatch)
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_ddp_syncs_gradients_in_the_last_micro_batch_only(tmp_path, monkeypatch):
+    """With train.grad_accum_steps=3, each step's first two micro-batches run under DDP's
+    no_sync() and the last does not: the gradients are all-reduced once a step, not once a
+    micro-batch (the 2-rank tests check the numbers, which syncing every micro-batch would
+    not change). A stand-in for DDP records it, as rank 0 of 2."""
+    calls = []
+
+    class RecordingDDP(torch.nn.Module):
+        def __init__(self, module, device_ids=None):
+            super().__init__()
+            self.module, self.syncing = module, True
+
+        def forward(self, x):
+            calls.append("sync" if self.syncing else "no_sync")
+            return self.module(x)
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.syncing = False
+            try:
+                yield
+            finally:
+                self.syncing = True
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(lm.training, "DistributedDataParallel", RecordingDDP)
+    monkeypatch.setattr(lm.distributed, "setup", lambda device: lm.distributed.DistInfo(0, 2, cpu))
+    monkeypatch.setattr(lm.distributed, "all_sum", lambda value, info: value.detach().clone())
+    monkeypatch.setattr(lm.distributed, "broadcast", lambda obj, info: obj)
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0", "train.batch_size=3",
+                      "train.grad_accum_steps=3", "train.device=cpu")  # fmt: skip
+    train(cfg, output_dir=str(tmp_path))
+    assert calls == ["no_sync", "no_sync", "sync"] * 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "data, ddp_options",
