@@ -1,17 +1,18 @@
 """Text generation with a KV cache, for every attention of ``lm.attention``.
 
 ``generate`` runs the prompt once (prefill), then one token per step: each step's query
-attends to the keys and values that ``KVCache`` kept from every earlier position. The cache
-holds them as the layer projected them, before any rotation: RoPE rotates the keys at each
-call (cheap next to the attention) and Co-RoPE must, since its rotation of key ``j`` for
-query ``i`` depends on the mileage from ``j`` to ``i``, which the new query's gates set. So
-a cached call computes what a forward over the sequence so far computes at its rows
+attends to the keys and values that ``KVCache`` kept from every earlier position. RoPE
+caches its keys rotated at their positions; Co-RoPE caches them as the layer projected them
+and rotates them at each call, as it must: its rotation of key ``j`` for query ``i`` depends
+on the mileage from ``j`` to ``i``, which the new query's gates set. So a cached call
+computes what a forward over the sequence so far computes at its rows
 (``tests/lm/test_generation.py`` checks it for every attention). One exception: dynamic
-NTK, whose frequencies follow the sequence length. The first layer's keys are rotated with
-the frequencies of the current length, but a deeper layer's cached keys come from hidden
-states computed at the lengths of their time, where a forward over the whole sequence would
-recompute them: past the original length such a model decodes close to, not exactly as, the
-forward (``use_cache=False`` decodes exactly, at the cost of a forward per token).
+NTK, whose frequencies follow the sequence length, so its cache holds the keys unrotated
+too. The first layer's keys are rotated with the frequencies of the current length, but a
+deeper layer's cached keys come from hidden states computed at the lengths of their time,
+where a forward over the whole sequence would recompute them: past the original length such
+a model decodes close to, not exactly as, the forward (``use_cache=False`` decodes exactly,
+at the cost of a forward per token).
 """
 
 from __future__ import annotations

@@ -97,6 +97,39 @@ def test_cached_steps_take_sdpas_bottom_right_mask(variant, monkeypatch):
     assert calls == [(1, 6), (1, 6), (1, 7), (1, 7)]  # 2 layers, 2 steps; prefill: is_causal
 
 
+# (dynamic NTK under impl=triton rotates inside rope_attention's kernels, which this spy misses)
+@pytest.mark.parametrize(
+    "variant, impl", [("rope", "torch"), ("rope", "triton"), ("rope_ntk", "torch")]
+)
+@torch.no_grad()
+def test_rope_rotates_each_key_once_unless_its_frequencies_follow_the_length(
+    variant, impl, monkeypatch
+):
+    """RoPE caches its keys rotated: a step rotates its own row of q and k, not every cached
+    key again. Dynamic NTK's frequencies follow the length, so it rotates them all."""
+    import fused_rope.naive
+    import fused_rope.rope
+
+    rows = []  # the key rows of each rotation, in order (q's rotation is not counted)
+    ref, qk = fused_rope.naive.apply_rope_ref, fused_rope.rope.apply_rope_qk
+
+    def spy_ref(x, *args, **kwargs):
+        if x.shape[1] == 2:  # the keys: 2 KV heads (q has 4)
+            rows.append(x.shape[2])
+        return ref(x, *args, **kwargs)
+
+    def spy_qk(q, k, *args, **kwargs):
+        rows.append(k.shape[2])
+        return qk(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(fused_rope.naive, "apply_rope_ref", spy_ref)
+    monkeypatch.setattr(fused_rope.rope, "apply_rope_qk", spy_qk)
+    model = make_model(variant, torch.float32, impl)
+    cached_logits(model, torch.randint(0, VOCAB, (1, 7), device=DEVICE), [5, 1, 1])
+    per_layer = [5, 1, 1] if variant == "rope" else [5, 6, 7]
+    assert rows == [n for n in per_layer for _ in model.blocks]
+
+
 @torch.no_grad()
 def test_dynamic_ntk_caches_deeper_layers_at_the_frequencies_of_their_time():
     """Past the original length (8) dynamic NTK's frequencies follow the sequence length, so
@@ -325,7 +358,8 @@ def test_model_refuses_a_cached_sequence_past_max_len():
 @torch.no_grad()
 def test_triton_decoding_is_as_close_as_the_torch_path(variant):
     """A prefill by the kernels (RoPE: ``rope_attention``, Co-RoPE: ``corope_attention``)
-    then single steps (RoPE: ``rope_attention`` with one query row; Co-RoPE: the reference)
+    then single steps (RoPE: the Triton RoPE of the new row, then SDPA over the rotated cache;
+    Co-RoPE: the decoding kernels)
     stay within flash-attention's rule of the PyTorch path run the same way, both against
     the fp64 forward (head dim 32). On the GPU under bf16 autocast, 45 + 30 tokens; on the
     CPU in fp32 through the interpreter, 9 + 4."""
