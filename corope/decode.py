@@ -101,8 +101,8 @@ def _block_kernel(
     HKV, NK, n_blocks, gate_scale, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     ROPE_DIM: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
-    LEADER_MEAN: tl.constexpr, FAST_TRIG: tl.constexpr, BLOCK: tl.constexpr,
-    SUM_CHUNK: tl.constexpr,
+    LEADER_MEAN: tl.constexpr, FAST_TRIG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr, SUM_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Block ``blk``'s softmax partials for the ``G`` heads of group ``bg``: ``M_PART`` and
     ``L_PART`` ``[bg, blk, G]`` (base-2 row max and sum of ``exp2``), ``O_PART``
@@ -141,26 +141,26 @@ def _block_kernel(
     mask_k = key_ok[:, None] & f_ok[None, :]
     k1 = tl.load(k_rows + offs_f[None, :], mask=mask_k, other=0.0).to(tl.float32)
     k2 = tl.load(k_rows + HALF + offs_f[None, :], mask=mask_k, other=0.0).to(tl.float32)
-    kr1 = k1 * cos_p + k2 * sin_p
-    kr2 = k2 * cos_p - k1 * sin_p
+    # The rotated keys in the inputs' dtype, as the training forward rounds them: a half
+    # precision cache takes tensor-core products, fp32 IEEE ones.
+    kr1 = (k1 * cos_p + k2 * sin_p).to(Q.dtype.element_ty)
+    kr2 = (k2 * cos_p - k1 * sin_p).to(Q.dtype.element_ty)
 
     # Scores of the G heads [G_PAD, BLOCK]
     offs_h = tl.arange(0, G_PAD)
     h_ok = offs_h < G
     q_heads = q_group + offs_h[:, None] * stride_qh
     mask_q = h_ok[:, None] & f_ok[None, :]
-    q1 = tl.load(q_heads + offs_f[None, :], mask=mask_q, other=0.0).to(tl.float32)
-    q2 = tl.load(q_heads + HALF + offs_f[None, :], mask=mask_q, other=0.0).to(tl.float32)
-    s = tl.dot(q1, tl.trans(kr1), input_precision="ieee")
-    s = tl.dot(q2, tl.trans(kr2), s, input_precision="ieee")
+    q1 = tl.load(q_heads + offs_f[None, :], mask=mask_q, other=0.0)
+    q2 = tl.load(q_heads + HALF + offs_f[None, :], mask=mask_q, other=0.0)
+    s = tl.dot(q1, tl.trans(kr1), input_precision=DOT_PRECISION)
+    s = tl.dot(q2, tl.trans(kr2), s, input_precision=DOT_PRECISION)
     if ROPE_DIM < HEAD_DIM:
         offs_p = ROPE_DIM + tl.arange(0, PASS_PAD)
         p_ok = offs_p < HEAD_DIM
-        qn = tl.load(q_heads + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :],
-                     other=0.0).to(tl.float32)  # fmt: skip
-        kn = tl.load(k_rows + offs_p[None, :], mask=key_ok[:, None] & p_ok[None, :],
-                     other=0.0).to(tl.float32)  # fmt: skip
-        s = tl.dot(qn, tl.trans(kn), s, input_precision="ieee")
+        qn = tl.load(q_heads + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+        kn = tl.load(k_rows + offs_p[None, :], mask=key_ok[:, None] & p_ok[None, :], other=0.0)
+        s = tl.dot(qn, tl.trans(kn), s, input_precision=DOT_PRECISION)
     s = tl.where(key_ok[None, :], s * qk_scale, float("-inf"))
 
     # The block's partials in base 2; every block has at least one key, so m is finite.
@@ -168,7 +168,7 @@ def _block_kernel(
     p = tl.exp2(s - m[:, None])
     v = tl.load(V + b * stride_vb + g * stride_vh + offs_j[:, None] * stride_vn + offs_d[None, :],
                 mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
-    o = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [G_PAD, D_PAD]
+    o = tl.dot(p.to(V.dtype.element_ty), v, input_precision=DOT_PRECISION)  # [G_PAD, D_PAD]
     # int64: B * HKV * n_blocks * G * D can pass 2**31 for a large batch of long caches
     part = (bg * n_blocks + blk).to(tl.int64) * G + offs_h
     tl.store(M_PART + part, m, mask=h_ok)
@@ -268,8 +268,9 @@ def corope_decode(
         HKV, NK, n_blocks, softmax_scale, softmax_scale * LOG2E,
         ROPE_DIM=rope_dim, HALF_PAD=max(MIN_DOT, triton.next_power_of_2(rope_dim // 2)),
         PASS_PAD=max(MIN_DOT, triton.next_power_of_2(max(D - rope_dim, 1))),
-        FAST_TRIG=not _INTERPRET and q.dtype != torch.float32, BLOCK=BLOCK_N, SUM_CHUNK=256,
-        **shape,
+        FAST_TRIG=not _INTERPRET and q.dtype != torch.float32,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK=BLOCK_N, SUM_CHUNK=256, **shape,
     )  # fmt: skip
     _combine_kernel[(B * HKV, G)](
         m_part, l_part, o_part, o, o.stride(0), o.stride(1), HKV, n_blocks,
