@@ -35,6 +35,7 @@ from fused_rope._validation import interpreting
 _INTERPRET = interpreting()
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys a program
+NUM_WARPS = 4  # of the gate-sum and block programs
 # tl.dot's least M, N and K: the heads, the rotary halves and the pass-through channels
 # are padded to it (zero rows and columns).
 MIN_DOT = 16
@@ -250,16 +251,18 @@ def corope_decode(
     g_pad = max(MIN_DOT, triton.next_power_of_2(G))
     d_pad = max(MIN_DOT, triton.next_power_of_2(D))
     shape = dict(G=G, G_PAD=g_pad, HEAD_DIM=D, D_PAD=d_pad, LEADER_MEAN=leader == "mean")
-    f32 = dict(device=q.device, dtype=torch.float32)
-    zsum = torch.empty(B * HKV, n_blocks, **f32)
-    m_part = torch.empty(B * HKV, n_blocks, G, **f32)
-    l_part = torch.empty_like(m_part)
-    o_part = torch.empty(B * HKV, n_blocks, G, D, **f32)
+    # One allocation (a decoding step is bound by the host): the gate sums [B * HKV, n_blocks],
+    # then m, l [.., G] and o [.., G, D] of the partials, flat, each from a 16-byte boundary.
+    n_parts = B * HKV * n_blocks
+    n_pad = triton.cdiv(n_parts, 4) * 4
+    scratch = torch.empty(n_pad * (1 + 2 * G) + n_parts * G * D, device=q.device,
+                          dtype=torch.float32)  # fmt: skip
+    zsum, m_part, l_part, o_part = scratch.split([n_pad, n_pad * G, n_pad * G, n_parts * G * D])
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     grid = (B * HKV * n_blocks,)
     _gate_sums_kernel[grid](
         q, k, zsum, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        HKV, NK, n_blocks, softmax_scale, BLOCK=BLOCK_N, **shape,
+        HKV, NK, n_blocks, softmax_scale, BLOCK=BLOCK_N, num_warps=NUM_WARPS, **shape,
     )  # fmt: skip
     _block_kernel[grid](
         q, k, v, w, zsum, m_part, l_part, o_part,
@@ -270,7 +273,7 @@ def corope_decode(
         PASS_PAD=max(MIN_DOT, triton.next_power_of_2(max(D - rope_dim, 1))),
         FAST_TRIG=not _INTERPRET and q.dtype != torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK=BLOCK_N, SUM_CHUNK=256, **shape,
+        BLOCK=BLOCK_N, SUM_CHUNK=256, num_warps=NUM_WARPS, **shape,
     )  # fmt: skip
     _combine_kernel[(B * HKV, G)](
         m_part, l_part, o_part, o, o.stride(0), o.stride(1), HKV, n_blocks,

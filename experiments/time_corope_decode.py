@@ -13,10 +13,12 @@ so this script measures both, on one GPU in one process, bf16:
 
 ``--versions`` takes copies of the repository whose ``corope/decode.py`` is timed next to the
 checkout's (loaded in this process; the rest of the package is the checkout's), each row
-with its largest difference from the checkout's output.
+with its largest difference from the checkout's output. ``--sweep`` times the checkout's
+kernels at each pair of ``corope.decode.BLOCK_N`` (keys a program) and ``NUM_WARPS``.
 
     python experiments/time_corope_decode.py --out /tmp/t
     python experiments/time_corope_decode.py --versions /tmp/old      # A/B in one process
+    python experiments/time_corope_decode.py --sweep 64,4 128,4 128,8   # launch shapes
 """
 
 from __future__ import annotations
@@ -88,8 +90,11 @@ def host_us(fn, calls: int = 300) -> float:
     return sorted(runs)[2]
 
 
-def gpu_rows(versions: dict, case: tuple[int, ...], gbps: float) -> list[dict]:
-    """Each version's and SDPA's GPU time on ``case`` ``(B, HQ, HKV, D, NK)``."""
+def gpu_rows(
+    versions: dict, case: tuple[int, ...], gbps: float, sweep: list[tuple[int, int]]
+) -> list[dict]:
+    """Each version's, each swept launch shape's and SDPA's GPU time on ``case``
+    ``(B, HQ, HKV, D, NK)``."""
     B, HQ, HKV, D, NK = case
     q, k, v = step_inputs(B, HQ, HKV, D, NK)
     w, s = corope_inv_freq(D, 10000.0, None, q.device), D**-0.5
@@ -102,6 +107,17 @@ def gpu_rows(versions: dict, case: tuple[int, ...], gbps: float) -> list[dict]:
         ref = o if ref is None else ref
         us = time_ms(step)[0] * 1e3
         rows.append(dict(common, provider=f"corope {name}", gpu_us=us, diff=rel_diff([ref], [o])))
+    saved = corope.decode.BLOCK_N, corope.decode.NUM_WARPS
+    try:
+        for block_n, warps in sweep:
+            corope.decode.BLOCK_N, corope.decode.NUM_WARPS = block_n, warps
+            step = lambda: corope.decode.corope_decode(q, k, v, w, s, D, "first")  # noqa: E731
+            o = step()
+            us = time_ms(step)[0] * 1e3
+            name = f"corope BLOCK_N={block_n}, {warps} warps"
+            rows.append(dict(common, provider=name, gpu_us=us, diff=rel_diff([ref], [o])))
+    finally:
+        corope.decode.BLOCK_N, corope.decode.NUM_WARPS = saved
     us = time_ms(lambda: sdpa_attention(q, k, v))[0] * 1e3
     rows.append(dict(common, provider="sdpa (nope)", gpu_us=us))
     print(f"{common['shape']}: done", flush=True)
@@ -139,6 +155,7 @@ def host_rows(versions: dict) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--versions", nargs="*", type=Path, default=[], help="repository copies")
+    ap.add_argument("--sweep", nargs="*", default=[], help="BLOCK_N,NUM_WARPS pairs to time")
     ap.add_argument("--out", type=Path, help="a directory for time_corope_decode.md")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -147,7 +164,8 @@ def main() -> None:
     versions |= {str(root): load_decode(root, i) for i, root in enumerate(args.versions)}
     gbps = copy_bandwidth(torch.device("cuda"), False)[1]
     with torch.no_grad():
-        gpu = [row for case in CASES for row in gpu_rows(versions, case, gbps)]
+        sweep = [tuple(int(x) for x in pair.split(",")) for pair in args.sweep]
+        gpu = [row for case in CASES for row in gpu_rows(versions, case, gbps, sweep)]
     host = host_rows(versions)
     text = (
         f"# Decoding step attention, {torch.cuda.get_device_name()}, bf16\n\n"
