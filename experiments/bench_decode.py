@@ -5,7 +5,8 @@ dim 64; bytes as tokens) in bf16 with random weights: speed does not depend on t
 (attention, batch B, prompt length P): the prefill (one forward of the prompt into a fresh
 ``lm.generation.KVCache``) and the decoding step (one token per sequence through the cached
 model, the median of ``--steps`` steps, each synchronized). RoPE runs its Triton kernels
-(``rope_attention``: the prompt, then one query row against the cache); Co-RoPE prefills
+(``rope_attention`` for the prompt; a step rotates its new row with the Triton RoPE kernel,
+then SDPA reads the cache of rotated keys); Co-RoPE prefills
 with ``corope_attention`` and decodes with it too (one query row: the decoding kernels of
 ``corope/decode.py``, its gates and mileage over every cached key), NoPE is SDPA.
 
