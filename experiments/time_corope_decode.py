@@ -14,11 +14,12 @@ so this script measures both, on one GPU in one process, bf16:
 ``--versions`` takes copies of the repository whose ``corope/decode.py`` is timed next to the
 checkout's (loaded in this process; the rest of the package is the checkout's), each row
 with its largest difference from the checkout's output. ``--sweep`` times the checkout's
-kernels at each pair of ``corope.decode.BLOCK_N`` (keys a program) and ``NUM_WARPS``.
+kernels with module constants of ``corope.decode`` set (``BLOCK_N``, ``PROGRAMS_PER_SM``,
+``NUM_STAGES``), one setting per argument.
 
     python experiments/time_corope_decode.py --out /tmp/t
     python experiments/time_corope_decode.py --versions /tmp/old      # A/B in one process
-    python experiments/time_corope_decode.py --sweep 64,4 128,4 128,8   # launch shapes
+    python experiments/time_corope_decode.py --sweep NUM_STAGES=1 BLOCK_N=128,PROGRAMS_PER_SM=4
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
@@ -91,7 +93,7 @@ def host_us(fn, calls: int = 300) -> float:
 
 
 def gpu_rows(
-    versions: dict, case: tuple[int, ...], gbps: float, sweep: list[tuple[int, int]]
+    versions: dict, case: tuple[int, ...], gbps: float, sweep: list[dict[str, int]]
 ) -> list[dict]:
     """Each version's, each swept launch shape's and SDPA's GPU time on ``case``
     ``(B, HQ, HKV, D, NK)``."""
@@ -107,17 +109,21 @@ def gpu_rows(
         ref = o if ref is None else ref
         us = time_ms(step)[0] * 1e3
         rows.append(dict(common, provider=f"corope {name}", gpu_us=us, diff=rel_diff([ref], [o])))
-    saved = corope.decode.BLOCK_N, corope.decode.NUM_WARPS
-    try:
-        for block_n, warps in sweep:
-            corope.decode.BLOCK_N, corope.decode.NUM_WARPS = block_n, warps
+    for setting in sweep:
+        saved = {name: getattr(corope.decode, name) for name in setting}
+        try:
+            for name, value in setting.items():
+                setattr(corope.decode, name, value)
             step = lambda: corope.decode.corope_decode(q, k, v, w, s, D, "first")  # noqa: E731
+            label = "corope " + ", ".join(f"{n}={x}" for n, x in setting.items())
             o = step()
             us = time_ms(step)[0] * 1e3
-            name = f"corope BLOCK_N={block_n}, {warps} warps"
-            rows.append(dict(common, provider=name, gpu_us=us, diff=rel_diff([ref], [o])))
-    finally:
-        corope.decode.BLOCK_N, corope.decode.NUM_WARPS = saved
+            rows.append(dict(common, provider=label, gpu_us=us, diff=rel_diff([ref], [o])))
+        except OutOfResources as err:  # a setting past the SM's shared memory or registers
+            rows.append(dict(common, provider=label, diff=f"out of resources: {err}"))
+        finally:
+            for name, value in saved.items():
+                setattr(corope.decode, name, value)
     us = time_ms(lambda: sdpa_attention(q, k, v))[0] * 1e3
     rows.append(dict(common, provider="sdpa (nope)", gpu_us=us))
     print(f"{common['shape']}: done", flush=True)
@@ -155,7 +161,9 @@ def host_rows(versions: dict) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--versions", nargs="*", type=Path, default=[], help="repository copies")
-    ap.add_argument("--sweep", nargs="*", default=[], help="BLOCK_N,NUM_WARPS pairs to time")
+    ap.add_argument(
+        "--sweep", nargs="*", default=[], help="settings to time, as NAME=VALUE,NAME=VALUE"
+    )
     ap.add_argument("--out", type=Path, help="a directory for time_corope_decode.md")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -164,7 +172,10 @@ def main() -> None:
     versions |= {str(root): load_decode(root, i) for i, root in enumerate(args.versions)}
     gbps = copy_bandwidth(torch.device("cuda"), False)[1]
     with torch.no_grad():
-        sweep = [tuple(int(x) for x in pair.split(",")) for pair in args.sweep]
+        sweep = [
+            {name: int(x) for name, x in (kv.split("=") for kv in arg.split(","))}
+            for arg in args.sweep
+        ]
         gpu = [row for case in CASES for row in gpu_rows(versions, case, gbps, sweep)]
     host = host_rows(versions)
     text = (

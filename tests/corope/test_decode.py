@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import corope.decode
 from corope import corope_attention, corope_attention_ref
-from corope.decode import BLOCK_N
+from corope.decode import BLOCK_N, decode_splits
 from tests.helpers import DEVICE, assert_close_to_baseline
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -30,7 +31,7 @@ def _check_step(B, HQ, HKV, NK, D, rope_dim=None, leader="first", dtype=F32, **k
 
 
 # NK around the key blocks (two keys: NK = 1 is a whole sequence, the training kernels'; a
-# block, a block and one, several, and past the 256 blocks the carry loop reads at a time);
+# block, a block and one, several, and long: on the CPU, one split of 2 and one of 33 blocks);
 # every group size of the training kernels' tests; partial rotation with a pass-through part.
 CASES = [
     pytest.param(1, 4, 1, 2, 64, None, "first", F32, id="G4-NK2-D64-f32"),
@@ -52,6 +53,24 @@ GPU_CASES = [
 @pytest.mark.parametrize("B, HQ, HKV, NK, D, rope_dim, leader, dtype", CASES)
 def test_decoding_step_matches_reference(B, HQ, HKV, NK, D, rope_dim, leader, dtype):
     _check_step(B, HQ, HKV, NK, D, rope_dim, leader, dtype)
+
+
+def test_one_block_a_split_past_the_carry_loops_chunk(monkeypatch):
+    """Every block its own program: 258 splits, more than the 256 gate sums the carry loop
+    reads at a time (the cases above run several blocks a split, as on the CPU's one SM)."""
+    monkeypatch.setattr(corope.decode, "PROGRAMS_PER_SM", 10**6)
+    assert decode_splits(258, 1, 1) == (258, 1)
+    _check_step(1, 2, 1, 257 * BLOCK_N + 3, 32, leader="first")
+
+
+@pytest.mark.parametrize("n_blocks", [1, 2, 7, 64, 258, 5000])
+@pytest.mark.parametrize("groups", [1, 3, 16, 2000])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_decode_splits_cover_every_block_once(n_blocks, groups, sms):
+    """Consecutive runs of blocks_per_split blocks, the last possibly shorter, none empty."""
+    n_splits, per_split = decode_splits(n_blocks, groups, sms)
+    assert 1 <= n_splits <= n_blocks and per_split >= 1
+    assert (n_splits - 1) * per_split < n_blocks <= n_splits * per_split
 
 
 @pytest.mark.gpu
