@@ -140,11 +140,12 @@ def corope_attention(
     Same function as ``corope.corope_attention_ref`` (the math is in ``corope/README.md``).
 
     Args:
-        q: ``[B, HQ, N, D]``; head ``h`` belongs to KV group ``h // (HQ // HKV)``. Or one row,
-            ``[B, HQ, 1, D]``, at k's last position: a decoding step against a KV cache
-            (``corope.decode``: split over the cache's keys; no gradient, so grad mode must
-            be off or q, k, v must not require grad).
-        k, v: ``[B, HKV, N, D]`` with ``HQ % HKV == 0``. fp16, bf16 or fp32, one dtype and one
+        q: ``[B, HQ, NQ, D]``, k's last ``NQ`` positions; head ``h`` belongs to KV group
+            ``h // (HQ // HKV)``. ``NQ = NK`` in training; ``NQ < NK`` continues a KV cache
+            (a chunk of a prefill, or a decoding step at ``NQ = 1``, which takes the
+            decoding kernels of ``corope.decode``, split over the cache's keys) and has no
+            gradient: grad mode must be off or q, k, v must not require grad.
+        k, v: ``[B, HKV, NK, D]`` with ``HQ % HKV == 0``. fp16, bf16 or fp32, one dtype and one
             CUDA device for all three (the CPU only under ``TRITON_INTERPRET=1``, fp16/fp32);
             ``D`` in ``SUPPORTED_HEAD_DIMS`` (32, 64, 128, 256). Any strides.
         theta: RoPE base; ``w[d] = theta ** (-2d / R)``.
@@ -157,15 +158,10 @@ def corope_attention(
         deterministic: ask the backward kernel for its deterministic (atomic-free) mode.
 
     Returns:
-        ``o`` ``[B, HQ, N, D]`` in q's dtype (contiguous).
+        ``o`` ``[B, HQ, NQ, D]`` in q's dtype (contiguous).
     """
     R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=True)
     NQ, NK = q.shape[2], k.shape[2]
-    if NQ != NK and NQ != 1:
-        raise ValueError(
-            f"the kernels take q and k of one length, or one query row (a decoding step), got "
-            f"NQ={NQ} and NK={NK}; corope_attention_ref takes any NQ <= NK (the last positions)"
-        )
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(
             f"q, k, v must be one of {[str(d) for d in KERNEL_DTYPES]} for the kernels, got "
@@ -180,13 +176,13 @@ def corope_attention(
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
     w = corope_inv_freq(R, theta, inv_freq, q.device)
-    if NQ < NK:
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            raise ValueError(
-                "a decoding step (one query row against a longer k) has no backward kernel: "
-                "run it under torch.no_grad() / torch.inference_mode(), or differentiate "
-                "corope_attention_ref"
-            )
+    if NQ < NK and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        raise ValueError(
+            f"queries that continue a KV cache (NQ={NQ} < NK={NK}) have no backward kernel: "
+            "run them under torch.no_grad() / torch.inference_mode(), or differentiate "
+            "corope_attention_ref"
+        )
+    if NQ == 1 < NK:
         if torch.compiler.is_compiling():
             return _decode_op(q, k, v, w, s, R, leader)
         # Eagerly, the kernels without the op's dispatch: a decoding step is bound by the host,

@@ -136,8 +136,8 @@ def _corope_fwd_kernel(
     stride_ab,  # ANG: [B * HKV, N_ROWS * HALF_PAD] contiguous
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
-    HKV, N, gate_scale, qk_scale,
-    N_BUCKET,  # autotune key only: N rounded up to a power of two (at least 512)
+    HKV, NQ, NK, gate_scale, qk_scale,
+    N_BUCKET,  # autotune key only: NK rounded up to a power of two (at least 512)
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -159,7 +159,7 @@ def _corope_fwd_kernel(
     # Frequencies per tensor-core product: their rotated key pairs are its K = 16 axis.
     DC: tl.constexpr = FREQ_CHUNK
     # Longest key sweeps first, over all groups (the grid is 1-D, groups fastest).
-    num_m = tl.cdiv(N, BLOCK_M)
+    num_m = tl.cdiv(NQ, BLOCK_M)
     n_bg = tl.num_programs(0) // num_m  # B * HKV
     pid_bg = tl.program_id(0) % n_bg
     pid_m = num_m - 1 - tl.program_id(0) // n_bg
@@ -168,12 +168,14 @@ def _corope_fwd_kernel(
     g = (pid_bg % HKV).to(tl.int64)
     h0 = g * G  # the group's first query head
     m0 = pid_m * BLOCK_M
+    # q's rows are the last NQ of the NK positions: row i is at position i + shift.
+    shift = NK - NQ
 
-    # Rows of the softmax tiles: c = hh * BLOCK_M + ii is head g * G + hh at position m0 + ii.
+    # Rows of the softmax tiles: c = hh * BLOCK_M + ii is head g * G + hh at row m0 + ii.
     cols = tl.arange(0, COLS)
     cols_h = cols // BLOCK_M
     cols_i = m0 + cols % BLOCK_M
-    col_ok = (cols_h < G) & (cols_i < N)
+    col_ok = (cols_h < G) & (cols_i < NQ)
     offs_d = tl.arange(0, HEAD_DIM)
     # [COLS, D]: the queries of the tile's rows
     q_rows = tl.load(
@@ -198,7 +200,7 @@ def _corope_fwd_kernel(
         + (offs_i[:, None, None] * HP + offs_hp[None, None, :]) * R_PAD
         + offs_k2[None, :, None]
     )  # fmt: skip
-    qc_ok = (offs_i < N)[:, None, None]
+    qc_ok = (offs_i < NQ)[:, None, None]
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
@@ -207,7 +209,7 @@ def _corope_fwd_kernel(
     m_i = tl.full([COLS], float("-inf"), tl.float32)
     l_i = tl.zeros([COLS], tl.float32)
     acc = tl.zeros([COLS, HEAD_DIM], tl.float32)
-    # fp64: the carry reaches N, and its phase carry * w is reduced modulo 2 pi exactly.
+    # fp64: the carry reaches NK, and its phase carry * w is reduced modulo 2 pi exactly.
     carry = tl.zeros([BLOCK_M], tl.float64)
     # This program's slot of ANG: the carry's reduced angle of every (frequency, row) of the
     # current key tile, [HALF_PAD, BLOCK_M] (store_carry_angles).
@@ -217,10 +219,10 @@ def _corope_fwd_kernel(
     ang_row = ANG + pid_bg.to(tl.int64) * stride_ab + m0 * HALF_PAD + tl.arange(0, BLOCK_M)
     ang_ptrs = ang_row[None, :] + offs_f[:, None] * BLOCK_M
 
-    n_tiles = (tl.minimum(N, m0 + BLOCK_M) + BLOCK_N - 1) // BLOCK_N
+    n_tiles = (tl.minimum(NK, shift + m0 + BLOCK_M) + BLOCK_N - 1) // BLOCK_N
     for step in range(0, n_tiles):
         offs_j = (n_tiles - 1 - step) * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_ok = offs_j < N
+        key_ok = offs_j < NK
         k = tl.load(
             k_base + offs_j[:, None] * stride_kn + offs_d[None, :] * stride_kd,
             mask=key_ok[:, None],
@@ -241,7 +243,7 @@ def _corope_fwd_kernel(
             u_lead = tl.sum(u, axis=0) / G
         else:
             u_lead = tl.sum(tl.where(offs_h[:, None, None] == 0, u, 0.0), axis=0)
-        causal = (offs_j[None, :] <= offs_i[:, None]) & key_ok[None, :]  # [BLOCK_M, BLOCK_N]
+        causal = (offs_j[None, :] <= shift + offs_i[:, None]) & key_ok[None, :]  # [BM, BN]
         z = tl.where(causal, tl.sigmoid(u_lead * gate_scale), 0.0)
         local = tl.cumsum(z, axis=1, reverse=True) - z
 
@@ -282,7 +284,7 @@ def _corope_fwd_kernel(
         if ROPE_DIM < HEAD_DIM:
             s += tl.dot(q_pass, tl.trans(k), input_precision=DOT_PRECISION)
         s = s * qk_scale
-        mask = (offs_j[None, :] <= cols_i[:, None]) & key_ok[None, :]
+        mask = (offs_j[None, :] <= shift + cols_i[:, None]) & key_ok[None, :]
         s = tl.where(mask, s, float("-inf"))
 
         # Online softmax in base 2 along the keys. A row can be fully masked in the first
@@ -384,56 +386,61 @@ def corope_fwd(
     """Launches the forward kernel; inputs are assumed validated (``corope.attention``).
 
     Args:
-        q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]``; any strides (copied to a contiguous
-            last dim when needed), fp16, bf16 or fp32, on CUDA (or the CPU under
-            ``TRITON_INTERPRET=1``). ``D`` in ``SUPPORTED_HEAD_DIMS``.
+        q: ``[B, HQ, NQ, D]``, the last ``NQ`` of k's positions (``NQ = NK`` in training;
+            fewer: a chunk that continues a KV cache); k, v: ``[B, HKV, NK, D]``; any strides
+            (copied to a contiguous last dim when needed), fp16, bf16 or fp32, on CUDA (or
+            the CPU under ``TRITON_INTERPRET=1``). ``D`` in ``SUPPORTED_HEAD_DIMS``.
         inv_freq: ``[R/2]`` frequencies (any float dtype; used in fp32).
         softmax_scale: ``s``; scales the gate logits and the scores.
         rope_dim: ``R``, even, ``<= D``.
         leader: ``"first"`` or ``"mean"``.
 
     Returns:
-        ``o`` ``[B, HQ, N, D]`` in q's dtype and ``lse`` ``[B, HQ, N]`` fp32, the natural-log
-        log-sum-exp of the scaled scores over ``j <= i``.
+        ``o`` ``[B, HQ, NQ, D]`` in q's dtype and ``lse`` ``[B, HQ, NQ]`` fp32, the natural-log
+        log-sum-exp of the scaled scores over the keys each row sees (``j <= i + NK - NQ``).
 
     Besides o and lse, the launch allocates the rotary channels of q (in q's dtype, the group
     padded to ``product_heads(G)`` heads) and of k (fp32), interleaved by
-    ``interleaved_pairs``, and a scratch of ``B * HKV * N * freq_pad(R)`` fp32 (N
+    ``interleaved_pairs``, and a scratch of ``B * HKV * NQ * freq_pad(R)`` fp32 (NQ
     rounded up to the largest tile's rows) where each program keeps its rows' reduced carry
     angles of the current key tile.
     """
-    B, HQ, N, D = q.shape
-    HKV = k.shape[1]
+    B, HQ, NQ, D = q.shape
+    HKV, NK = k.shape[1], k.shape[2]
     G = HQ // HKV
     if inv_freq.numel() != rope_dim // 2:
         # the kernel reads R/2 frequencies: a shorter tensor would be read past its end
         raise ValueError(
             f"inv_freq must have rope_dim / 2 = {rope_dim // 2} elements, got {inv_freq.numel()}"
         )
+    if NQ > NK:
+        raise ValueError(f"q's rows are the last of k's positions: NQ={NQ} must be <= NK={NK}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     check_index_span(G, dict(q=q), dict(k=k, v=v))
-    n_pad = triton.cdiv(N, 8) * 8  # positions padded to a multiple of 8 (zeros)
     g_pad = triton.next_power_of_2(G)
     hp = product_heads(G)
     half_pad = freq_pad(rope_dim)
-    qc = interleaved_pairs(q.unflatten(1, (HKV, G)), rope_dim, n_pad, 2 * half_pad, hp)
-    kc = interleaved_pairs(k.unsqueeze(2), rope_dim, n_pad, 2 * half_pad, 1, torch.float32)
+    # positions padded to a multiple of 8 (zeros)
+    qc = interleaved_pairs(q.unflatten(1, (HKV, G)), rope_dim, triton.cdiv(NQ, 8) * 8,
+                           2 * half_pad, hp)  # fmt: skip
+    kc = interleaved_pairs(k.unsqueeze(2), rope_dim, triton.cdiv(NK, 8) * 8, 2 * half_pad, 1,
+                           torch.float32)  # fmt: skip
     # Rows rounded up to the largest BLOCK_M any config takes (powers of two, so every other
     # BLOCK_M divides it).
     m_max = max(1, max(c.kwargs["BLOCK_GM"] for c in _corope_fwd_kernel.configs) // hp)
-    ang = torch.empty(B * HKV, triton.cdiv(N, m_max) * m_max * half_pad, device=q.device,
+    ang = torch.empty(B * HKV, triton.cdiv(NQ, m_max) * m_max * half_pad, device=q.device,
                       dtype=torch.float32)  # fmt: skip
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
-    if N == 0 or B == 0 or HQ == 0:
+    lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
+    if NQ == 0 or B == 0 or HQ == 0:
         return o, lse
-    grid = lambda meta: (triton.cdiv(N, max(1, meta["BLOCK_GM"] // hp)) * B * HKV,)
+    grid = lambda meta: (triton.cdiv(NQ, max(1, meta["BLOCK_GM"] // hp)) * B * HKV,)
     _corope_fwd_kernel[grid](
         q, k, v, qc, kc, w, ang, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *qc.stride()[:2], *kc.stride()[:2],
         ang.stride(0), *o.stride(), *lse.stride(),
-        HKV, N, softmax_scale, softmax_scale * LOG2E, max(512, triton.next_power_of_2(N)),
+        HKV, NQ, NK, softmax_scale, softmax_scale * LOG2E, max(512, triton.next_power_of_2(NK)),
         G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, HALF_PAD=half_pad,
         LEADER_MEAN=leader == "mean",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -66,8 +66,9 @@ def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=F
     if not queries_last and k.shape[2] != N:
         raise ValueError(
             f"k must be [B={B}, HKV, N={N}, D={D}] to match q {tuple(q.shape)}, got "
-            f"{tuple(k.shape)} (the kernels take q and k of one length; corope_attention_ref "
-            "also takes fewer query rows, the last positions, as a decoding step does)"
+            f"{tuple(k.shape)} (the backward kernels take q and k of one length; "
+            "corope_attention_ref also takes fewer query rows, the last positions, as a "
+            "decoding step does)"
         )
     HKV = k.shape[1]
     if HKV == 0 or HQ == 0 or HQ % HKV:

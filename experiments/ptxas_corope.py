@@ -58,7 +58,7 @@ UNIT_STRIDES = {
 }  # fmt: skip
 # Integer arguments compiled as multiples of 16, as a launch at every benchmark shape has them
 # (Triton's launcher specialises on it; the backward's vector atomic adds depend on N's).
-DIVISIBLE_INTS = {"N", "N_BUCKET"}
+DIVISIBLE_INTS = {"N", "NQ", "NK", "N_BUCKET"}
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # (G, D, R) shapes
 SHAPES = [(4, 64, 64), (4, 128, 128), (1, 128, 128), (2, 128, 128), (8, 128, 128),

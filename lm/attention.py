@@ -281,9 +281,10 @@ class CoRopeAttention(Attention):
             detach_mileage=self.detach_mileage,
         )
         # The kernels take q and k of one length (training, a prefill) or, without autograd,
-        # one query row (a decoding step); a cached chunk of several rows runs the reference.
+        # the queries of a cached chunk (a decoding step: one row); with autograd, such a
+        # chunk runs the reference.
         NQ, NK = q.shape[2], k.shape[2]
-        kernels = NQ == NK or (NQ == 1 and not torch.is_grad_enabled())
+        kernels = NQ == NK or not torch.is_grad_enabled()
         if resolve_impl(self.impl, q.device, "corope") == "triton" and kernels:
             from corope import corope_attention
 

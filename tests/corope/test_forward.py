@@ -32,8 +32,10 @@ def _inputs(B, HQ, HKV, N, D, dtype):
     return q, k, v
 
 
-def _check_forward(B, HQ, HKV, N, D, rope_dim=None, leader="first", dtype=torch.float32):
+def _check_forward(B, HQ, HKV, N, D, rope_dim=None, leader="first", dtype=torch.float32, NQ=None):
+    """The launcher against the reference; ``NQ < N``: q holds the last NQ positions only."""
     q, k, v = _inputs(B, HQ, HKV, N, D, dtype)
+    q = q[:, :, N - (NQ or N) :]
     R = rope_dim or D
     o, lse = corope_fwd(q, k, v, corope_inv_freq(R, 10000.0, None, q.device), D**-0.5, R, leader)
     kw = dict(rope_dim=rope_dim, leader=leader, return_lse=True)
@@ -45,7 +47,7 @@ def _check_forward(B, HQ, HKV, N, D, rope_dim=None, leader="first", dtype=torch.
         # looser bar than the fp32-math baseline (at (1, 4/1, 64), N = 64: max-abs 4e-7 -> 3e-4
         # in fp16, 5e-7 -> 2e-3 in bf16), so it applies to lse only; o keeps the plain baseline.
         _, lse_base = corope_attention_ref(q, k, v, rotated_key_dtype=dtype, **kw)
-    assert o.dtype == dtype and o.shape == q.shape and lse.shape == (B, HQ, N)
+    assert o.dtype == dtype and o.shape == q.shape and lse.shape == (B, HQ, NQ or N)
     assert_close_to_baseline("o", o, o64, o_base)
     assert_close_to_baseline("lse", lse, lse64, lse_base)
 
@@ -76,6 +78,42 @@ def test_forward_matches_reference(B, HQ, HKV, N, D, rope_dim, leader, dtype):
 
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+# Queries that continue a KV cache (NQ < NK: a chunk of a prefill): rows within one query
+# tile and across several, chunks that start inside a key tile, both leaders, rope_dim < D.
+CHUNK_CASES = [
+    pytest.param(1, 4, 2, 2, 3, 64, None, "mean", F32, id="G2-NQ2-NK3-D64-mean-f32"),
+    pytest.param(1, 4, 2, 5, 70, 64, None, "first", F32, id="G2-NQ5-NK70-D64-f32"),
+    pytest.param(1, 8, 1, 17, 40, 64, 48, "mean", F16, id="G8-NQ17-NK40-D64-R48-mean-f16"),
+    pytest.param(2, 2, 1, 63, 130, 32, None, "first", F32, id="B2-G2-NQ63-NK130-D32-f32"),
+]
+CHUNK_GPU_CASES = [
+    pytest.param(1, 32, 8, 300, 4096, 128, None, "first", BF16, id="G4-NQ300-NK4096-D128-bf16"),
+    pytest.param(1, 8, 2, 17, 1000, 64, 48, "mean", BF16, id="G4-NQ17-NK1000-D64-R48-mean-bf16"),
+    pytest.param(2, 16, 2, 129, 777, 256, None, "first", F16, id="B2-G8-NQ129-NK777-D256-f16"),
+]
+
+
+@pytest.mark.parametrize("B, HQ, HKV, NQ, NK, D, rope_dim, leader, dtype", CHUNK_CASES)
+def test_forward_continues_a_cache(B, HQ, HKV, NQ, NK, D, rope_dim, leader, dtype):
+    _check_forward(B, HQ, HKV, NK, D, rope_dim, leader, dtype, NQ=NQ)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, HQ, HKV, NQ, NK, D, rope_dim, leader, dtype", CHUNK_GPU_CASES)
+def test_forward_continues_a_cache_gpu(B, HQ, HKV, NQ, NK, D, rope_dim, leader, dtype):
+    _check_forward(B, HQ, HKV, NK, D, rope_dim, leader, dtype, NQ=NQ)
+
+
+def test_public_chunk_is_the_rows_of_the_whole_forward():
+    """corope_attention on the last NQ rows (no grad) equals those rows of the full forward
+    up to the kernels' rounding: the same kernel, only the rows differ."""
+    q, k, v = _inputs(1, 4, 2, 50, 64, torch.float32)
+    with torch.no_grad():
+        whole = corope_attention(q, k, v, leader="mean")
+        chunk = corope_attention(q[:, :, 41:], k, v, leader="mean")
+    assert_close("o", chunk, whole[:, :, 41:], atol=1e-6, rtol=1e-5)
+
+
 # GPU cases: group sizes 1, 2, 4, 8 at N = 4096 / 500 / 63 / 64, every head dim, rope_dim < D,
 # both leaders, all three dtypes, plus N = 1, non-power-of-two and large groups.
 GPU_CASES = [
@@ -275,16 +313,16 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         (lambda: _small(dtype=torch.float64), {}, TypeError, "float64"),
         (lambda: (_small(N=9)[0], *_small()[1:]), {}, ValueError, "k needs at least 9"),
         (
-            lambda: (_small(N=3)[0], *_small()[1:]),
+            lambda: (_small(N=3)[0].requires_grad_(), *_small()[1:]),
             {},
             ValueError,
-            r"or one query row \(a decoding step\), got NQ=3 and NK=8; corope_attention_ref",
+            r"\(NQ=3 < NK=8\) have no backward kernel: run them under torch.no_grad",
         ),
         (
             lambda: (_small(N=1)[0].requires_grad_(), *_small()[1:]),
             {},
             ValueError,
-            r"a decoding step .* has no backward kernel: run it under torch.no_grad",
+            r"\(NQ=1 < NK=8\) have no backward kernel: run them under torch.no_grad",
         ),
         (lambda: (_small()[0], _small()[1].half(), _small()[2]), {}, TypeError, "dtype"),
         (lambda: (_small()[0][0], *_small()[1:]), {}, ValueError, "dimensions"),

@@ -354,16 +354,20 @@ def test_model_refuses_a_cached_sequence_past_max_len():
         model(torch.zeros(1, 3, dtype=torch.long, device=DEVICE), cache)
 
 
+@pytest.mark.parametrize("steps", ["tokens", "chunks"])
 @pytest.mark.parametrize("variant", ["rope", "corope"])
 @torch.no_grad()
-def test_triton_decoding_is_as_close_as_the_torch_path(variant):
+def test_triton_decoding_is_as_close_as_the_torch_path(variant, steps):
     """A prefill by the kernels (RoPE: ``rope_attention``, Co-RoPE: ``corope_attention``)
-    then single steps (RoPE: the Triton RoPE of the new row, then SDPA over the rotated cache;
-    Co-RoPE: the decoding kernels)
-    stay within flash-attention's rule of the PyTorch path run the same way, both against
-    the fp64 forward (head dim 32). On the GPU under bf16 autocast, 45 + 30 tokens; on the
-    CPU in fp32 through the interpreter, 9 + 4."""
-    chunks = [45] + [1] * 30 if ON_GPU else [9] + [1] * 4
+    then cached steps (RoPE: the Triton RoPE of the new rows, then SDPA over the rotated
+    cache; Co-RoPE: the decoding kernels for one row, the forward kernel for a chunk of
+    several) stay within flash-attention's rule of the PyTorch path run the same way, both
+    against the fp64 forward (head dim 32). On the GPU under bf16 autocast, 45 tokens then
+    30 more; on the CPU in fp32 through the interpreter, 9 then 4 or 6 more."""
+    if steps == "tokens":
+        chunks = [45] + [1] * 30 if ON_GPU else [9] + [1] * 4
+    else:
+        chunks = [45, 7, 1, 13, 9] if ON_GPU else [9, 3, 1, 2]
     P, N = chunks[0], sum(chunks)
     x = torch.randint(0, VOCAB, (2, N), device=DEVICE)
     ref = forward_logits(make_model(variant, d_model=128), x, chunks)
