@@ -274,8 +274,9 @@ def corope_decode(
         ``o`` ``[B, HQ, 1, D]`` in q's dtype, contiguous.
 
     Besides ``o``, the launch allocates a gate sum (fp64) and the softmax partials,
-    ``G * (D + 2)`` fp32, per split and group: ``decode_splits`` keeps them to about
-    ``PROGRAMS_PER_SM`` per SM, a few MB at most.
+    ``G * (D + 2)`` fp32, per split and group: ``max(B * HKV, about PROGRAMS_PER_SM * SMs)``
+    of them (a split per group at least), so a few MB unless the batch's groups alone pass
+    that count (B * HKV = 8192 at G = 8, D = 128: 34 MB).
     """
     B, HQ, _, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
@@ -304,11 +305,13 @@ def corope_decode(
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     grid = (n_parts,)
     splits = (HKV, NK, n_blocks, n_splits, per_split, softmax_scale)
-    # 2 warps a program at D <= 64 and 4 above: each 5-19% faster than the other there (H100,
-    # corope/README.md).
+    # 2 warps a program at D <= 64 and 4 above (H100, corope/README.md: 2 beat 4 by 13-17%
+    # at D = 64 from 4K keys, 4 beat 2 by 11-16% at D = 128).
     warps = 2 if D <= 64 else 4
-    # Rows of 512 bytes (fp32 at D = 128, D = 256) overflowed shared memory with the loop's
-    # pipelined copies (H100: 237-256 KB of 227 at three stages): one stage there.
+    # Rows of 512 bytes (fp32 at D = 128, D = 256) overflowed shared memory with the split
+    # loop's pipelined copies (H100: 237-256 KB of 227 at three stages): one stage there (two
+    # not measured). The gate sums keep Triton's default (3 on Hopper): their loop holds one
+    # key tile.
     stages = NUM_STAGES if D * q.element_size() < 512 else 1
     _gate_sums_kernel[grid](
         q, k, zsum, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),

@@ -15,7 +15,7 @@ so this script measures both, on one GPU in one process, bf16:
 checkout's (loaded in this process; the rest of the package is the checkout's), each row
 with its largest difference from the checkout's output. ``--sweep`` times the checkout's
 kernels with module constants of ``corope.decode`` set (``BLOCK_N``, ``PROGRAMS_PER_SM``,
-``NUM_STAGES``), one setting per argument.
+``NUM_STAGES``, which rows of 512 bytes ignore), one setting per argument.
 
     python experiments/time_corope_decode.py --out /tmp/t
     python experiments/time_corope_decode.py --versions /tmp/old      # A/B in one process
@@ -148,7 +148,7 @@ def host_rows(versions: dict) -> list[dict]:
             for name, module in versions.items()
         },
         "rope_attention, one query row": lambda: rope_attention(q, k, v),
-        "apply_rope_qk of the new row + sdpa": lambda: sdpa_attention(
+        "apply_rope_qk of the new row + sdpa (no cache append)": lambda: sdpa_attention(
             *apply_rope_qk(q, k_new, angles)[:1], k, v
         ),
         "apply_rope_qk of the new row": lambda: apply_rope_qk(q, k_new, angles),

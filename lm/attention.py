@@ -223,11 +223,12 @@ class RopeAttention(Attention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
         """The new rows of q and k rotated once, at their positions, and the keys cached
-        rotated: a step's work no longer grows with the cache (rotating every cached key at
-        each step took 1.4x the attention's GPU time at B = 8 with 16K cached tokens, and
-        ``rope_attention``'s checks and dispatch a layer's host time). Dynamic NTK's
-        frequencies follow the length, so it keeps the keys as projected and rotates them
-        all at each call."""
+        rotated: the rotation's work no longer grows with the cache (rotating every cached
+        key at each step took 1.4x the attention's GPU time at B = 8 with 16K cached tokens).
+        A chunk of several rows runs SDPA too, where ``rope_attention`` would have picked
+        its fused kernel for a long chunk (it would rotate the cached keys again). Dynamic
+        NTK's frequencies follow the length, so it keeps the keys as projected and rotates
+        them all at each call."""
         if self.freqs.dynamic:
             return super().attend_cached(q, k, v, cache, layer)
         start, N = cache.length, q.shape[2]

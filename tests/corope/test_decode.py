@@ -31,7 +31,9 @@ def _check_step(B, HQ, HKV, NK, D, rope_dim=None, leader="first", dtype=F32, **k
 
 
 # NK around the key blocks (two keys: NK = 1 is a whole sequence, the training kernels'; a
-# block, a block and one, several, and long: on the CPU, one split of 2 and one of 33 blocks);
+# block, a block and one, several, and long: on the CPU's one SM, 2 splits of 2 blocks at
+# NK = 200 and 130, 8 of 33 (the last of 27) at NK = 16451, and 7 of 3 (the last of 2, its
+# block partial) at NK = 1250);
 # every group size of the training kernels' tests; partial rotation with a pass-through part.
 CASES = [
     pytest.param(1, 4, 1, 2, 64, None, "first", F32, id="G4-NK2-D64-f32"),
@@ -40,6 +42,7 @@ CASES = [
     pytest.param(1, 3, 3, 200, 32, 20, "mean", F16, id="G1-NK200-D32-R20-mean-f16"),
     pytest.param(2, 16, 2, 130, 64, None, "first", F16, id="B2-G8-NK130-D64-f16"),
     pytest.param(1, 1, 1, 257 * BLOCK_N + 3, 32, None, "mean", F32, id="G1-NK16451-D32-f32"),
+    pytest.param(1, 3, 1, 1250, 64, 48, "first", F32, id="G3-NK1250-D64-R48-f32"),
 ]
 GPU_CASES = [
     pytest.param(1, 32, 8, 16384, 128, None, "first", BF16, id="G4-NK16384-D128-bf16"),
@@ -47,6 +50,7 @@ GPU_CASES = [
     pytest.param(1, 16, 1, 1000, 64, 48, "first", F16, id="G16-NK1000-D64-R48-f16"),
     pytest.param(2, 4, 2, 777, 256, None, "first", BF16, id="G2-NK777-D256-bf16"),
     pytest.param(1, 2, 2, 3000, 128, None, "mean", F32, id="G1-NK3000-D128-mean-f32"),
+    pytest.param(1, 4, 2, 700, 256, None, "mean", F32, id="G2-NK700-D256-mean-f32"),
 ]
 
 
@@ -108,3 +112,18 @@ def test_decoding_step_traces_under_compile():
     step = torch.compile(lambda q, k, v: corope_attention(q, k, v), fullgraph=True, backend="eager")
     with torch.no_grad():
         assert torch.equal(step(q, k, v), corope_attention(q, k, v))
+
+
+def test_decoding_step_traces_through_the_op_under_fake_tensors_and_make_fx():
+    """Eager calls skip the custom op's dispatch; fake tensors and tracers must still reach the
+    op (a Triton launch on them fails)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q = torch.randn(1, 4, 1, 32, device=DEVICE)
+    k, v = (torch.randn(1, 2, 70, 32, device=DEVICE) for _ in "kv")
+    with FakeTensorMode() as mode:
+        o = corope_attention(*(mode.from_tensor(x) for x in (q, k, v)))
+    assert o.shape == q.shape
+    graph = make_fx(lambda q, k, v: corope_attention(q, k, v))(q, k, v)
+    assert "corope.decode" in graph.code

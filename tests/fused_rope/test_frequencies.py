@@ -606,6 +606,19 @@ def test_default_inv_freq_first_made_in_inference_mode_works_with_autograd():
     assert torch.equal(x.grad, inv)
 
 
+def test_default_inv_freq_first_asked_for_under_fake_tensors_stays_real():
+    """A call under FakeTensorMode (or make_fx's tracer) gets that mode's tensor and must not
+    leave it in the cache for the real calls after it."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    _cached_inv_freq.cache_clear()
+    with FakeTensorMode():
+        assert isinstance(default_inv_freq(64, 10000.0, DEVICE), FakeTensor)
+    inv = default_inv_freq(64, 10000.0, DEVICE)
+    assert type(inv) is torch.Tensor
+    assert torch.equal(inv, rope_frequencies(64, 10000.0, device=DEVICE)[0])
+
+
 def test_dynamic_depends_on_seq_len_only_beyond_the_original_context():
     scaling = {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 1024}
     plain, _ = rope_frequencies(64)

@@ -16,7 +16,13 @@ VOCAB, MAX_LEN = 13, 96
 VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
     "rope_ntk": {
         "scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
-    }
+    },
+    # RoPE caches its keys rotated: an attention factor (YaRN's), the interleaved layout and
+    # partial rotation must reach the cached keys as they reach the forward's.
+    "rope_yarn": {
+        "scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    },
+    "rope_interleaved": {"layout": "interleaved", "rope_dim": 8},
 }
 
 
@@ -25,7 +31,7 @@ def make_model(
 ) -> GPT:
     """A 2-layer GPT of ``variant`` in eval mode; dynamic NTK has 1 layer unless asked (a
     cache is exact for it in the first layer only: see the test of it)."""
-    name = "rope" if variant == "rope_ntk" else variant
+    name = "rope" if variant.startswith("rope_") else variant
     if n_layer is None:
         n_layer = 1 if variant == "rope_ntk" else 2
     model_cfg = OmegaConf.merge(
@@ -99,7 +105,8 @@ def test_cached_steps_take_sdpas_bottom_right_mask(variant, monkeypatch):
 
 # (dynamic NTK under impl=triton rotates inside rope_attention's kernels, which this spy misses)
 @pytest.mark.parametrize(
-    "variant, impl", [("rope", "torch"), ("rope", "triton"), ("rope_ntk", "torch")]
+    "variant, impl",
+    [("rope", "torch"), ("rope", "triton"), ("rope_interleaved", "triton"), ("rope_ntk", "torch")],
 )
 @torch.no_grad()
 def test_rope_rotates_each_key_once_unless_its_frequencies_follow_the_length(
@@ -126,7 +133,7 @@ def test_rope_rotates_each_key_once_unless_its_frequencies_follow_the_length(
     monkeypatch.setattr(fused_rope.rope, "apply_rope_qk", spy_qk)
     model = make_model(variant, torch.float32, impl)
     cached_logits(model, torch.randint(0, VOCAB, (1, 7), device=DEVICE), [5, 1, 1])
-    per_layer = [5, 1, 1] if variant == "rope" else [5, 6, 7]
+    per_layer = [5, 6, 7] if variant == "rope_ntk" else [5, 1, 1]
     assert rows == [n for n in per_layer for _ in model.blocks]
 
 
@@ -358,12 +365,12 @@ def test_model_refuses_a_cached_sequence_past_max_len():
 @pytest.mark.parametrize("variant", ["rope", "corope"])
 @torch.no_grad()
 def test_triton_decoding_is_as_close_as_the_torch_path(variant, steps):
-    """A prefill by the kernels (RoPE: ``rope_attention``, Co-RoPE: ``corope_attention``)
-    then cached steps (RoPE: the Triton RoPE of the new rows, then SDPA over the rotated
-    cache; Co-RoPE: the decoding kernels for one row, the forward kernel for a chunk of
-    several) stay within flash-attention's rule of the PyTorch path run the same way, both
-    against the fp64 forward (head dim 32). On the GPU under bf16 autocast, 45 tokens then
-    30 more; on the CPU in fp32 through the interpreter, 9 then 4 or 6 more."""
+    """A prefill and cached steps by the kernels (RoPE: the Triton RoPE of the new rows, then
+    SDPA over the rotated cache; Co-RoPE: the forward kernel for the prompt and for a chunk
+    of several rows, the decoding kernels for one row) stay within flash-attention's rule of
+    the PyTorch path run the same way, both against the fp64 forward (head dim 32). On the
+    GPU under bf16 autocast, 45 tokens then 30 more; on the CPU in fp32 through the
+    interpreter, 9 then 4 or 6 more."""
     if steps == "tokens":
         chunks = [45] + [1] * 30 if ON_GPU else [9] + [1] * 4
     else:
