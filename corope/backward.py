@@ -76,6 +76,7 @@ from triton.runtime.errors import OutOfResources
 from corope.forward import check_index_span
 from corope.naive import check_corope_inputs
 from fused_rope._device import num_sms
+from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin
 from fused_rope._validation import (
     KERNEL_DTYPES,
@@ -601,8 +602,8 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     """
     if dtype == torch.float32 and not interpreting():
         return 16, 16, 8
-    gp = triton.next_power_of_2(group)
-    row_bytes = gp * max(16, triton.next_power_of_2(head_dim)) * dtype.itemsize
+    gp = next_power_of_2(group)
+    row_bytes = gp * max(16, next_power_of_2(head_dim)) * dtype.itemsize
     do_bytes = 65536 if head_dim <= 128 else 32768
     return max(16, min(64, do_bytes // row_bytes)), 32, 4
 
@@ -648,17 +649,15 @@ def _key_tiles_per_program(
     Short sequences have too few query tiles to fill the GPU (N = 1K, (1, 32/8, 128): 128
     programs of one 4-warp CTA for 132 SMs, the longest sweeping 32 key tiles); a split
     costs only its start (the gates of the key tiles above it, one product a tile)."""
-    key_tiles = triton.cdiv(seq_len, block_n)
-    query_tiles = triton.cdiv(seq_len, block_m)
+    key_tiles = cdiv(seq_len, block_n)
+    query_tiles = cdiv(seq_len, block_m)
     if interpreting() or device.type != "cuda":
         return key_tiles
     target = 8 * num_sms(device)
     if groups * query_tiles >= target:
         return key_tiles
-    work = groups * sum(
-        triton.cdiv(min(seq_len, (m + 1) * block_m), block_n) for m in range(query_tiles)
-    )
-    return min(key_tiles, max(2, triton.cdiv(work, target)))
+    work = groups * sum(cdiv(min(seq_len, (m + 1) * block_m), block_n) for m in range(query_tiles))
+    return min(key_tiles, max(2, cdiv(work, target)))
 
 
 # The most heads of a group that one program takes; wider groups are swept in slices of this
@@ -834,14 +833,14 @@ def corope_bwd(
         """Launches the sweep; returns what the gate tail needs."""
         for t in accumulators:
             t.zero_()
-        num_m, key_tiles = triton.cdiv(N, block_m), triton.cdiv(N, block_n)
+        num_m, key_tiles = cdiv(N, block_m), cdiv(N, block_n)
         if deterministic:
             per_program = key_tiles
         elif key_tiles_per_program is not None:
             per_program = key_tiles_per_program
         else:
             per_program = _key_tiles_per_program(B * HKV, N, block_m, block_n, device)
-        n_splits = triton.cdiv(key_tiles, per_program)
+        n_splits = cdiv(key_tiles, per_program)
         # Each split's phase gradient per row, for the gate tail; summed over head slices.
         # (Without the mileage the kernel does not touch it.)
         tg = torch.zeros(B * HKV, n_splits if not detach_mileage else 1, N, **f32)
@@ -861,12 +860,12 @@ def corope_bwd(
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
                 *dk.stride(), *tg.stride()[:2], locks.stride(1),
-                G=n, GP=triton.next_power_of_2(n), D=D,
-                D_PAD=max(16, triton.next_power_of_2(D)), HALF=half,
+                G=n, GP=next_power_of_2(n), D=D,
+                D_PAD=max(16, next_power_of_2(D)), HALF=half,
                 # At least 64 pass-through channels: with 32, the [rows, 32] x [32, BLOCK_N]
                 # score product read out of range in shared memory on sm_90 (Triton 3.6,
                 # compute-sanitizer).
-                DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
+                DN_PAD=max(64, next_power_of_2(dn)) if dn else 0,
                 BLOCK_M=block_m, BLOCK_N=block_n,
                 MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
                 FAST_TRIG=not interpreting() and q.dtype != torch.float32,
@@ -887,10 +886,10 @@ def corope_bwd(
 
         def tail(block_m):
             # Any row count works: the splits are key-tile ranges and TG is per row.
-            _gate_tail_kernel[(triton.cdiv(N, block_m) * n_splits, B * HKV)](
+            _gate_tail_kernel[(cdiv(N, block_m) * n_splits, B * HKV)](
                 qL, k, tg, dql, dk_t, locks_t, s, N, HKV, per_program, n_splits,
                 *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
-                D=D, D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
+                D=D, D_PAD=max(16, next_power_of_2(D)), BLOCK_M=block_m,
                 BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
                 num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip

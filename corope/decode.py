@@ -34,6 +34,7 @@ import triton.language as tl
 
 from corope.forward import check_index_span
 from fused_rope._device import num_sms
+from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin
 from fused_rope._validation import interpreting
 
@@ -247,9 +248,9 @@ def decode_splits(n_blocks: int, groups: int, sms: int) -> tuple[int, int]:
     ``groups`` (batch x KV head) groups in consecutive runs of ``blocks_per_split``, one
     program each, about ``PROGRAMS_PER_SM`` programs per SM of the GPU's ``sms``, none empty
     (the last may be shorter)."""
-    splits = min(n_blocks, max(1, triton.cdiv(PROGRAMS_PER_SM * sms, groups)))
-    per_split = triton.cdiv(n_blocks, splits)
-    return triton.cdiv(n_blocks, per_split), per_split
+    splits = min(n_blocks, max(1, cdiv(PROGRAMS_PER_SM * sms, groups)))
+    per_split = cdiv(n_blocks, splits)
+    return cdiv(n_blocks, per_split), per_split
 
 
 def corope_decode(
@@ -286,18 +287,18 @@ def corope_decode(
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     if B == 0 or HQ == 0:
         return o
-    n_blocks = triton.cdiv(NK, BLOCK_N)
+    n_blocks = cdiv(NK, BLOCK_N)
     # The interpreter runs programs one by one: there, as on a GPU of one SM.
     sms = num_sms(q.device) if q.is_cuda else 1
     n_splits, per_split = decode_splits(n_blocks, B * HKV, sms)
-    g_pad = max(MIN_DOT, triton.next_power_of_2(G))
-    d_pad = max(MIN_DOT, triton.next_power_of_2(D))
+    g_pad = max(MIN_DOT, next_power_of_2(G))
+    d_pad = max(MIN_DOT, next_power_of_2(D))
     shape = dict(G=G, G_PAD=g_pad, HEAD_DIM=D, D_PAD=d_pad, LEADER_MEAN=leader == "mean")
     # One allocation (a decoding step is bound by the host): the fp64 gate sums
     # [B * HKV, n_splits], then m, l [.., G] and o [.., G, D] of the partials, flat, each from
     # a 16-byte boundary.
     n_parts = B * HKV * n_splits
-    n_pad = triton.cdiv(n_parts, 4) * 4
+    n_pad = cdiv(n_parts, 4) * 4
     scratch = torch.empty(n_pad * (2 + 2 * G) + n_parts * G * D, device=q.device,
                           dtype=torch.float32)  # fmt: skip
     zsum, m_part, l_part, o_part = scratch.split([2 * n_pad, n_pad * G, n_pad * G, n_parts * G * D])
@@ -322,8 +323,8 @@ def corope_decode(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *splits, softmax_scale * LOG2E,
-        ROPE_DIM=rope_dim, HALF_PAD=max(MIN_DOT, triton.next_power_of_2(rope_dim // 2)),
-        PASS_PAD=max(MIN_DOT, triton.next_power_of_2(max(D - rope_dim, 1))),
+        ROPE_DIM=rope_dim, HALF_PAD=max(MIN_DOT, next_power_of_2(rope_dim // 2)),
+        PASS_PAD=max(MIN_DOT, next_power_of_2(max(D - rope_dim, 1))),
         FAST_TRIG=not _INTERPRET and q.dtype != torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK=BLOCK_N, SUM_CHUNK=256, num_warps=warps, num_stages=stages, **shape,

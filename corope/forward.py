@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin
 from fused_rope._validation import INT32_INDEX_LIMIT, element_span, interpreting
 
@@ -46,13 +47,13 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 def product_heads(G: int) -> int:
     """The head axis of the forward's score product: the group padded to a power of two of at
     least ``MIN_PRODUCT_HEADS`` (the padded heads' queries are zeros)."""
-    return max(MIN_PRODUCT_HEADS.value, triton.next_power_of_2(G))
+    return max(MIN_PRODUCT_HEADS.value, next_power_of_2(G))
 
 
 def freq_pad(rope_dim: int) -> int:
     """The forward's rotary frequencies padded to a power of two of at least one
     ``FREQ_CHUNK`` (the padded frequencies have zero pairs), so no chunk reads past a row."""
-    return max(FREQ_CHUNK.value, triton.next_power_of_2(rope_dim // 2))
+    return max(FREQ_CHUNK.value, next_power_of_2(rope_dim // 2))
 
 
 def _configs() -> list[triton.Config]:
@@ -366,7 +367,7 @@ def check_index_span(G: int, queries: dict, keys: dict) -> None:
                 )
     _, _, N, D = next(iter(queries.values())).shape
     heads = product_heads(G)
-    if heads * triton.cdiv(N, 8) * 8 * D >= INT32_INDEX_LIMIT:
+    if heads * cdiv(N, 8) * 8 * D >= INT32_INDEX_LIMIT:
         padded = f" (G padded from {G})" if heads != G else ""
         raise ValueError(
             f"a KV group's G * N * D = {heads} * {N} * {D} elements{padded} pass the kernels' "
@@ -417,30 +418,30 @@ def corope_fwd(
         raise ValueError(f"q's rows are the last of k's positions: NQ={NQ} must be <= NK={NK}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     check_index_span(G, dict(q=q), dict(k=k, v=v))
-    g_pad = triton.next_power_of_2(G)
+    g_pad = next_power_of_2(G)
     hp = product_heads(G)
     half_pad = freq_pad(rope_dim)
     # positions padded to a multiple of 8 (zeros)
-    qc = interleaved_pairs(q.unflatten(1, (HKV, G)), rope_dim, triton.cdiv(NQ, 8) * 8,
+    qc = interleaved_pairs(q.unflatten(1, (HKV, G)), rope_dim, cdiv(NQ, 8) * 8,
                            2 * half_pad, hp)  # fmt: skip
-    kc = interleaved_pairs(k.unsqueeze(2), rope_dim, triton.cdiv(NK, 8) * 8, 2 * half_pad, 1,
+    kc = interleaved_pairs(k.unsqueeze(2), rope_dim, cdiv(NK, 8) * 8, 2 * half_pad, 1,
                            torch.float32)  # fmt: skip
     # Rows rounded up to the largest BLOCK_M any config takes (powers of two, so every other
     # BLOCK_M divides it).
     m_max = max(1, max(c.kwargs["BLOCK_GM"] for c in _corope_fwd_kernel.configs) // hp)
-    ang = torch.empty(B * HKV, triton.cdiv(NQ, m_max) * m_max * half_pad, device=q.device,
+    ang = torch.empty(B * HKV, cdiv(NQ, m_max) * m_max * half_pad, device=q.device,
                       dtype=torch.float32)  # fmt: skip
     w = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     if NQ == 0 or B == 0 or HQ == 0:
         return o, lse
-    grid = lambda meta: (triton.cdiv(NQ, max(1, meta["BLOCK_GM"] // hp)) * B * HKV,)
+    grid = lambda meta: (cdiv(NQ, max(1, meta["BLOCK_GM"] // hp)) * B * HKV,)
     _corope_fwd_kernel[grid](
         q, k, v, qc, kc, w, ang, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *qc.stride()[:2], *kc.stride()[:2],
         ang.stride(0), *o.stride(), *lse.stride(),
-        HKV, NQ, NK, softmax_scale, softmax_scale * LOG2E, max(512, triton.next_power_of_2(NK)),
+        HKV, NQ, NK, softmax_scale, softmax_scale * LOG2E, max(512, next_power_of_2(NK)),
         G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, HALF_PAD=half_pad,
         LEADER_MEAN=leader == "mean",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

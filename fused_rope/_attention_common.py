@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin_of_angle
 from fused_rope._validation import interpreting
 
@@ -229,7 +230,7 @@ def _rotated_segments(x, cos, sin, stride_tb: int, row_off: int, scale: float, m
     width = 2 * half + (pas if meta["HEAD_DIM"] > meta["ROPE_DIM"] else 0)
     out = torch.empty((B, H, N, width), device=x.device, dtype=x.dtype)
     block = 16 if _INTERPRET else 64
-    _rotate_kernel[(triton.cdiv(N, block), B * H)](
+    _rotate_kernel[(cdiv(N, block), B * H)](
         x, out, cos, sin, scale, *x.stride(), stride_tb, row_off, H, N,
         meta["HEAD_DIM"], meta["ROPE_DIM"], half, pas, meta["INTERLEAVED"], block,
     )  # fmt: skip
@@ -381,9 +382,9 @@ def _meta(
         SCORE_SCALE=score_scale,
         HEAD_DIM=head_dim,
         ROPE_DIM=rope_dim,
-        HALF=max(16, triton.next_power_of_2(rope_dim // 2)),
-        PASS=max(16, triton.next_power_of_2(pass_dim)) if pass_dim else 16,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        HALF=max(16, next_power_of_2(rope_dim // 2)),
+        PASS=max(16, next_power_of_2(pass_dim)) if pass_dim else 16,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
         INTERLEAVED=interleaved,
         CAUSAL=causal,
         # fp32 inputs exist for tests: keep their dots in full fp32, not TF32
@@ -450,7 +451,7 @@ def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: tor
         cos = torch.empty((batch, rows, half), device=inv_freq.device, dtype=dtype)
         sin = torch.empty_like(cos)
         block = 16 if _INTERPRET else 64
-        _rope_table_kernel[(triton.cdiv(rows, block), batch)](
+        _rope_table_kernel[(cdiv(rows, block), batch)](
             inv_freq if pos is None else pos, inv_freq, cos, sin, rows, first,
             inv_freq.shape[0], pos is not None, half, block,
         )  # fmt: skip

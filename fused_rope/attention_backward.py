@@ -26,6 +26,7 @@ from fused_rope._attention_common import (
     _strides,
     query_fold,
 )
+from fused_rope._intmath import cdiv
 
 # dK/dV programs own a key tile (BLOCK_N) and stream query tiles (BLOCK_M); dQ the reverse.
 _DKDV_CONFIGS = _configs(
@@ -569,7 +570,7 @@ def rope_attention_bwd(
     lse2 = lse.clone()
     dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
     pre_block = 64 if not _INTERPRET else 32
-    _bwd_preprocess_kernel[(triton.cdiv(NQ, pre_block), B * HQ)](
+    _bwd_preprocess_kernel[(cdiv(NQ, pre_block), B * HQ)](
         o,
         do,
         lse2,
@@ -593,7 +594,7 @@ def rope_attention_bwd(
     # tile once per program that streams it
     q_rot = _rotated_segments(q, q_cos, q_sin, stride_qtb, q_row_off, q_fold, meta)
     k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
-    _rope_attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(NK, m["BLOCK_N"]), B * HKV)](
+    _rope_attn_bwd_dkdv_kernel[lambda m: (cdiv(NK, m["BLOCK_N"]), B * HKV)](
         q_rot,
         k_rot,
         v,
@@ -618,7 +619,7 @@ def rope_attention_bwd(
         NK,
         **meta,
     )
-    _rope_attn_bwd_dq_kernel[lambda m: (triton.cdiv(NQ, m["BLOCK_M"]), B * HQ)](
+    _rope_attn_bwd_dq_kernel[lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)](
         q_rot,
         k_rot,
         v,

@@ -24,6 +24,7 @@ from fused_rope._attention_common import (
     _strides,
     query_fold,
 )
+from fused_rope._intmath import cdiv
 
 _FWD_CONFIGS = _configs(
     [
@@ -225,7 +226,7 @@ def rope_attention_fwd(
     )
     # k rotated once: the key loop would rotate every key tile once per query tile
     k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
-    grid = lambda m: (triton.cdiv(NQ, m["BLOCK_M"]), B * HQ)
+    grid = lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)
     _rope_attn_fwd_kernel[grid](
         q,
         k_rot,

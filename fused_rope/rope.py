@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from fused_rope._device import num_sms
+from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin_of_angle
 from fused_rope._validation import (
     KERNEL_DTYPES,
@@ -241,17 +242,17 @@ def tile_config(
     The interpreter runs programs one by one, so there it takes one program per 2048 pairs
     and every head.
     """
-    half_p = triton.next_power_of_2(rope_dim // 2)
-    block_hq = min(triton.next_power_of_2(max(heads_q, 1)), 8)
-    block_hk = min(triton.next_power_of_2(max(heads_k, 1)), 8)
+    half_p = next_power_of_2(rope_dim // 2)
+    block_hq = min(next_power_of_2(max(heads_q, 1)), 8)
+    block_hk = min(next_power_of_2(max(heads_k, 1)), 8)
     block_h = max(block_hq, block_hk)
     if device.type != "cuda":
         return TileConfig(max(1, min(64, 2048 // (half_p * block_h))), block_hq, block_hk, 4)
-    iterations = triton.cdiv(heads_q, block_hq) + triton.cdiv(heads_k, block_hk)
+    iterations = cdiv(heads_q, block_hq) + cdiv(heads_k, block_hk)
     heads_per_program = None if iterations <= 2 else block_h
-    chunks = 1 if heads_per_program is None else triton.cdiv(heads_q + heads_k, block_h)
+    chunks = 1 if heads_per_program is None else cdiv(heads_q + heads_k, block_h)
     block_n = max(1, 512 // (half_p * block_h))
-    while block_n > 1 and batch * chunks * triton.cdiv(seq_len, block_n) < 4 * num_sms(device):
+    while block_n > 1 and batch * chunks * cdiv(seq_len, block_n) < 4 * num_sms(device):
         block_n //= 2
     num_warps = max(1, min(4, block_n * half_p * block_h // 128))
     return TileConfig(block_n, block_hq, block_hk, num_warps, heads_per_program)
@@ -284,7 +285,7 @@ def _launch(
     # In place with unit scale, the pass-through channels already hold the result.
     copy_pass = rope_dim < D and not (q_out is q and q_scale == 1.0 and k_scale == 1.0)
     heads = cfg.heads_per_program or H_Q + H_K
-    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(H_Q + H_K, heads), B)
+    grid = (cdiv(N, cfg.block_n), cdiv(H_Q + H_K, heads), B)
     _rope_kernel[grid](
         q, k, q_out, k_out, angles,
         q.stride(0), q.stride(1), q.stride(2),
@@ -294,8 +295,8 @@ def _launch(
         stride_ab, angles.stride(-2) if angles.dim() > 1 else 0,
         N, N - NQ, float(q_scale), float(k_scale),
         H_Q=H_Q, H_K=H_K, D=D, R=rope_dim,
-        HALF_P=triton.next_power_of_2(rope_dim // 2),
-        PASS_P=triton.next_power_of_2(max(D - rope_dim, 1)),
+        HALF_P=next_power_of_2(rope_dim // 2),
+        PASS_P=next_power_of_2(max(D - rope_dim, 1)),
         BLOCK_N=cfg.block_n, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk,
         HEADS_PER_PROGRAM=heads,
         INTERLEAVED=layout == "interleaved", CONJUGATE=conjugate, COPY_PASS=copy_pass,

@@ -661,3 +661,16 @@ def test_kernel_compiles_for_sm90_with_16_byte_stores():
         assert found and set(found) == {"st.global.v4.b32"}, f"{case}: {sorted(set(found))}"
         # fp16/bf16 take the hardware sin/cos after the reduction; fp32 keeps libm's
         assert (fast_sines > 0) == (not case.startswith("fp32")), f"{case}: {fast_sines} sin.approx"
+
+
+def test_launch_integer_helpers_match_tritons():
+    """fused_rope._intmath replaces triton.cdiv and triton.next_power_of_2 on the host (each a
+    ConstexprFunction, about 4 us a call): the same values."""
+    import triton
+
+    from fused_rope._intmath import cdiv, next_power_of_2
+
+    for n in [*range(0, 300), 1023, 1024, 1025, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 8, 16, 64, 128, 1000):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

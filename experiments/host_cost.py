@@ -1,0 +1,73 @@
+"""The Python side of the decoding launchers, on the CPU: each call's cost with Triton's
+launches replaced by no-ops.
+
+A decoding step of a small model is bound by the host (``experiments/profile_decode.py``),
+whose time on the GPU machine moves by up to 2x from run to run. What the launchers spend in
+Python (argument checks, shapes, allocations) before Triton's launcher runs is the same on
+any CPU, so this script measures it here, in microseconds a call: the RoPE kernel's
+``apply_rope_qk`` of one new row (the harness's RoPE step), ``corope.decode.corope_decode``
+and the public ``corope_attention`` with one query row (B = 1, 8/2 heads, D = 64, 512 cached
+keys). Triton's own launcher, which this leaves out, costs more on top of it.
+
+    python experiments/host_cost.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors reach the launchers' checks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import corope.decode  # noqa: E402
+import fused_rope.rope  # noqa: E402
+from corope import corope_attention  # noqa: E402
+from fused_rope.frequencies import rope_angles  # noqa: E402
+
+
+class _NoLaunch:
+    """A Triton kernel's stand-in: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def us_per_call(fn, calls: int = 1000, runs: int = 7) -> float:
+    """Microseconds a call of ``fn``: the fastest of ``runs`` runs of ``calls`` calls (other
+    processes only ever add time), after 200 warm-up calls."""
+    for _ in range(200):
+        fn()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    return best / calls * 1e6
+
+
+def main() -> None:
+    fused_rope.rope._rope_kernel = _NoLaunch()
+    for name in ("_gate_sums_kernel", "_split_kernel", "_combine_kernel"):
+        setattr(corope.decode, name, _NoLaunch())
+    q, k_new = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 1, 64)
+    k, v = torch.randn(1, 2, 512, 64), torch.randn(1, 2, 512, 64)
+    w = torch.rand(32)
+    angles = rope_angles(torch.arange(511, 512), w)
+    calls = {
+        "apply_rope_qk, one new row": lambda: fused_rope.rope.apply_rope_qk(q, k_new, angles),
+        "corope_decode": lambda: corope.decode.corope_decode(q, k, v, w, 0.125, 64, "first"),
+        "corope_attention, one query row": lambda: corope_attention(q, k, v),
+    }
+    with torch.no_grad():
+        for name, fn in calls.items():
+            print(f"{name}: {us_per_call(fn):.1f} us")
+
+
+if __name__ == "__main__":
+    main()
