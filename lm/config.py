@@ -5,11 +5,14 @@ _self_]``, so Hydra merges it onto its schema and a misspelled key (``model.n_la
 wrong type fails at start-up with the key's name. The schemas live in their own groups
 (``schema/attention``, ...), so they are not among a group's options (``attention=...``).
 ``register_configs()`` must run before Hydra composes (``train.py`` and the tests call it); it
-also registers the ``${launch_time:...}`` resolver of the output directories' names.
+also registers the resolvers of ``configs/train.yaml``'s ``hydra`` node: ``${launch_time:...}``
+(the output directories' names), ``${rank_suffix:}`` and ``${rank_zero_only:...}`` (each
+torchrun rank's own log file; ``.hydra/`` from rank 0 alone).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -234,12 +237,32 @@ def launch_time(pattern: str) -> str:
     return (distributed.launch_time() if shared else datetime.now()).strftime(pattern)
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def rank_suffix() -> str:
+    """``${rank_suffix:}``: ``""`` in one process and on rank 0 of a torchrun launch,
+    ``"_rank<r>"`` on rank ``r > 0``. The ranks share rank 0's run directory, where the others
+    log to ``train_rank<r>.log`` rather than into rank 0's ``train.log``."""
+    return f"_rank{_rank()}" if _rank() > 0 else ""
+
+
+def rank_zero_only(value: Any) -> Any:
+    """``${rank_zero_only:<value>}``: the value in one process and on rank 0, None on the other
+    ranks (``hydra.output_subdir``: rank 0 alone writes the run's ``.hydra`` copy of the
+    config)."""
+    return value if _rank() == 0 else None
+
+
 def register_configs() -> None:
-    """Registers every schema and the ``launch_time`` resolver; idempotent."""
+    """Registers every schema and the resolvers of ``configs/train.yaml``; idempotent."""
     from lm.data.config import DATA_SCHEMAS
 
     # Cached per config and pattern, as Hydra's ``now``: a sweep's jobs get its directory.
     OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("rank_suffix", rank_suffix, replace=True)
+    OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)

@@ -714,7 +714,8 @@ def test_ddp_ranks_write_one_default_run_dir(tmp_path):
     (outputs/<date>/<time>, under the directory it is started in) from rank 0's clock: one
     directory, which holds the run, and none of a rank of its own. (torchrun's static
     rendezvous, with --master-port, keeps a store too; not launched here, where a port picked
-    ahead could be taken by the time torchrun binds it.)"""
+    ahead could be taken by the time torchrun binds it.) Rank 0 alone writes .hydra/ and
+    train.log there."""
     args = [*SMALL, "train.steps=2", "train.eval_every=0", "train.device=cpu"]
     ddp = run_cli("-m", "torch.distributed.run", "--nproc_per_node=2", str(ROOT / "train.py"),
                   *args, cwd=tmp_path)  # fmt: skip
@@ -722,7 +723,11 @@ def test_ddp_ranks_write_one_default_run_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
     (run_dir,) = tmp_path.glob("outputs/*/*")
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    # rank 0 alone writes .hydra/ and train.log; rank 1 logs to a file of its own
+    assert sorted(p.name for p in run_dir.glob("*hydra*")) == [".hydra"]
     assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert "final |" in (run_dir / "train.log").read_text()
+    assert "final |" not in (run_dir / "train_rank1.log").read_text()
 
 
 @pytest.mark.slow

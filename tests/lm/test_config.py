@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 import lm.distributed
-from lm.config import launch_time, register_configs
+from lm.config import launch_time, rank_suffix, rank_zero_only, register_configs
 from lm.data import build_dataset
 from lm.model import GPT
 from lm.training import _config_choice
@@ -253,3 +253,21 @@ def test_summary_names_the_attention_config_file():
         assert _config_choice("attention", cfg.attention.name) == "rope_yarn"
     finally:
         HydraConfig.instance().cfg = None
+
+
+@pytest.mark.parametrize("rank, suffix", [(None, ""), ("0", ""), ("3", "_rank3")])
+def test_each_torchrun_rank_but_the_first_logs_to_its_own_file(monkeypatch, rank, suffix):
+    """The ranks share rank 0's run directory: rank r > 0 logs to train_rank<r>.log and
+    writes no .hydra/ (hydra.output_subdir null); one process and rank 0 as before."""
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    assert rank_suffix() == suffix
+    assert rank_zero_only(".hydra") == (None if suffix else ".hydra")
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+    assert cfg.hydra.output_subdir == (None if suffix else ".hydra")
+    handler = OmegaConf.to_container(cfg.hydra.job_logging.handlers.file)
+    assert handler["filename"].endswith("${hydra.job.name}${rank_suffix:}.log")
