@@ -10,7 +10,6 @@ CPU when ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from corope.backward import corope_bwd
 from corope.decode import corope_decode
@@ -22,6 +21,7 @@ from fused_rope._validation import (
     check_constant,
     check_kernel_device,
     check_no_tangent,
+    runs_eagerly,
 )
 
 
@@ -123,18 +123,6 @@ def _backward(ctx, do, dlse):
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _plain_eager(*tensors: torch.Tensor) -> bool:
-    """Whether these are plain tensors run eagerly: no torch.compile, no tracer (make_fx,
-    torch.jit.trace) and no dispatch mode (FakeTensorMode, torch.export's), all of which
-    need the custom op rather than a Triton launch."""
-    return (
-        not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and _get_current_dispatch_mode() is None
-        and all(type(x) is torch.Tensor for x in tensors)
-    )
-
-
 def corope_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -196,7 +184,7 @@ def corope_attention(
             "corope_attention_ref"
         )
     if NQ == 1 < NK:
-        if _plain_eager(q, k, v):
+        if runs_eagerly(q, k, v):
             # The kernels without the op's dispatch: a decoding step is bound by the host
             # (H100: 208 against 175 us a synchronized call, time_corope_decode.py).
             return corope_decode(q, k, v, w, s, R, leader)

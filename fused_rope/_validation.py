@@ -16,6 +16,7 @@ import numpy
 import torch
 import triton
 from torch.autograd import forward_ad
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("half", "interleaved")
@@ -160,6 +161,19 @@ def may_overlap(x: torch.Tensor) -> bool:
             return True
         reach += stride * (size - 1)
     return False
+
+
+def runs_eagerly(*tensors: torch.Tensor) -> bool:
+    """Whether a launcher may run its kernels directly rather than through its torch custom op:
+    no ``torch.compile``, no ``torch.jit.trace``, no dispatch mode (FakeTensorMode, make_fx's
+    tracer, torch.export's) and plain tensors. Tracers need the op: a Triton launch on a fake
+    or proxy tensor fails, and one under ``jit.trace`` would be missing from the trace."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and _get_current_dispatch_mode() is None
+        and all(type(x) is torch.Tensor for x in tensors)
+    )
 
 
 def check_no_tangent(reference: str, **tensors: torch.Tensor) -> None:

@@ -19,7 +19,6 @@ import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fused_rope._validation import (
     FREQ_DTYPES,
@@ -27,6 +26,7 @@ from fused_rope._validation import (
     check_float_tensor,
     check_same_device,
     is_finite,
+    runs_eagerly,
 )
 
 # Per scaling type: (required keys, optional keys) besides "type"/"rope_type", "rope_theta" and
@@ -450,10 +450,10 @@ def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str) ->
     (rope_dim, theta, device) and shared: kernels that default to it then do no host-to-device
     copy per call, which also keeps them capturable in CUDA graphs. Treat it as read-only.
     It is never an inference tensor, even when first asked for under ``torch.inference_mode()``.
-    Under ``torch.compile`` it is computed in the graph instead (Dynamo does not trace caches),
-    and under a dispatch mode (FakeTensorMode, make_fx's tracer) too: the cache would keep
+    Under a tracer it is computed in the graph instead (``runs_eagerly``): Dynamo does not
+    trace caches, and under a dispatch mode (FakeTensorMode, make_fx's) the cache would keep
     that mode's fake or proxy tensor for every later call."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if not runs_eagerly():
         return rope_frequencies(rope_dim, theta, device=device)[0]
     _check_theta(theta)  # before float(): a bool or a string must not pass as a number
     return _cached_inv_freq(rope_dim, float(theta), torch.device(device))

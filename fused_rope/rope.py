@@ -29,6 +29,7 @@ from fused_rope._validation import (
     check_same_device,
     is_finite,
     may_overlap,
+    runs_eagerly,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -545,9 +546,9 @@ def apply_rope(
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     if not inplace:
-        if torch.compiler.is_compiling():
-            return _rope_op(x, angles, layout, R, scale, False)
-        return _RopeFunction.apply(x, None, angles, layout, R, scale, 1.0, False)[0]
+        if runs_eagerly(x):
+            return _RopeFunction.apply(x, None, angles, layout, R, scale, 1.0, False)[0]
+        return _rope_op(x, angles, layout, R, scale, False)
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError(
             "inplace=True overwrites x, but x requires grad and grad mode is on "
@@ -569,12 +570,12 @@ def apply_rope(
             "inplace=True on an inference tensor outside torch.inference_mode(), which PyTorch "
             "does not allow for its own in-place ops either; run it under inference_mode"
         )
-    if torch.compiler.is_compiling():
-        _rope_inplace_op(x, angles, layout, R, scale)
-    else:
+    if runs_eagerly(x):
         _launch(x, x, None, None, angles, layout, R, scale, 1.0, False, None)
         # Ops that saved x for their backward must see that it changed.
         torch.autograd.graph.increment_version(x)
+    else:
+        _rope_inplace_op(x, angles, layout, R, scale)
     return x
 
 
@@ -625,6 +626,6 @@ def apply_rope_qk(
     angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)
     qs = _check_scale(q_scale, "q_scale")
     ks = _check_scale(k_scale, "k_scale")
-    if torch.compiler.is_compiling():
-        return _rope_qk_op(q, k, angles, layout, R, qs, ks, False)
-    return _RopeFunction.apply(q, k, angles, layout, R, qs, ks, False)
+    if runs_eagerly(q, k):
+        return _RopeFunction.apply(q, k, angles, layout, R, qs, ks, False)
+    return _rope_qk_op(q, k, angles, layout, R, qs, ks, False)

@@ -674,3 +674,29 @@ def test_launch_integer_helpers_match_tritons():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 3, 8, 16, 64, 128, 1000):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_tracers_reach_the_custom_ops(inplace):
+    """Eager calls launch the kernel directly; fake tensors and make_fx must reach the custom
+    ops instead (a launch on a fake tensor fails; one under a tracer is missing from its
+    graph), as torch.compile does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q = torch.randn(1, 4, 3, 32, device=DEVICE)
+    k = torch.randn(1, 2, 5, 32, device=DEVICE)
+    inv_freq = rope_frequencies(32)[0].to(DEVICE)
+    with FakeTensorMode() as mode:
+        fq, fk = mode.from_tensor(q), mode.from_tensor(k)
+        q_out, k_out = apply_rope_qk(fq, fk, inv_freq=mode.from_tensor(inv_freq))
+        x_out = apply_rope(fk, inv_freq=mode.from_tensor(inv_freq), inplace=inplace)
+    assert q_out.shape == q.shape and k_out.shape == k.shape and x_out.shape == k.shape
+
+    def rotate(q, k):
+        x = apply_rope(k.clone(), inv_freq=inv_freq, inplace=inplace)
+        return (*apply_rope_qk(q, k, inv_freq=inv_freq), x)
+
+    code = make_fx(rotate)(q, k).code
+    op = "fused_rope.rope_.default" if inplace else "fused_rope.rope.default"
+    assert "fused_rope.rope_qk.default" in code and op in code, code
