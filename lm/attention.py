@@ -201,22 +201,22 @@ class RopeAttention(Attention):
         self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        NQ, NK = q.shape[2], k.shape[2]
-        inv_freq, factor = self.freqs.for_length(NK)
-        layout, R = self.layout, self.rope_dim
+        inv_freq, factor = self.freqs.for_length(k.shape[2])
         if resolve_impl(self.impl, q.device, "rope") == "triton":
             from fused_rope.attention import rope_attention
 
             # scaling q and k by the factor is scaling the scores by its square
             scale = factor**2 / math.sqrt(self.head_dim)
             return rope_attention(
-                q, k, v, inv_freq=inv_freq, softmax_scale=scale, layout=layout, rope_dim=R
+                q,
+                k,
+                v,
+                inv_freq=inv_freq,
+                softmax_scale=scale,
+                layout=self.layout,
+                rope_dim=self.rope_dim,
             )
-        from fused_rope.naive import apply_rope_ref
-
-        angles = rope_angles(torch.arange(NK, device=q.device), inv_freq)  # (NK, R/2) fp32
-        q = apply_rope_ref(q, angles[NK - NQ :], layout, R, output_scale=factor)
-        k = apply_rope_ref(k, angles, layout, R, output_scale=factor)
+        q, k = self._rotate(q, k, 0, inv_freq, factor, triton=False)
         return sdpa_attention(q, k, v)
 
     def attend_cached(
@@ -231,22 +231,37 @@ class RopeAttention(Attention):
         them all at each call."""
         if self.freqs.dynamic:
             return super().attend_cached(q, k, v, cache, layer)
-        start, N = cache.length, q.shape[2]
-        inv_freq, factor = self.freqs.for_length(start + N)
-        angles = rope_angles(torch.arange(start, start + N, device=q.device), inv_freq)
+        inv_freq, factor = self.freqs.for_length(cache.length + q.shape[2])
+        triton = resolve_impl(self.impl, q.device, "rope") == "triton"
+        q, k = self._rotate(q, k, cache.length, inv_freq, factor, triton)
+        k, v = cache.append(layer, k, v)  # (B, HKV, length + N, D) each, the keys rotated
+        return sdpa_attention(q, k, v)
+
+    def _rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        first: int,
+        inv_freq: torch.Tensor,
+        factor: float,
+        triton: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated and scaled by the attention factor: k's rows at positions
+        ``first, first + 1, ...``, q's at the last ``NQ`` of them; the Triton RoPE kernel
+        (``triton``) or the PyTorch reference."""
+        NQ, NK = q.shape[2], k.shape[2]
+        angles = rope_angles(torch.arange(first, first + NK, device=q.device), inv_freq)
         layout, R = self.layout, self.rope_dim
-        if resolve_impl(self.impl, q.device, "rope") == "triton":
+        if triton:
             from fused_rope.rope import apply_rope_qk
 
-            q, k = apply_rope_qk(
+            return apply_rope_qk(
                 q, k, angles, layout=layout, rope_dim=R, q_scale=factor, k_scale=factor
             )
-        else:
-            from fused_rope.naive import apply_rope_ref
+        from fused_rope.naive import apply_rope_ref
 
-            q, k = (apply_rope_ref(x, angles, layout, R, output_scale=factor) for x in (q, k))
-        k, v = cache.append(layer, k, v)  # (B, HKV, start + N, D) each, the keys rotated
-        return sdpa_attention(q, k, v)
+        q = apply_rope_ref(q, angles[NK - NQ :], layout, R, output_scale=factor)
+        return q, apply_rope_ref(k, angles, layout, R, output_scale=factor)
 
 
 class CoRopeAttention(Attention):
