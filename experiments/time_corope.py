@@ -60,6 +60,16 @@ def describe_config(config) -> str:
             f"warps, {config.maxnreg or 255} registers)")  # fmt: skip
 
 
+def load_module(path: Path, name: str) -> ModuleType:
+    """The Python file at ``path`` loaded as a module of its own, named ``name``."""
+    if not path.is_file():
+        raise SystemExit(f"--versions: {path} does not exist")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_version(root: Path, index: int) -> tuple[ModuleType, ModuleType]:
     """``corope/forward.py`` and ``corope/backward.py`` of the copy at ``root``, as modules of
     their own. While the copy's backward loads, ``sys.modules["corope.forward"]`` is the copy's
@@ -70,12 +80,7 @@ def load_version(root: Path, index: int) -> tuple[ModuleType, ModuleType]:
     saved = sys.modules["corope.forward"]
     try:
         for name in ("forward", "backward"):
-            path = root / "corope" / f"{name}.py"
-            if not path.is_file():
-                raise SystemExit(f"--versions: {path} does not exist")
-            spec = importlib.util.spec_from_file_location(f"corope_{name}_v{index}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = load_module(root / "corope" / f"{name}.py", f"corope_{name}_v{index}")
             modules.append(module)
             sys.modules["corope.forward"] = module  # for the backward's imports
     finally:

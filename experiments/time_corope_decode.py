@@ -25,7 +25,6 @@ kernels with module constants of ``corope.decode`` set (``BLOCK_N``, ``PROGRAMS_
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from corope import corope_attention  # noqa: E402
 from corope.naive import corope_inv_freq  # noqa: E402
 from experiments.bench_rope import copy_bandwidth  # noqa: E402
 from experiments.results_io import markdown_table  # noqa: E402
-from experiments.time_corope import rel_diff  # noqa: E402
+from experiments.time_corope import load_module, rel_diff  # noqa: E402
 from experiments.timing import time_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.frequencies import rope_angles  # noqa: E402
@@ -57,17 +56,6 @@ CASES = [
     (1, 32, 8, 128, 32768),
     (8, 32, 8, 128, 8192),
 ]
-
-
-def load_decode(root: Path, index: int):
-    """``corope/decode.py`` of the copy at ``root`` as a module of its own."""
-    path = root / "corope" / "decode.py"
-    if not path.is_file():
-        raise SystemExit(f"--versions: {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"corope_decode_v{index}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def step_inputs(B: int, HQ: int, HKV: int, D: int, NK: int):
@@ -169,7 +157,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("time_corope_decode.py times GPU kernels; no CUDA device here")
     versions = {"checkout": corope.decode}
-    versions |= {str(root): load_decode(root, i) for i, root in enumerate(args.versions)}
+    versions |= {
+        str(root): load_module(root / "corope" / "decode.py", f"corope_decode_v{i}")
+        for i, root in enumerate(args.versions)
+    }
     gbps = copy_bandwidth(torch.device("cuda"), False)[1]
     with torch.no_grad():
         sweep = [
