@@ -5,7 +5,8 @@ A decoding step of a small model is bound by the host (``experiments/profile_dec
 whose time on the GPU machine moves by up to 2x from run to run. What the launchers spend in
 Python (argument checks, shapes, allocations) before Triton's launcher runs is the same on
 any CPU, so this script measures it here, in microseconds a call: the RoPE kernel's
-``apply_rope_qk`` of one new row (the harness's RoPE step), ``corope.decode.corope_decode``
+``apply_rope_qk`` of one new row (the harness's RoPE step: its angles built per call, as until
+session 29, or formed in the kernel from ``position_offset``), ``corope.decode.corope_decode``
 and the public ``corope_attention`` with one query row (B = 1, 8/2 heads, D = 64, 512 cached
 keys). Triton's own launcher, which this leaves out, costs more on top of it.
 
@@ -58,9 +59,15 @@ def main() -> None:
     q, k_new = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 1, 64)
     k, v = torch.randn(1, 2, 512, 64), torch.randn(1, 2, 512, 64)
     w = torch.rand(32)
-    angles = rope_angles(torch.arange(511, 512), w)
+    rope_qk = fused_rope.rope.apply_rope_qk
     calls = {
-        "apply_rope_qk, one new row": lambda: fused_rope.rope.apply_rope_qk(q, k_new, angles),
+        # the harness's RoPE step until session 29: the new row's angles built, then the kernel
+        "apply_rope_qk, one new row, its angles built": lambda: rope_qk(
+            q, k_new, rope_angles(torch.arange(511, 512), w)
+        ),
+        "apply_rope_qk, one new row, inv_freq and position_offset": lambda: rope_qk(
+            q, k_new, inv_freq=w, position_offset=511
+        ),
         "corope_decode": lambda: corope.decode.corope_decode(q, k, v, w, 0.125, 64, "first"),
         "corope_attention, one query row": lambda: corope_attention(q, k, v),
     }

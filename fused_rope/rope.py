@@ -106,7 +106,8 @@ def _rotate_heads(
             tl.store(y_row + offs_p, (xp * scale).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# pos0 changes at every decoding step: one compiled kernel for all of its values
+@triton.jit(do_not_specialize=["pos0"])
 def _rope_kernel(
     q_ptr,
     k_ptr,
@@ -129,6 +130,7 @@ def _rope_kernel(
     stride_an,
     N,
     q_shift,
+    pos0,
     q_scale,
     k_scale,
     H_Q: tl.constexpr,
@@ -156,8 +158,8 @@ def _rope_kernel(
     The last dimension of every tensor has unit stride (checked by the launcher), which lets
     loads vectorize. ``H_K = 0`` rotates q alone. ``stride_ab = 0`` shares angles over batches.
     ``FROM_INV_FREQ``: ``angles_ptr`` holds ``inv_freq`` ``[R/2]`` and the angles of the
-    positions ``0..N-1`` are formed here, as the fp32 product ``rope_angles`` forms (no table,
-    and no kernels to build one, which cost as much as this one at short sequences).
+    positions ``pos0..pos0+N-1`` are formed here, as the fp32 product ``rope_angles`` forms (no
+    table, and no kernels to build one, which cost as much as this one at short sequences).
     """
     pid_n = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -167,7 +169,7 @@ def _rope_kernel(
     offs_d = tl.arange(0, HALF_P)
     if FROM_INV_FREQ:
         w = tl.load(angles_ptr + offs_d, mask=offs_d < R // 2, other=0.0)
-        theta = offs_n.to(tl.float32)[:, None] * w[None, :]
+        theta = (pos0 + offs_n).to(tl.float32)[:, None] * w[None, :]
     else:
         a_ptrs = angles_ptr + pid_b * stride_ab + offs_n[:, None] * stride_an + offs_d[None, :]
         theta = tl.load(a_ptrs, mask=mask_n[:, None] & (offs_d < R // 2)[None, :], other=0.0)
@@ -271,6 +273,7 @@ def _launch(
     k_scale: float,
     conjugate: bool,
     config: TileConfig | None,
+    position_offset: int = 0,
 ) -> None:
     B, H_Q, NQ, D = q.shape
     H_K = 0 if k is None else k.shape[1]
@@ -294,7 +297,7 @@ def _launch(
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         stride_ab, angles.stride(-2) if angles.dim() > 1 else 0,
-        N, N - NQ, float(q_scale), float(k_scale),
+        N, N - NQ, position_offset, float(q_scale), float(k_scale),
         H_Q=H_Q, H_K=H_K, D=D, R=rope_dim,
         HALF_P=next_power_of_2(rope_dim // 2),
         PASS_P=next_power_of_2(max(D - rope_dim, 1)),
@@ -331,10 +334,12 @@ def rope_fwd(
     *,
     conjugate: bool = False,
     config: TileConfig | None = None,
+    position_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None. ``angles``:
-    fp32 ``[N, R/2]`` or ``[B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the positions ``0..N-1``,
-    ``N`` k's length (q's without k); q's ``NQ <= N`` rows take the last ``NQ`` positions.
+    fp32 ``[N, R/2]`` or ``[B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the positions
+    ``position_offset..position_offset+N-1``, ``N`` k's length (q's without k); q's ``NQ <= N``
+    rows take the last ``NQ`` positions.
 
     ``conjugate=True`` rotates by ``-theta``: the backward, with the SAME scales (seed 000's
     rule: ``y = s R x`` gives ``dx = s R^T dy``). Outputs come from ``torch.empty_like``: the
@@ -345,7 +350,10 @@ def rope_fwd(
     k = None if k is None else _unit_last_stride(k)
     q_out = torch.empty_like(q)
     k_out = None if k is None else torch.empty_like(k)
-    _launch(q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale, conjugate, config)
+    _launch(
+        q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale, conjugate, config,
+        position_offset,
+    )  # fmt: skip
     return q_out, k_out
 
 
@@ -359,16 +367,19 @@ def rope_fwd(
 
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate):
+    def forward(ctx, q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset):
         ctx.save_for_backward(angles)
-        ctx.args = (layout, rope_dim, q_scale, k_scale, not conjugate)
-        return rope_fwd(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate)
+        ctx.args = (layout, rope_dim, q_scale, k_scale, not conjugate, offset)
+        return rope_fwd(
+            q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate,
+            position_offset=offset,
+        )  # fmt: skip
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         (angles,) = ctx.saved_tensors
         dq, dk = _RopeFunction.apply(dq_out, dk_out, angles, *ctx.args)
-        return dq, dk, None, None, None, None, None, None
+        return dq, dk, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,24 +396,27 @@ def _rope_op(
     rope_dim: int,
     scale: float,
     conjugate: bool,
+    offset: int,
 ) -> torch.Tensor:
-    return rope_fwd(x, None, angles, layout, rope_dim, scale, 1.0, conjugate=conjugate)[0]
+    return rope_fwd(
+        x, None, angles, layout, rope_dim, scale, 1.0, conjugate=conjugate, position_offset=offset
+    )[0]
 
 
 @_rope_op.register_fake
-def _(x, angles, layout, rope_dim, scale, conjugate):
+def _(x, angles, layout, rope_dim, scale, conjugate, offset):
     return _empty_out(x)
 
 
 def _rope_setup(ctx, inputs, output):
-    _, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.conjugate = inputs
+    _, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.conjugate, ctx.offset = inputs
     ctx.save_for_backward(angles)
 
 
 def _rope_backward(ctx, grad):
     (angles,) = ctx.saved_tensors
-    dx = _rope_op(grad, angles, ctx.layout, ctx.rope_dim, ctx.scale, not ctx.conjugate)
-    return dx, None, None, None, None, None
+    dx = _rope_op(grad, angles, ctx.layout, ctx.rope_dim, ctx.scale, not ctx.conjugate, ctx.offset)
+    return dx, None, None, None, None, None, None
 
 
 _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
@@ -418,17 +432,22 @@ def _rope_qk_op(
     q_scale: float,
     k_scale: float,
     conjugate: bool,
+    offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_fwd(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate)
+    return rope_fwd(
+        q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate,
+        position_offset=offset,
+    )  # fmt: skip
 
 
 @_rope_qk_op.register_fake
-def _(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate):
+def _(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset):
     return _empty_out(q), _empty_out(k)
 
 
 def _rope_qk_setup(ctx, inputs, output):
-    q, k, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale, ctx.conjugate = inputs
+    q, k, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale = inputs[:7]
+    ctx.conjugate, ctx.offset = inputs[7:]
     ctx.save_for_backward(angles)
 
 
@@ -436,9 +455,9 @@ def _rope_qk_backward(ctx, dq_out, dk_out):
     (angles,) = ctx.saved_tensors
     dq, dk = _rope_qk_op(
         dq_out, dk_out, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale,
-        not ctx.conjugate,
+        not ctx.conjugate, ctx.offset,
     )  # fmt: skip
-    return dq, dk, None, None, None, None, None, None
+    return dq, dk, None, None, None, None, None, None, None
 
 
 _rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
@@ -446,13 +465,13 @@ _rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
 
 @torch.library.custom_op("fused_rope::rope_", mutates_args=("x",))
 def _rope_inplace_op(
-    x: torch.Tensor, angles: torch.Tensor, layout: str, rope_dim: int, scale: float
+    x: torch.Tensor, angles: torch.Tensor, layout: str, rope_dim: int, scale: float, offset: int
 ) -> None:
-    _launch(x, x, None, None, angles, layout, rope_dim, scale, 1.0, False, None)
+    _launch(x, x, None, None, angles, layout, rope_dim, scale, 1.0, False, None, offset)
 
 
 @_rope_inplace_op.register_fake
-def _(x, angles, layout, rope_dim, scale):
+def _(x, angles, layout, rope_dim, scale, offset):
     return None
 
 
@@ -476,6 +495,30 @@ def _check_kernel_tensor(x, name: str) -> None:
             f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()} "
             f"for shape {tuple(x.shape)}; call .contiguous() first"
         )
+
+
+def _check_position_offset(position_offset, angles, seq_len: int) -> None:
+    """``position_offset``: an int >= 0 that keeps inv_freq's positions below 2**24 (fp32 holds
+    them exactly there); 0 with an angle table, whose rows are the positions."""
+    if isinstance(position_offset, bool) or not isinstance(position_offset, (int, torch.SymInt)):
+        raise TypeError(f"position_offset must be an int, got {type(position_offset).__name__}")
+    if position_offset < 0 or position_offset + seq_len > 2**24:
+        raise ValueError(
+            f"position_offset must be >= 0 with position_offset + N <= 2**24 (fp32 positions "
+            f"are exact below it), got {position_offset} with N={seq_len}"
+        )
+    if angles is not None and position_offset != 0:
+        raise ValueError(
+            "position_offset shifts inv_freq's positions; with an angle table, pass the "
+            f"table's rows for the input's positions instead (got position_offset="
+            f"{position_offset} and angles)"
+        )
+
+
+def _tracks_grad(*xs: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``xs``: else the launcher runs without the
+    autograd.Function, whose bookkeeping is host time a decoding step does not need."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
 def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **inputs):
@@ -509,6 +552,7 @@ def apply_rope(
     rope_dim: int | None = None,
     output_scale: float = 1.0,
     inplace: bool = False,
+    position_offset: int = 0,
 ) -> torch.Tensor:
     """Rotates the first ``rope_dim`` channels of ``x`` by ``angles`` (Triton); scales all of it.
 
@@ -519,9 +563,10 @@ def apply_rope(
             require grad (in grad mode) raise ``ValueError``; detach them explicitly.
             For fp16/bf16 ``x`` on a GPU, ``|angles| < 2**24`` (16.7M radians: position
             times the fastest frequency), the range of the kernel's exact reduction.
-        inv_freq: fp32 ``[R/2]``, instead of ``angles``, for the positions ``0..N-1``: the
-            kernel forms ``rope_angles(arange(N), inv_freq)`` itself (bitwise the same angles,
-            without the kernels that would build the table). No gradient, as ``angles``.
+        inv_freq: fp32 ``[R/2]``, instead of ``angles``, for the positions ``0..N-1`` (or
+            from ``position_offset``): the kernel forms ``rope_angles(arange(N), inv_freq)``
+            itself (bitwise the same angles, without the kernels that would build the table).
+            No gradient, as ``angles``.
         layout: ``"half"`` pairs channel ``d`` with ``d + R/2``; ``"interleaved"`` pairs
             ``2d`` with ``2d + 1``.
         output_scale: multiplies the whole output (rotated and pass-through channels);
@@ -530,6 +575,10 @@ def apply_rope(
             refused (``ValueError``) when grad mode is on and ``x`` requires grad, when
             elements of ``x`` may share memory, and for an inference tensor outside
             ``torch.inference_mode()``.
+        position_offset: with ``inv_freq``, the positions are ``position_offset ..
+            position_offset + N - 1`` (new tokens after a KV cache of that many), with no
+            position tensor or angle table built per call. An int >= 0 with
+            ``position_offset + N <= 2**24``; must be 0 with ``angles`` (slice the table).
 
     Returns:
         ``[B, H, N, D]`` in ``x``'s dtype, laid out as ``torch.empty_like(x)`` lays it out:
@@ -541,14 +590,18 @@ def apply_rope(
     check_layout(layout)
     B, _, N, D = x.shape
     R = check_rope_dim(rope_dim, D)
+    _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, x=x)
     scale = _check_scale(output_scale, "output_scale")
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    offset = position_offset
     if not inplace:
-        if runs_eagerly(x):
-            return _RopeFunction.apply(x, None, angles, layout, R, scale, 1.0, False)[0]
-        return _rope_op(x, angles, layout, R, scale, False)
+        if not runs_eagerly(x):
+            return _rope_op(x, angles, layout, R, scale, False, offset)
+        if _tracks_grad(x):
+            return _RopeFunction.apply(x, None, angles, layout, R, scale, 1.0, False, offset)[0]
+        return rope_fwd(x, None, angles, layout, R, scale, 1.0, position_offset=offset)[0]
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError(
             "inplace=True overwrites x, but x requires grad and grad mode is on "
@@ -571,11 +624,11 @@ def apply_rope(
             "does not allow for its own in-place ops either; run it under inference_mode"
         )
     if runs_eagerly(x):
-        _launch(x, x, None, None, angles, layout, R, scale, 1.0, False, None)
+        _launch(x, x, None, None, angles, layout, R, scale, 1.0, False, None, offset)
         # Ops that saved x for their backward must see that it changed.
         torch.autograd.graph.increment_version(x)
     else:
-        _rope_inplace_op(x, angles, layout, R, scale)
+        _rope_inplace_op(x, angles, layout, R, scale, offset)
     return x
 
 
@@ -589,6 +642,7 @@ def apply_rope_qk(
     rope_dim: int | None = None,
     q_scale: float = 1.0,
     k_scale: float = 1.0,
+    position_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q and k by the same angles in one launch (Triton); sin/cos computed once.
 
@@ -601,10 +655,12 @@ def apply_rope_qk(
         angles: fp32 ``[N, R/2]`` or ``[B, N, R/2]``, k's positions' angles; no gradient (see
             ``apply_rope``).
         inv_freq: fp32 ``[R/2]`` instead of ``angles``, for the positions ``0..N-1`` (see
-            ``apply_rope``).
+            ``apply_rope``), or ``position_offset..position_offset+N-1``.
         layout, rope_dim: as ``apply_rope``.
         q_scale, k_scale: output scales of q and k (e.g. ``q_scale = softmax_scale`` folds the
             attention scale into q; backward uses the same scales).
+        position_offset: with ``inv_freq``, k's first position (see ``apply_rope``): a
+            decoding step rotates its new rows with ``position_offset`` = the cached length.
 
     Returns:
         ``(q_out [B, HQ, NQ, D], k_out [B, HK, N, D])``, dtypes and strides as ``apply_rope``;
@@ -623,9 +679,13 @@ def apply_rope_qk(
     if k.dtype != q.dtype:
         raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
     R = check_rope_dim(rope_dim, D)
+    _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)
     qs = _check_scale(q_scale, "q_scale")
     ks = _check_scale(k_scale, "k_scale")
-    if runs_eagerly(q, k):
-        return _RopeFunction.apply(q, k, angles, layout, R, qs, ks, False)
-    return _rope_qk_op(q, k, angles, layout, R, qs, ks, False)
+    offset = position_offset
+    if not runs_eagerly(q, k):
+        return _rope_qk_op(q, k, angles, layout, R, qs, ks, False, offset)
+    if _tracks_grad(q, k):
+        return _RopeFunction.apply(q, k, angles, layout, R, qs, ks, False, offset)
+    return rope_fwd(q, k, angles, layout, R, qs, ks, position_offset=offset)

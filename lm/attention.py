@@ -250,14 +250,15 @@ class RopeAttention(Attention):
         ``first, first + 1, ...``, q's at the last ``NQ`` of them; the Triton RoPE kernel
         (``triton``) or the PyTorch reference."""
         NQ, NK = q.shape[2], k.shape[2]
-        angles = rope_angles(torch.arange(first, first + NK, device=q.device), inv_freq)
         layout, R = self.layout, self.rope_dim
-        if triton:
+        if triton:  # the kernel forms the angles of first.. itself: no tensors built per step
             from fused_rope.rope import apply_rope_qk
 
             return apply_rope_qk(
-                q, k, angles, layout=layout, rope_dim=R, q_scale=factor, k_scale=factor
-            )
+                q, k, inv_freq=inv_freq, position_offset=first, layout=layout, rope_dim=R,
+                q_scale=factor, k_scale=factor,
+            )  # fmt: skip
+        angles = rope_angles(torch.arange(first, first + NK, device=q.device), inv_freq)
         from fused_rope.naive import apply_rope_ref
 
         q = apply_rope_ref(q, angles[NK - NQ :], layout, R, output_scale=factor)

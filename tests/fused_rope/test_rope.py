@@ -154,16 +154,17 @@ def test_qk_queries_take_the_last_positions(B, HQ, HK, NQ, N, D, R, layout, per_
         pytest.param(2, 32, 8, 4096, 128, None, marks=gpu, id="B2-HQ32-HK8-N4096-D128"),
     ],
 )
+@pytest.mark.parametrize("offset", [0, 4093], ids=["from-0", "offset"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_inv_freq_gives_the_angle_table_bitwise(B, HQ, HK, N, D, R, layout, dtype):
-    """``inv_freq=`` (angles formed in the kernel for positions 0..N-1) against the table of
-    ``rope_angles(arange(N), inv_freq)``: the same fp32 angles, so the same bits, forward and
-    backward, for apply_rope_qk and apply_rope."""
+def test_inv_freq_gives_the_angle_table_bitwise(B, HQ, HK, N, D, R, layout, dtype, offset):
+    """``inv_freq=`` (angles formed in the kernel for positions ``offset..offset+N-1``) against
+    the table of ``rope_angles(arange(offset, offset + N), inv_freq)``: the same fp32 angles, so
+    the same bits, forward and backward, for apply_rope_qk and apply_rope."""
     inv_freq = rope_frequencies(R or D, 500.0)[0].to(DEVICE)
-    table = rope_angles(torch.arange(N, device=DEVICE), inv_freq)
+    table = rope_angles(torch.arange(offset, offset + N, device=DEVICE), inv_freq)
     q, k = (torch.randn(B, h, N, D, device=DEVICE, dtype=dtype) for h in (HQ, HK))
     outs, grads = [], []
-    for rope in (dict(angles=table), dict(inv_freq=inv_freq)):
+    for rope in (dict(angles=table), dict(inv_freq=inv_freq, position_offset=offset)):
         qq, kk = (x.detach().requires_grad_() for x in (q, k))
         q_out, k_out = apply_rope_qk(qq, kk, layout=layout, rope_dim=R, q_scale=0.5, **rope)
         torch.autograd.backward((q_out, k_out), (q_out.detach() * 3, k_out.detach() - 1))
@@ -393,16 +394,20 @@ def test_custom_ops_pass_torch_library_opcheck():
     k = torch.randn(1, 1, 9, 16, device=DEVICE)
     angles = _angles(1, 9, 16, per_batch=False)
     ops = torch.ops.fused_rope
-    torch.library.opcheck(ops.rope, (x.requires_grad_(), angles, "half", 16, 0.5, False))
+    torch.library.opcheck(ops.rope, (x.requires_grad_(), angles, "half", 16, 0.5, False, 0))
     torch.library.opcheck(
-        ops.rope_qk, (x, k.requires_grad_(), angles, "interleaved", 16, 2.0, 1.0, False)
+        ops.rope_qk, (x, k.requires_grad_(), angles, "interleaved", 16, 2.0, 1.0, False, 0)
     )
-    torch.library.opcheck(ops.rope_, (x.detach().clone(), angles, "half", 16, 0.5))
+    torch.library.opcheck(ops.rope_, (x.detach().clone(), angles, "half", 16, 0.5, 0))
     # q of fewer rows than k: its rows are k's last positions
-    torch.library.opcheck(ops.rope_qk, (x[:, :, 5:], k, angles, "half", 16, 2.0, 1.0, False))
+    torch.library.opcheck(ops.rope_qk, (x[:, :, 5:], k, angles, "half", 16, 2.0, 1.0, False, 0))
     # Gradients reach the ops with any strides: fake and real outputs must agree on them.
     strided = torch.randn(1, 2, 16, 9, device=DEVICE).transpose(-1, -2).requires_grad_()
-    torch.library.opcheck(ops.rope, (strided, angles, "interleaved", 16, 0.5, True))
+    torch.library.opcheck(ops.rope, (strided, angles, "interleaved", 16, 0.5, True, 0))
+    # inv_freq with the positions from an offset
+    inv_freq = rope_frequencies(16)[0].to(DEVICE)
+    torch.library.opcheck(ops.rope_qk, (x, k, inv_freq, "half", 16, 2.0, 1.0, False, 7))
+    torch.library.opcheck(ops.rope, (x, inv_freq, "interleaved", 16, 0.5, False, 7))
 
 
 def _compile_case(dtype):
@@ -410,12 +415,16 @@ def _compile_case(dtype):
     q = torch.randn(B, HQ, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(B, HK, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
     angles = _angles(B, N, D, per_batch=False)
+    inv_freq = rope_frequencies(D)[0].to(DEVICE)
 
     def fn(q, k, angles):
         q_out, k_out = apply_rope_qk(q, k, angles, q_scale=0.3)
         partial = angles[:, : D // 4]  # a strided view of the angles: first R/2 frequencies
         single = apply_rope(k_out * 2, partial, layout="interleaved", rope_dim=D // 2)
-        return (q_out.float().square().sum() + single.float().sum()) * 1.5
+        # positions from an offset (a decoding step's), formed in the kernel
+        shifted = apply_rope(q, inv_freq=inv_freq, position_offset=N + 3)
+        total = q_out.float().square().sum() + single.float().sum()
+        return (total + (shifted.float() * q_out.float()).sum()) * 1.5
 
     return fn, (q, k, angles)
 
@@ -543,6 +552,21 @@ BAD_INPUTS = [
                  id="inv-freq-fp64"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), inv_freq=torch.ones(8, device="meta")),
                  ValueError, "inv_freq is on meta but x is on", id="inv-freq-other-device"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), inv_freq=torch.ones(8, device=DEVICE),
+                 position_offset=2.0), TypeError, "position_offset must be an int, got float",
+                 id="offset-float"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16),
+                 inv_freq=torch.ones(8, device=DEVICE), position_offset=True), TypeError,
+                 "position_offset must be an int, got bool", id="offset-bool"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), inv_freq=torch.ones(8, device=DEVICE),
+                 position_offset=-1), ValueError, "position_offset must be >= 0.*got -1",
+                 id="offset-negative"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16),
+                 inv_freq=torch.ones(8, device=DEVICE), position_offset=2**24 - 7), ValueError,
+                 "position_offset \\+ N <= 2\\*\\*24.*got 16777209 with N=8",
+                 id="offset-past-fp32-positions"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), position_offset=3), ValueError,
+                 "with an angle table, pass the table's rows", id="offset-with-angles"),
 ]  # fmt: skip
 
 
@@ -614,7 +638,7 @@ for dtype, layout, D, R, heads, from_inv_freq in json.loads(sys.argv[1]):
     for i, name in enumerate(_rope_kernel.arg_names):
         if name.endswith("_ptr"):
             sig[name] = "*fp32" if name == "angles_ptr" else "*" + dtype
-        elif name.startswith("stride") or name in ("N", "q_shift"):
+        elif name.startswith("stride") or name in ("N", "q_shift", "pos0"):
             sig[name] = "i32"
         elif name.endswith("_scale"):
             sig[name] = "fp32"
