@@ -30,23 +30,27 @@ from experiments.time_corope import CASES, describe_config, floor_ms, kernel_inp
 
 
 def parse_tile(text: str) -> triton.Config:
-    """``"BLOCK_GM,BLOCK_N,REGISTERS"`` (registers 0: no cap) as a 4-warp forward config."""
+    """``"BLOCK_GM,BLOCK_N,REGISTERS[,WARPS]"`` (registers 0: no cap; 4 warps unless given) as
+    a forward config."""
     try:
-        gm, bn, regs = (int(x) for x in text.split(","))
+        gm, bn, regs, *warps = (int(x) for x in text.split(","))
+        if len(warps) > 1:
+            raise ValueError
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"a tile is BLOCK_GM,BLOCK_N,REGISTERS (three integers), got {text!r}"
+            f"a tile is BLOCK_GM,BLOCK_N,REGISTERS[,WARPS] (three or four integers), got {text!r}"
         ) from None
     return triton.Config(
-        {"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=4, num_stages=1, maxnreg=regs or None
-    )
+        {"BLOCK_GM": gm, "BLOCK_N": bn}, num_warps=warps[0] if warps else 4, num_stages=1,
+        maxnreg=regs or None,
+    )  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", help="B,HQ,HKV,D,N tuples (default: time_corope's)")
     ap.add_argument("--extra", nargs="*", type=parse_tile, default=[],
-                    help="more tiles, BLOCK_GM,BLOCK_N,REGISTERS (0: no register cap)")  # fmt: skip
+                    help="more tiles, BLOCK_GM,BLOCK_N,REGISTERS[,WARPS] (0 registers: no cap)")  # fmt: skip
     ap.add_argument("--only-extra", action="store_true", help="skip the autotune list's configs")
     ap.add_argument("--label", default="current")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget")

@@ -295,8 +295,9 @@ def test_sincos_rate_polynomial_matches_fp64():
 
 
 def test_time_corope_configs_parses_tiles():
-    """``time_corope_configs.py --extra``: a tile becomes a 4-warp forward config (registers 0:
-    no cap); anything but three integers is refused with the tile's text."""
+    """``time_corope_configs.py --extra``: a tile becomes a forward config of 4 warps unless a
+    fourth number gives them (registers 0: no cap); anything but three or four integers is
+    refused with the tile's text."""
     import argparse
 
     from experiments.time_corope_configs import parse_tile
@@ -305,8 +306,10 @@ def test_time_corope_configs_parses_tiles():
     assert (config.kwargs, config.num_warps, config.maxnreg) == (
         {"BLOCK_GM": 32, "BLOCK_N": 64}, 4, 168)  # fmt: skip
     assert parse_tile("16,32,0").maxnreg is None
-    with pytest.raises(argparse.ArgumentTypeError, match="'32,64'"):
-        parse_tile("32,64")
+    assert parse_tile("64,64,0,8").num_warps == 8
+    for bad in ("32,64", "32,64,168,8,2", "32,64,x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}'"):
+            parse_tile(bad)
 
 
 def test_read_rows_keeps_one_gpu_orders_by_shape_and_reads_empty_timings_as_none(tmp_path):
