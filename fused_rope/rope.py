@@ -3,8 +3,9 @@
 Math, layouts, the output-scale fold and the support matrix: ``fused_rope/README.md``.
 
 Reads top-down: the ``@triton.jit`` kernels, the launcher ``rope_fwd`` (the backward is the
-same launch with ``conjugate=True``), the autograd.Function of eager mode, the torch custom ops
-that torch.compile sees, then the public functions ``apply_rope`` and ``apply_rope_qk``.
+same launch with ``conjugate=True``), the autograd.Function of eager mode where autograd
+records the call (eager calls it does not record launch directly), the torch custom ops that
+torch.compile sees, then the public functions ``apply_rope`` and ``apply_rope_qk``.
 """
 
 # No ``from __future__ import annotations``: torch.library.custom_op reads the real annotations.
@@ -25,6 +26,7 @@ from fused_rope._validation import (
     check_inv_freq,
     check_kernel_device,
     check_layout,
+    check_no_tangent,
     check_rope_dim,
     check_same_device,
     is_finite,
@@ -498,32 +500,40 @@ def _check_kernel_tensor(x, name: str) -> None:
 
 
 def _check_position_offset(position_offset, angles, seq_len: int) -> None:
-    """``position_offset``: an int >= 0 that keeps inv_freq's positions below 2**24 (fp32 holds
-    them exactly there); 0 with an angle table, whose rows are the positions."""
+    """``position_offset``: an int, 0 with an angle table (whose rows are the positions), else
+    >= 0 and, when not 0, keeping inv_freq's positions below 2**24 (fp32 holds them exactly
+    there; offset 0 keeps its earlier contract, positions ``0..N-1`` whatever N)."""
     if isinstance(position_offset, bool) or not isinstance(position_offset, (int, torch.SymInt)):
         raise TypeError(f"position_offset must be an int, got {type(position_offset).__name__}")
-    if position_offset < 0 or position_offset + seq_len > 2**24:
-        raise ValueError(
-            f"position_offset must be >= 0 with position_offset + N <= 2**24 (fp32 positions "
-            f"are exact below it), got {position_offset} with N={seq_len}"
-        )
-    if angles is not None and position_offset != 0:
+    if position_offset == 0:
+        return
+    if angles is not None:
         raise ValueError(
             "position_offset shifts inv_freq's positions; with an angle table, pass the "
             f"table's rows for the input's positions instead (got position_offset="
             f"{position_offset} and angles)"
         )
+    if position_offset < 0 or position_offset + seq_len > 2**24:
+        raise ValueError(
+            f"position_offset must be >= 0 with position_offset + N <= 2**24 (fp32 positions "
+            f"are exact below it), got {position_offset} with N={seq_len}"
+        )
 
 
-def _tracks_grad(*xs: torch.Tensor) -> bool:
-    """Whether autograd records an op on ``xs``: else the launcher runs without the
-    autograd.Function, whose bookkeeping is host time a decoding step does not need."""
-    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+def _needs_autograd(*xs: torch.Tensor) -> bool:
+    """Whether the call goes through the autograd.Function: autograd records it, or a
+    torch.func transform (vmap, grad) wraps the inputs. Otherwise the launcher runs directly,
+    without the Function's bookkeeping, host time a decoding step does not need. (Forward-mode
+    tangents are refused before: ``check_no_tangent``.)"""
+    return (
+        torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+    ) or torch._C._functorch.maybe_current_level() is not None
 
 
 def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **inputs):
     """The kernels' angle argument: ``angles`` ``[.., N, R/2]``, or ``inv_freq`` ``[R/2]`` for
-    the positions ``0..N-1`` (exactly one of them given), fp32, not requiring grad, on the
+    the positions ``0..N-1`` or from ``position_offset`` (exactly one of them given), fp32,
+    not requiring grad, on the
     device of the named ``inputs`` (the first of which names a kernel-capable device)."""
     if (angles is None) == (inv_freq is None):
         given = "both" if angles is not None else "neither"
@@ -564,8 +574,9 @@ def apply_rope(
             For fp16/bf16 ``x`` on a GPU, ``|angles| < 2**24`` (16.7M radians: position
             times the fastest frequency), the range of the kernel's exact reduction.
         inv_freq: fp32 ``[R/2]``, instead of ``angles``, for the positions ``0..N-1`` (or
-            from ``position_offset``): the kernel forms ``rope_angles(arange(N), inv_freq)``
-            itself (bitwise the same angles, without the kernels that would build the table).
+            from ``position_offset``): the kernel forms ``rope_angles(arange(position_offset,
+            position_offset + N), inv_freq)`` itself (bitwise the same angles, without the
+            kernels that would build the table).
             No gradient, as ``angles``.
         layout: ``"half"`` pairs channel ``d`` with ``d + R/2``; ``"interleaved"`` pairs
             ``2d`` with ``2d + 1``.
@@ -577,8 +588,9 @@ def apply_rope(
             ``torch.inference_mode()``.
         position_offset: with ``inv_freq``, the positions are ``position_offset ..
             position_offset + N - 1`` (new tokens after a KV cache of that many), with no
-            position tensor or angle table built per call. An int >= 0 with
-            ``position_offset + N <= 2**24``; must be 0 with ``angles`` (slice the table).
+            position tensor or angle table built per call. An int >= 0, with
+            ``position_offset + N <= 2**24`` when not 0; must be 0 with ``angles`` (slice the
+            table).
 
     Returns:
         ``[B, H, N, D]`` in ``x``'s dtype, laid out as ``torch.empty_like(x)`` lays it out:
@@ -592,6 +604,7 @@ def apply_rope(
     R = check_rope_dim(rope_dim, D)
     _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, x=x)
+    check_no_tangent("fused_rope.naive.apply_rope_ref", x=x)
     scale = _check_scale(output_scale, "output_scale")
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
@@ -599,7 +612,7 @@ def apply_rope(
     if not inplace:
         if not runs_eagerly(x):
             return _rope_op(x, angles, layout, R, scale, False, offset)
-        if _tracks_grad(x):
+        if _needs_autograd(x):
             return _RopeFunction.apply(x, None, angles, layout, R, scale, 1.0, False, offset)[0]
         return rope_fwd(x, None, angles, layout, R, scale, 1.0, position_offset=offset)[0]
     if torch.is_grad_enabled() and x.requires_grad:
@@ -681,11 +694,12 @@ def apply_rope_qk(
     R = check_rope_dim(rope_dim, D)
     _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)
+    check_no_tangent("fused_rope.naive.apply_rope_ref", q=q, k=k)
     qs = _check_scale(q_scale, "q_scale")
     ks = _check_scale(k_scale, "k_scale")
     offset = position_offset
     if not runs_eagerly(q, k):
         return _rope_qk_op(q, k, angles, layout, R, qs, ks, False, offset)
-    if _tracks_grad(q, k):
+    if _needs_autograd(q, k):
         return _RopeFunction.apply(q, k, angles, layout, R, qs, ks, False, offset)
     return rope_fwd(q, k, angles, layout, R, qs, ks, position_offset=offset)

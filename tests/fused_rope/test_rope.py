@@ -169,11 +169,17 @@ def test_inv_freq_gives_the_angle_table_bitwise(B, HQ, HK, N, D, R, layout, dtyp
         q_out, k_out = apply_rope_qk(qq, kk, layout=layout, rope_dim=R, q_scale=0.5, **rope)
         torch.autograd.backward((q_out, k_out), (q_out.detach() * 3, k_out.detach() - 1))
         x_out = apply_rope(q, layout=layout, rope_dim=R, output_scale=0.5, **rope)
-        outs.append((q_out, k_out, x_out))
+        # launched without the autograd.Function (nothing recorded), and in place
+        with torch.no_grad():
+            q_plain, k_plain = apply_rope_qk(q, k, layout=layout, rope_dim=R, q_scale=0.5, **rope)
+            x_inplace = apply_rope(q.clone(), layout=layout, rope_dim=R, output_scale=0.5,
+                                   inplace=True, **rope)  # fmt: skip
+        outs.append((q_out, k_out, x_out, q_plain, k_plain, x_inplace))
         grads.append((qq.grad, kk.grad))
-    for name, a, b in zip(("q_out", "k_out", "x_out", "dq", "dk"), outs[0] + grads[0],
-                          outs[1] + grads[1], strict=True):  # fmt: skip
+    names = ("q_out", "k_out", "x_out", "q_plain", "k_plain", "x_inplace", "dq", "dk")
+    for name, a, b in zip(names, outs[0] + grads[0], outs[1] + grads[1], strict=True):
         assert torch.equal(a, b), name
+    assert torch.equal(outs[1][3], outs[1][0]) and torch.equal(outs[1][5], outs[1][2])
     _check("x_out", outs[1][2], q, table, layout, R, 0.5)
 
 
@@ -421,11 +427,13 @@ def _compile_case(dtype):
         q_out, k_out = apply_rope_qk(q, k, angles, q_scale=0.3)
         partial = angles[:, : D // 4]  # a strided view of the angles: first R/2 frequencies
         single = apply_rope(k_out * 2, partial, layout="interleaved", rope_dim=D // 2)
-        # positions from an offset (a decoding step's), formed in the kernel; a linear term,
-        # so that its gradient (the conjugate rotation of ones) is not rounded in between
+        # positions from an offset (a decoding step's), formed in the kernel, through both
+        # ops; linear terms, so that their gradients (conjugate rotations of ones) are not
+        # rounded in between
         shifted = apply_rope(q, inv_freq=inv_freq, position_offset=N + 3)
+        sq, sk = apply_rope_qk(q, k, inv_freq=inv_freq, position_offset=2 * N + 5, k_scale=0.7)
         total = q_out.float().square().sum() + single.float().sum()
-        return (total + shifted.float().sum()) * 1.5
+        return (total + shifted.float().sum() + sq.float().sum() - sk.float().sum()) * 1.5
 
     return fn, (q, k, angles)
 
@@ -464,16 +472,63 @@ def test_inplace_under_torch_compile(backend):
     dtype = torch.bfloat16 if backend == "inductor" else torch.float32
     angles = _angles(2, 50, 32, per_batch=False)
 
-    def fn(x):
+    inv_freq = rope_frequencies(32)[0].to(DEVICE)
+
+    def fn(x, y):
         apply_rope(x, angles, output_scale=0.5, inplace=True)
+        apply_rope(y, inv_freq=inv_freq, position_offset=77, inplace=True)
         return x * 1
 
     x = torch.randn(2, 3, 50, 32, device=DEVICE, dtype=dtype)
+    y = torch.randn_like(x)
     expected = apply_rope(x.clone(), angles, output_scale=0.5)
+    expected_y = apply_rope(y.clone(), inv_freq=inv_freq, position_offset=77)
     with torch.no_grad():
-        out = torch.compile(fn, fullgraph=True, backend=backend)(x)
+        out = torch.compile(fn, fullgraph=True, backend=backend)(x, y)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
+    torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
+
+
+def test_position_offset_under_compile_follows_its_value():
+    """A compiled graph takes the offset as a value (dynamic: one graph for every offset, as a
+    decoding loop needs), forward and backward."""
+    torch._dynamo.reset()
+    inv_freq = rope_frequencies(32)[0].to(DEVICE)
+    q = torch.randn(1, 2, 3, 32, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 1, 5, 32, device=DEVICE)
+
+    def fn(q, k, offset):
+        q_out, k_out = apply_rope_qk(q, k, inv_freq=inv_freq, position_offset=offset)
+        return q_out.square().sum() + k_out.sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
+    for offset in (7, 1000, 31):
+        eager = fn(q, k, offset)
+        (dq,) = torch.autograd.grad(eager, q)
+        got = compiled(q, k, offset)
+        (cdq,) = torch.autograd.grad(got, q)
+        torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(cdq, dq, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(fn(q, k, 7), fn(q, k, 31))  # the offset changes the result
+
+
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no-grad"])
+def test_forward_mode_tangents_are_refused(grad_mode):
+    """The kernels have no forward-mode derivative: a tangent (forward_ad, torch.func.jvp) is
+    refused by name, never dropped, with grad mode on or off."""
+    from torch.autograd import forward_ad
+
+    inv_freq = rope_frequencies(16)[0].to(DEVICE)
+    x = torch.randn(1, 2, 4, 16, device=DEVICE)
+    with torch.set_grad_enabled(grad_mode), forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="k carries a forward-mode tangent"):
+            apply_rope_qk(x, dual, inv_freq=inv_freq, position_offset=3)
+        with pytest.raises(NotImplementedError, match="x carries a forward-mode tangent"):
+            apply_rope(dual, inv_freq=inv_freq)
+    with pytest.raises(NotImplementedError, match="forward-mode tangent.*apply_rope_ref"):
+        torch.func.jvp(lambda t: apply_rope(t, inv_freq=inv_freq), (x,), (torch.ones_like(x),))
 
 
 # --------------------------------------------------------------------------------------------
@@ -568,6 +623,9 @@ BAD_INPUTS = [
                  id="offset-past-fp32-positions"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), position_offset=3), ValueError,
                  "with an angle table, pass the table's rows", id="offset-with-angles"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16), A(),
+                 position_offset=2**30), ValueError, "position_offset shifts inv_freq's",
+                 id="qk-offset-with-angles"),
 ]  # fmt: skip
 
 
