@@ -10,7 +10,12 @@ session 29, or formed in the kernel from ``position_offset``), ``corope.decode.c
 and the public ``corope_attention`` with one query row (B = 1, 8/2 heads, D = 64, 512 cached
 keys). Triton's own launcher, which this leaves out, costs more on top of it.
 
-    python experiments/host_cost.py
+``--gpu`` times the same calls on CUDA tensors with the kernels launched (Triton's launcher
+included), next to one eager PyTorch op as the host's yardstick: each call's host time, the
+calls issued back to back (their kernels take a few microseconds, so the GPU keeps up).
+
+    python experiments/host_cost.py          # this CPU, launches stubbed
+    python experiments/host_cost.py --gpu    # a GPU machine, launches real
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors reach the launchers' checks
+GPU = "--gpu" in sys.argv[1:]
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors reach the launchers' checks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -40,30 +47,38 @@ class _NoLaunch:
 
 def us_per_call(fn, calls: int = 1000, runs: int = 7) -> float:
     """Microseconds a call of ``fn``: the fastest of ``runs`` runs of ``calls`` calls (other
-    processes only ever add time), after 200 warm-up calls."""
+    processes only ever add time), after 200 warm-up calls; on the GPU each run ends with a
+    synchronization, so no call's kernels are left out."""
+    sync = torch.cuda.synchronize if GPU else (lambda: None)
     for _ in range(200):
         fn()
+    sync()
     best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best / calls * 1e6
 
 
 def main() -> None:
-    fused_rope.rope._rope_kernel = _NoLaunch()
-    for name in ("_gate_sums_kernel", "_split_kernel", "_combine_kernel"):
-        setattr(corope.decode, name, _NoLaunch())
-    q, k_new = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 1, 64)
-    k, v = torch.randn(1, 2, 512, 64), torch.randn(1, 2, 512, 64)
-    w = torch.rand(32)
+    if GPU and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device")
+    if not GPU:
+        fused_rope.rope._rope_kernel = _NoLaunch()
+        for name in ("_gate_sums_kernel", "_split_kernel", "_combine_kernel"):
+            setattr(corope.decode, name, _NoLaunch())
+    device, dtype = ("cuda", torch.bfloat16) if GPU else ("cpu", torch.float32)
+    q, k_new = (torch.randn(1, h, 1, 64, device=device, dtype=dtype) for h in (8, 2))
+    k, v = (torch.randn(1, 2, 512, 64, device=device, dtype=dtype) for _ in range(2))
+    w = torch.rand(32, device=device)
     rope_qk = fused_rope.rope.apply_rope_qk
     calls = {
         # the harness's RoPE step until session 29: the new row's angles built, then the kernel
         "apply_rope_qk, one new row, its angles built": lambda: rope_qk(
-            q, k_new, rope_angles(torch.arange(511, 512), w)
+            q, k_new, rope_angles(torch.arange(511, 512, device=device), w)
         ),
         "apply_rope_qk, one new row, inv_freq and position_offset": lambda: rope_qk(
             q, k_new, inv_freq=w, position_offset=511
@@ -71,6 +86,8 @@ def main() -> None:
         "corope_decode": lambda: corope.decode.corope_decode(q, k, v, w, 0.125, 64, "first"),
         "corope_attention, one query row": lambda: corope_attention(q, k, v),
     }
+    if GPU:
+        calls["torch.add, one eager op (the yardstick)"] = lambda: torch.add(q, 1.0)
     with torch.no_grad():
         for name, fn in calls.items():
             print(f"{name}: {us_per_call(fn):.1f} us")
