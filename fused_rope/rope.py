@@ -530,14 +530,31 @@ def _needs_autograd(*xs: torch.Tensor) -> bool:
     ) or torch._C._functorch.maybe_current_level() is not None
 
 
-def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **inputs):
+def _dispatch_rotation(q, k, angles, layout: str, R: int, q_scale: float, k_scale: float, offset):
+    """The checked out-of-place rotation of q (and k, unless None): the custom op under a
+    tracer (``runs_eagerly``), the autograd.Function where autograd records the call, else the
+    launcher directly. Returns ``(q_out, k_out)``, ``k_out`` None without k."""
+    xs = (q,) if k is None else (q, k)
+    if not runs_eagerly(*xs):
+        if k is None:
+            return _rope_op(q, angles, layout, R, q_scale, False, offset), None
+        return _rope_qk_op(q, k, angles, layout, R, q_scale, k_scale, False, offset)
+    if _needs_autograd(*xs):
+        return _RopeFunction.apply(q, k, angles, layout, R, q_scale, k_scale, False, offset)
+    return rope_fwd(q, k, angles, layout, R, q_scale, k_scale, position_offset=offset)
+
+
+def _kernel_angles(
+    angles, inv_freq, position_offset, batch: int, seq_len: int, rope_dim: int, **inputs
+):
     """The kernels' angle argument: ``angles`` ``[.., N, R/2]``, or ``inv_freq`` ``[R/2]`` for
-    the positions ``0..N-1`` or from ``position_offset`` (exactly one of them given), fp32,
-    not requiring grad, on the
-    device of the named ``inputs`` (the first of which names a kernel-capable device)."""
+    the positions ``position_offset..position_offset+N-1`` (exactly one of them given), fp32,
+    not requiring grad, on the device of the named ``inputs`` (the first of which names a
+    kernel-capable device)."""
     if (angles is None) == (inv_freq is None):
         given = "both" if angles is not None else "neither"
         raise ValueError(f"pass exactly one of angles and inv_freq, got {given}")
+    _check_position_offset(position_offset, angles, seq_len)
     name, t = ("angles", angles) if angles is not None else ("inv_freq", inv_freq)
     if angles is not None:
         check_angles(angles, batch, seq_len, rope_dim)
@@ -576,8 +593,7 @@ def apply_rope(
         inv_freq: fp32 ``[R/2]``, instead of ``angles``, for the positions ``0..N-1`` (or
             from ``position_offset``): the kernel forms ``rope_angles(arange(position_offset,
             position_offset + N), inv_freq)`` itself (bitwise the same angles, without the
-            kernels that would build the table).
-            No gradient, as ``angles``.
+            kernels that would build the table). No gradient, as ``angles``.
         layout: ``"half"`` pairs channel ``d`` with ``d + R/2``; ``"interleaved"`` pairs
             ``2d`` with ``2d + 1``.
         output_scale: multiplies the whole output (rotated and pass-through channels);
@@ -602,19 +618,14 @@ def apply_rope(
     check_layout(layout)
     B, _, N, D = x.shape
     R = check_rope_dim(rope_dim, D)
-    _check_position_offset(position_offset, angles, N)
-    angles = _kernel_angles(angles, inv_freq, B, N, R, x=x)
+    angles = _kernel_angles(angles, inv_freq, position_offset, B, N, R, x=x)
     check_no_tangent("fused_rope.naive.apply_rope_ref", x=x)
     scale = _check_scale(output_scale, "output_scale")
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     offset = position_offset
     if not inplace:
-        if not runs_eagerly(x):
-            return _rope_op(x, angles, layout, R, scale, False, offset)
-        if _needs_autograd(x):
-            return _RopeFunction.apply(x, None, angles, layout, R, scale, 1.0, False, offset)[0]
-        return rope_fwd(x, None, angles, layout, R, scale, 1.0, position_offset=offset)[0]
+        return _dispatch_rotation(x, None, angles, layout, R, scale, 1.0, offset)[0]
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError(
             "inplace=True overwrites x, but x requires grad and grad mode is on "
@@ -692,14 +703,8 @@ def apply_rope_qk(
     if k.dtype != q.dtype:
         raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
     R = check_rope_dim(rope_dim, D)
-    _check_position_offset(position_offset, angles, N)
-    angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)
+    angles = _kernel_angles(angles, inv_freq, position_offset, B, N, R, q=q, k=k)
     check_no_tangent("fused_rope.naive.apply_rope_ref", q=q, k=k)
     qs = _check_scale(q_scale, "q_scale")
     ks = _check_scale(k_scale, "k_scale")
-    offset = position_offset
-    if not runs_eagerly(q, k):
-        return _rope_qk_op(q, k, angles, layout, R, qs, ks, False, offset)
-    if _needs_autograd(q, k):
-        return _RopeFunction.apply(q, k, angles, layout, R, qs, ks, False, offset)
-    return rope_fwd(q, k, angles, layout, R, qs, ks, position_offset=offset)
+    return _dispatch_rotation(q, k, angles, layout, R, qs, ks, position_offset)
