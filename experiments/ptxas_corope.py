@@ -7,13 +7,17 @@ as the constant 1) and runs Triton's bundled ``ptxas-blackwell -v`` on the PTX (
 also disassembles the cubin (``cuobjdump -sass``) and gives the instruction count of every
 loop (a backward branch closes one), innermost loops being the short ones: the numbers
 ``corope/PERF_NOTES.md`` compares versions by. bf16, with the mileage; ``--leader mean``
-compiles the mean leader (an fp32 ``qL`` in the backward: more shared memory).
+compiles the mean leader (an fp32 ``qL`` in the backward: more shared memory). ``--mix``
+prints each loop's instructions by opcode, those of the loops it holds left out (the forward
+at one shape and config: which pipes a key tile keeps busy, ``corope/PERF_NOTES.md``
+session 30).
 The compiler is the ``triton`` on ``sys.path``: for the GPU image's version, install that
 wheel with ``pip install --no-deps --target DIR`` and put ``DIR`` first on ``PYTHONPATH``.
 
     python experiments/ptxas_corope.py                          # forward, every (shape, config)
     python experiments/ptxas_corope.py --kernel backward --loops
     python experiments/ptxas_corope.py --kernel gate_tail
+    python experiments/ptxas_corope.py --mix 4,128,128 32,64,168   # G,D,R and BLOCK_GM,BLOCK_N,cap
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, even from a CPU machine
@@ -93,9 +98,8 @@ def compile_sm90(fn, consts: dict, warps: int, stages: int, leader: str = "first
     )
 
 
-def report(kernel, loops: bool) -> str:
-    """``registers | stack B | spill st / ld B | shared B`` (and the loop sizes) of a compiled
-    kernel; shared memory above sm_90's 232448 bytes a block fails at launch."""
+def sass_of(kernel) -> tuple[str, str]:
+    """(``ptxas -v``'s log, ``cuobjdump -sass``'s listing) of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx.write_text(kernel.asm["ptx"])
@@ -104,14 +108,17 @@ def report(kernel, loops: bool) -> str:
              str(cubin)],
             capture_output=True, text=True, check=True,
         ).stderr  # fmt: skip
-        sass = (
-            subprocess.run(
-                [str(TOOLS / "cuobjdump"), "-sass", str(cubin)],
-                capture_output=True, text=True, check=True,
-            ).stdout
-            if loops
-            else ""
-        )  # fmt: skip
+        sass = subprocess.run(
+            [str(TOOLS / "cuobjdump"), "-sass", str(cubin)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    return log, sass
+
+
+def report(kernel, loops: bool) -> str:
+    """``registers | stack B | spill st / ld B | shared B`` (and the loop sizes) of a compiled
+    kernel; shared memory above sm_90's 232448 bytes a block fails at launch."""
+    log, sass = sass_of(kernel)
     regs = re.search(r"Used (\d+) registers", log).group(1)
     stack = re.search(r"(\d+) bytes stack frame", log).group(1)
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
@@ -119,33 +126,93 @@ def report(kernel, loops: bool) -> str:
     return row + (f" | {', '.join(loop_sizes(sass))}" if loops else "")
 
 
-def loop_sizes(sass: str) -> list[str]:
-    """``instructions (spill loads and stores, barriers)`` of each loop of a ``cuobjdump -sass``
-    listing, in code order: a branch to a lower address closes a loop from its target."""
-    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    sizes = []
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """``(address, text)`` of every instruction of a ``cuobjdump -sass`` listing."""
+    return [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+
+
+def loop_spans(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """``(first, last)`` addresses of each loop, in code order: a branch to a lower address
+    closes a loop from its target (not the closing self-loop, a trap)."""
+    spans = []
     for at, text in code:
         branch = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < at:  # not the closing self-loop (a trap)
-            body = [t for a, t in code if int(branch.group(1), 16) <= a <= at]
-            spills = sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))
-            bars = sum(1 for t in body if re.search(r"\bBAR\b", t))
-            sizes.append(f"{len(body)} ({spills}, {bars})")
+        if branch and int(branch.group(1), 16) < at:
+            spans.append((int(branch.group(1), 16), at))
+    return spans
+
+
+def loop_sizes(sass: str) -> list[str]:
+    """``instructions (spill loads and stores, barriers)`` of each loop of a ``cuobjdump -sass``
+    listing, in code order, a loop's count including the loops it holds."""
+    code = instructions(sass)
+    sizes = []
+    for lo, hi in loop_spans(code):
+        body = [t for a, t in code if lo <= a <= hi]
+        spills = sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))
+        bars = sum(1 for t in body if re.search(r"\bBAR\b", t))
+        sizes.append(f"{len(body)} ({spills}, {bars})")
     return sizes
+
+
+def loop_mix(sass: str) -> list[Counter]:
+    """Each loop's instructions by opcode (``MUFU``, ``FFMA``, ...; predicates and modifiers
+    dropped), the instructions of the loops nested in it left out."""
+    code = instructions(sass)
+    spans = loop_spans(code)
+    mixes = []
+    for lo, hi in spans:
+        inner = [s for s in spans if s != (lo, hi) and lo <= s[0] and s[1] <= hi]
+        mixes.append(
+            Counter(
+                re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+                for at, text in code
+                if lo <= at <= hi and not any(a <= at <= b for a, b in inner)
+            )
+        )
+    return mixes
+
+
+def forward_kernel(g: int, d: int, r: int, config, leader: str):
+    """The forward compiled for sm_90 at ``(G, D, R) = (g, d, r)`` with an autotune
+    ``config``."""
+    consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=forward.freq_pad(r),
+                  LEADER_MEAN=leader == "mean", DOT_PRECISION="tf32", FAST_TRIG=True,
+                  BLOCK_GM=config.kwargs["BLOCK_GM"], BLOCK_N=config.kwargs["BLOCK_N"])  # fmt: skip
+    return compile_sm90(forward._corope_fwd_kernel.fn, consts, config.num_warps,
+                        config.num_stages, maxnreg=config.maxnreg)  # fmt: skip
+
+
+def config_tile(config) -> tuple[int, int, int, int]:
+    """``(BLOCK_GM, BLOCK_N, warps, register cap)`` of a forward config (no cap: 255)."""
+    kw = config.kwargs
+    return kw["BLOCK_GM"], kw["BLOCK_N"], config.num_warps, config.maxnreg or 255
 
 
 def forward_rows(loops: bool, leader: str):
     for g, d, r in SHAPES:
         for config in forward._configs():  # the autotuner's (not the interpreter's)
-            block_gm, block_n = config.kwargs["BLOCK_GM"], config.kwargs["BLOCK_N"]
-            half_pad = forward.freq_pad(r)
-            consts = dict(G=g, G_PAD=g, HEAD_DIM=d, ROPE_DIM=r, HALF_PAD=half_pad,
-                          LEADER_MEAN=leader == "mean", DOT_PRECISION="tf32", FAST_TRIG=True,
-                          BLOCK_GM=block_gm, BLOCK_N=block_n)  # fmt: skip
-            kernel = compile_sm90(forward._corope_fwd_kernel.fn, consts, config.num_warps,
-                                  config.num_stages, maxnreg=config.maxnreg)  # fmt: skip
-            tile = (block_gm, block_n, config.num_warps, config.maxnreg or 255)
-            yield f"{g}, {d}, {r}", tile, report(kernel, loops)
+            kernel = forward_kernel(g, d, r, config, leader)
+            yield f"{g}, {d}, {r}", config_tile(config), report(kernel, loops)
+
+
+def print_mix(shape: str, tile: str, leader: str) -> None:
+    """The forward's loops at ``shape`` ``"G,D,R"`` and the autotune config ``tile``
+    ``"BLOCK_GM,BLOCK_N,cap"``, by opcode (``loop_mix``), innermost first, with the
+    special-function (MUFU) share: a warp's MUFU holds its scheduler's pipe 8 clocks, so a
+    loop whose MUFU are more than 1/8 of its instructions is bound by that pipe before issue."""
+    g, d, r = (int(x) for x in shape.split(","))
+    want = tuple(int(x) for x in tile.split(","))
+    configs = [c for c in forward._configs() if config_tile(c)[:2] + config_tile(c)[3:] == want]
+    if not configs:
+        choices = sorted({config_tile(c)[:2] + config_tile(c)[3:] for c in forward._configs()})
+        raise SystemExit(f"--mix: no forward config {want}; the list has {choices}")
+    _, sass = sass_of(forward_kernel(g, d, r, configs[0], leader))
+    print(f"forward, G, D, R = {shape}, config {config_tile(configs[0])}")
+    for i, mix in enumerate(loop_mix(sass)):
+        total, mufu = sum(mix.values()), mix["MUFU"]
+        top = ", ".join(f"{op} {n}" for op, n in mix.most_common(16))
+        print(f"loop {i}: {total} instructions, MUFU {mufu} (x8 = {8 * mufu} pipe clocks): {top}")
 
 
 def backward_rows(loops: bool, tail: bool, leader: str):
@@ -188,7 +255,12 @@ def main() -> None:
     ap.add_argument("--kernel", choices=("forward", "backward", "gate_tail"), default="forward")
     ap.add_argument("--loops", action="store_true", help="also the instructions of each loop")
     ap.add_argument("--leader", choices=("first", "mean"), default="first")
+    ap.add_argument("--mix", nargs=2, metavar=("G,D,R", "BLOCK_GM,BLOCK_N,CAP"),
+                    help="the forward's loops by opcode at one shape and config")  # fmt: skip
     args = ap.parse_args()
+    if args.mix:
+        print_mix(*args.mix, args.leader)
+        return
     if args.kernel == "forward":
         rows = forward_rows(args.loops, args.leader)
         tile = "config (BLOCK_GM, BLOCK_N, warps, register cap)"
