@@ -192,6 +192,20 @@ def check_no_tangent(reference: str, **tensors: torch.Tensor) -> None:
             )
 
 
+def check_no_functorch(reference: str) -> None:
+    """torch.func transforms (grad, vjp, vmap, jacrev) refuse the autograd of a torch custom
+    op (PyTorch's own message then names an autograd.Function the caller never wrote): refuse
+    them here, naming the ways that work. Not under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise NotImplementedError(
+            "torch.func transforms (grad, vjp, vmap, jacrev) do not support this Triton "
+            "kernel's custom op; differentiate with torch.autograd (loss.backward(), "
+            f"torch.autograd.grad), or use {reference}"
+        )
+
+
 def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:
     """``inv_freq`` is a ``[rope_dim // 2]`` tensor of one of ``dtypes`` (default fp32 or fp64:
     frequencies rounded to half precision put far positions off by whole radians)."""

@@ -24,6 +24,7 @@ from fused_rope._validation import (
     check_inv_freq,
     check_kernel_device,
     check_layout,
+    check_no_functorch,
     check_no_tangent,
     check_rope_dim,
     check_same_device,
@@ -38,7 +39,7 @@ from fused_rope.attention_backward import (
     rope_attention_bwd,
 )
 from fused_rope.attention_forward import _FWD_CONFIGS, _rope_attn_fwd_kernel, rope_attention_fwd
-from fused_rope.frequencies import default_inv_freq, rope_angles
+from fused_rope.frequencies import check_position_tensor, default_inv_freq, rope_angles
 from fused_rope.sdpa import _lower_right_backend, sdpa_attention
 
 MAX_HEAD_DIM = 256
@@ -167,15 +168,8 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def _check_positions(pos, name: str, batch: int, length: int, device: torch.device):
     if pos is None:
         return
-    if not isinstance(pos, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(pos).__name__}")
-    if pos.dtype == torch.bool or pos.is_complex():
-        raise TypeError(f"{name} must have an integer or floating dtype, got {pos.dtype}")
-    if (
-        pos.dim() not in (1, 2)
-        or pos.shape[-1] != length
-        or (pos.dim() == 2 and pos.shape[0] != batch)
-    ):
+    check_position_tensor(pos, name, ndim=(1, 2))  # as rope_angles: no half precision
+    if pos.shape[-1] != length or (pos.dim() == 2 and pos.shape[0] != batch):
         expected = f"[{length}] or [{batch}, {length}]"
         raise ValueError(f"{name} must have shape {expected}, got {tuple(pos.shape)}")
     if pos.device != device:
@@ -365,6 +359,8 @@ def _check_inputs(
             )
         raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
     check_kernel_device(device, "q", dot_dtype=q.dtype if impl == "fused" else None)
+    if impl == "fused":  # the separate path's RoPE Function and SDPA support torch.func
+        check_no_functorch("impl='separate' or fused_rope.naive.rope_attention_ref")
     return rope_dim, impl
 
 
@@ -397,8 +393,9 @@ def rope_attention(
         theta: RoPE base, used when ``inv_freq`` is None.
         inv_freq: ``[rope_dim // 2]`` fp32/fp64 inverse frequencies (scaled schedules);
             overrides theta. A constant: refused where it requires grad, as are positions.
-        positions: the keys' positions, ``[NK]`` or ``[B, NK]``, integer or float
-            (default ``0..NK-1``).
+        positions: the keys' positions, ``[NK]`` or ``[B, NK]``, integer, fp32 or fp64
+            (default ``0..NK-1``); the kernels take them in fp32, exact for integers below
+            2**24 (larger ones round, as in ``rope_angles``).
         q_positions: ``[NQ]`` or ``[B, NQ]``; default: the last NQ entries of ``positions``
             (for the default positions and ``NQ > NK``: ``NK-NQ..NK-1``).
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right aligned,

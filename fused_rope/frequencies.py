@@ -429,7 +429,7 @@ def rope_frequencies(
     return inv.to(device=device, dtype=torch.float32), float(attention_factor)
 
 
-def _check_positions(positions, name: str, ndim: tuple[int, ...] | None = None) -> None:
+def check_position_tensor(positions, name: str, ndim: tuple[int, ...] | None = None) -> None:
     """Integer (not bool) or floating-point tensor with one of ``ndim`` dimensions."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
@@ -481,7 +481,7 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
     Returns:
         fp32 ``[N, R/2]`` or ``[B, N, R/2]``.
     """
-    _check_positions(positions, "positions", ndim=(1, 2))
+    check_position_tensor(positions, "positions", ndim=(1, 2))
     check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=FREQ_DTYPES)
     check_same_device(positions=positions, inv_freq=inv_freq)
     return positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
@@ -553,7 +553,7 @@ def mrope_angles(
     Returns:
         fp32 ``[N, R/2]`` or ``[B, N, R/2]``; with all axes equal, ``rope_angles``' result.
     """
-    _check_positions(positions, "positions", ndim=(2, 3))
+    check_position_tensor(positions, "positions", ndim=(2, 3))
     check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=FREQ_DTYPES)
     check_same_device(positions=positions, inv_freq=inv_freq)
     check_bool(interleaved, "interleaved")
@@ -642,7 +642,7 @@ def nd_rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor
     Returns:
         fp32 ``[..., R/2]``.
     """
-    _check_positions(positions, "positions")
+    check_position_tensor(positions, "positions")
     check_float_tensor(freqs, "freqs", ndim=3, dtypes=FREQ_DTYPES)
     check_same_device(positions=positions, freqs=freqs)
     if 0 in freqs.shape[:2]:

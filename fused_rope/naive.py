@@ -1,7 +1,10 @@
 """PyTorch references every RoPE kernel of this package is tested against.
 
 They compute in float32 (float64 when the input is float64) and return the
-input's dtype. Run them on float64 inputs for the ground truth of a test.
+input's dtype. Run them on float64 inputs for the ground truth of a test. The angles
+``positions * inv_freq`` are fp32 in every dtype (``rope_angles``), as the kernels and
+transformers form them: that rounding is part of the definition, so a float64 gradcheck
+with respect to positions or frequencies sees it (differentiate them in fp32 terms).
 """
 
 from __future__ import annotations

@@ -368,14 +368,19 @@ def rope_fwd(
 
 
 class _RopeFunction(torch.autograd.Function):
+    # forward and setup_context apart: the style torch.func.grad / vjp accept
     @staticmethod
-    def forward(ctx, q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset):
-        ctx.save_for_backward(angles)
-        ctx.args = (layout, rope_dim, q_scale, k_scale, not conjugate, offset)
+    def forward(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset):
         return rope_fwd(
             q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate,
             position_offset=offset,
         )  # fmt: skip
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset = inputs
+        ctx.save_for_backward(angles)
+        ctx.args = (layout, rope_dim, q_scale, k_scale, not conjugate, offset)
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
@@ -522,7 +527,8 @@ def _check_position_offset(position_offset, angles, seq_len: int) -> None:
 
 def _needs_autograd(*xs: torch.Tensor) -> bool:
     """Whether the call goes through the autograd.Function: autograd records it, or a
-    torch.func transform (vmap, grad) wraps the inputs. Otherwise the launcher runs directly,
+    torch.func transform wraps the inputs (grad and vjp run it; vmap, for which it has no
+    rule, is refused by PyTorch). Otherwise the launcher runs directly,
     without the Function's bookkeeping, host time a decoding step does not need. (Forward-mode
     tangents are refused before: ``check_no_tangent``.)"""
     return (
@@ -565,7 +571,11 @@ def _kernel_angles(
             f"{name} must be float32 (in half precision, far positions are off by whole "
             f"radians), got {t.dtype}"
         )
-    check_constant(t, name, "fused_rope.naive.apply_rope_ref")
+    # the reference differentiates angles; inv_freq reaches it through rope_angles
+    reference = "fused_rope.naive.apply_rope_ref" + (
+        "" if angles is not None else "(x, fused_rope.rope_angles(positions, inv_freq))"
+    )
+    check_constant(t, name, reference)
     check_kernel_device(check_same_device(**inputs, **{name: t}), next(iter(inputs)))
     return t
 

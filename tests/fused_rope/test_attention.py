@@ -457,6 +457,20 @@ def test_forward_mode_ad_is_refused(impl):
         torch.func.jvp(lambda x: rope_attention(q, x, v, impl=impl), (k,), (torch.ones_like(k),))
 
 
+def test_torch_func_grad():
+    """The fused kernel's custom op cannot run under torch.func (PyTorch refuses its autograd
+    there): refused with the ways that work; the separate path (the RoPE Function, then SDPA)
+    runs and gives torch.autograd's gradient."""
+    q, k, v = (torch.randn(1, 2, 8, 32, device=DEVICE) for _ in range(3))
+    loss = lambda impl: lambda x: rope_attention(x, k, v, impl=impl).square().sum()
+    with pytest.raises(NotImplementedError, match="torch.func.*impl='separate'"):
+        torch.func.grad(loss("fused"))(q)
+    got = torch.func.grad(loss("separate"))(q)
+    x = q.clone().requires_grad_()
+    loss("separate")(x).backward()
+    torch.testing.assert_close(got, x.grad)
+
+
 def test_backward_is_deterministic():
     q, k, v = (torch.randn(1, 4, 50, 32, device=DEVICE, requires_grad=True) for _ in range(3))
     k2, v2 = k[:, :1].detach().requires_grad_(), v[:, :1].detach().requires_grad_()
@@ -566,7 +580,21 @@ BAD_INPUTS = [
         "positions bool",
         lambda q, k, v: (q, k, v, {"positions": torch.ones(8, dtype=torch.bool)}),
         TypeError,
-        "positions must have an integer or floating dtype",
+        "positions must be an integer, fp32 or fp64 tensor",
+    ),
+    (
+        # fp16 holds integers exactly only up to 2048: refused on every path (the fused one
+        # took them before, the separate one did not)
+        "positions fp16",
+        lambda q, k, v: (q, k, v, {"positions": torch.arange(8, device=q.device).half()}),
+        TypeError,
+        "positions must be an integer, fp32 or fp64 tensor",
+    ),
+    (
+        "q_positions bf16",
+        lambda q, k, v: (q, k, v, {"q_positions": torch.arange(8, device=q.device).bfloat16()}),
+        TypeError,
+        "q_positions must be an integer, fp32 or fp64 tensor",
     ),
     (
         "q_positions batch",

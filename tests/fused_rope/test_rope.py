@@ -531,6 +531,31 @@ def test_forward_mode_tangents_are_refused(grad_mode):
         torch.func.jvp(lambda t: apply_rope(t, inv_freq=inv_freq), (x,), (torch.ones_like(x),))
 
 
+def test_torch_func_grad_and_vjp():
+    """torch.func.grad and vjp reach the kernels through the autograd.Function (forward and
+    setup_context apart, as functorch requires) and match the reference's gradients; vmap has
+    no rule and is refused by PyTorch, not run wrongly."""
+    inv_freq = rope_frequencies(16)[0].to(DEVICE)
+    angles = rope_angles(torch.arange(3, 8, device=DEVICE), inv_freq)
+    q, k = _x(2, 4, 5, 16), _x(2, 2, 5, 16)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+
+    def loss(fn):
+        return lambda q, k: sum((a * b).sum() for a, b in zip(fn(q, k), (dq, dk), strict=True))
+
+    kernel = lambda q, k: apply_rope_qk(q, k, inv_freq=inv_freq, position_offset=3)
+    ref = lambda q, k: (apply_rope_ref(q, angles), apply_rope_ref(k, angles))
+    got = torch.func.grad(loss(kernel), argnums=(0, 1))(q, k)
+    want = torch.func.grad(loss(ref), argnums=(0, 1))(q, k)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    out, vjp_fn = torch.func.vjp(lambda x: apply_rope(x, angles), q)
+    torch.testing.assert_close(out, apply_rope_ref(q, angles), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vjp_fn(dq)[0], want[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="vmap"):
+        torch.func.vmap(lambda x: apply_rope(x, angles))(q[None])
+
+
 # --------------------------------------------------------------------------------------------
 # Validation: every bad input gets ValueError/TypeError naming the argument.
 # --------------------------------------------------------------------------------------------
