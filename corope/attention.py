@@ -20,6 +20,7 @@ from fused_rope._validation import (
     check_bool,
     check_constant,
     check_kernel_device,
+    check_no_functorch,
     check_no_tangent,
     runs_eagerly,
 )
@@ -156,7 +157,8 @@ def corope_attention(
         rope_dim: ``R``, even, at most ``D`` (default ``D``); channels ``R:`` are a plain dot.
         leader: ``"first"`` or ``"mean"``: which query computes the group's gates.
         detach_mileage: hold the mileage constant in the backward (an ablation).
-        deterministic: ask the backward kernel for its deterministic (atomic-free) mode.
+        deterministic: ask the backward kernel for its deterministic mode (its atomic adds
+            in one fixed order, kept by per-key-tile counters: bitwise-repeatable gradients).
 
     Returns:
         ``o`` ``[B, HQ, NQ, D]`` in q's dtype (contiguous).
@@ -170,13 +172,14 @@ def corope_attention(
         )
     check_bool(detach_mileage, "detach_mileage")
     check_bool(deterministic, "deterministic")
+    w = corope_inv_freq(R, theta, inv_freq, q.device)  # checks inv_freq first
     check_constant(inv_freq, "inv_freq", "corope.corope_attention_ref")
     check_no_tangent("corope.corope_attention_ref", q=q, k=k, v=v)
+    check_no_functorch("corope.corope_attention_ref")
     check_kernel_device(q.device, "q", dot_dtype=q.dtype)
     D = q.shape[-1]
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
-    w = corope_inv_freq(R, theta, inv_freq, q.device)
     if NQ < NK and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         raise ValueError(
             f"queries that continue a KV cache (NQ={NQ} < NK={NK}) have no backward kernel: "

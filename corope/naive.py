@@ -16,6 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fused_rope._validation import (
+    check_bool,
     check_float_tensor,
     check_inv_freq,
     check_rope_dim,
@@ -30,15 +31,23 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def corope_inv_freq(
-    rope_dim: int, theta: float, inv_freq: torch.Tensor | None, device: torch.device
+    rope_dim: int,
+    theta: float,
+    inv_freq: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``w[d] = theta ** (-2d / R)`` in fp32, or the given ``inv_freq`` (checked: ``[R/2]``).
-    The default is ``default_inv_freq``'s shared tensor: treat it as read-only (an in-place
-    change would reach every later call that defaults to it)."""
+    """``w[d] = theta ** (-2d / R)`` in fp32 (``rope_frequencies``'), or the given ``inv_freq``
+    (checked: ``[R/2]`` fp32/fp64 on ``device``) in ``dtype``: fp32 for the kernels, the
+    compute dtype for the reference, so that fp64 frequencies stay fp64 there. The default is
+    ``default_inv_freq``'s shared tensor: treat it as read-only (an in-place change would
+    reach every later call that defaults to it)."""
     if inv_freq is None:
-        return default_inv_freq(rope_dim, theta, device)
+        return default_inv_freq(rope_dim, theta, device).to(dtype)
     check_inv_freq(inv_freq, rope_dim)
-    return inv_freq.float().to(device)
+    if inv_freq.device != device:
+        raise ValueError(f"inv_freq is on {inv_freq.device} but q is on {device}")
+    return inv_freq.to(dtype)
 
 
 def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=False):
@@ -196,6 +205,12 @@ def corope_attention_ref(
         ``len(rows)``. Computed in fp32 (fp64 for fp64 inputs).
     """
     R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=True)
+    for name, flag in (
+        ("detach_mileage", detach_mileage),
+        ("unit_gates", unit_gates),
+        ("return_lse", return_lse),
+    ):
+        check_bool(flag, name)
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
@@ -219,13 +234,19 @@ def corope_attention_ref(
     first_position = NK - N  # of q's row 0
     G = HQ // HKV
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    w = corope_inv_freq(R, theta, inv_freq, q.device).to(cd)
+    w = corope_inv_freq(R, theta, inv_freq, q.device, cd)
     qg = q.to(cd).view(B, HKV, G, N, D)
     kf, vf = k.to(cd), v.to(cd)
     qL = leader_query(qg, leader)  # [B, HKV, N, D]
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_ELEMENTS // max(1, B * HKV * NK * max(R // 2, 1)))
-    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    # Checkpointed chunks: their N x chunk x R/2 tensors are recomputed in the backward, not
+    # kept. Not under torch.func, which does not support checkpoint's saved-tensor hooks.
+    recompute = (
+        torch.is_grad_enabled()
+        and any(t.requires_grad for t in (q, k, v))
+        and torch._C._functorch.maybe_current_level() is None
+    )
     outs, lses = [], []
     for i0 in range(rows.start, rows.stop, chunk_size):
         i1 = min(rows.stop, i0 + chunk_size)
@@ -248,6 +269,9 @@ def corope_attention_ref(
         outs.append(o)
         lses.append(lse)
     M = len(rows)
+    if M == 0:  # NQ = 0: no chunk ran
+        o, lse = q.new_empty(B, HQ, 0, D), q.new_empty(B, HQ, 0, dtype=cd)
+        return (o, lse) if return_lse else o
     o = torch.cat(outs, dim=-2).reshape(B, HQ, M, D).to(q.dtype)
     if return_lse:
         return o, torch.cat(lses, dim=-1).reshape(B, HQ, M)

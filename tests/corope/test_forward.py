@@ -329,13 +329,25 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         (lambda: (_small()[0].long(), *_small()[1:]), {}, TypeError, "floating"),
         (lambda: _small(), {"leader": "last"}, ValueError, "leader"),
         (lambda: _small(), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
-        (lambda: _small(), {"inv_freq": torch.ones(5)}, ValueError, "inv_freq"),
-        (lambda: _small(), {"inv_freq": torch.ones(32).half()}, TypeError, "inv_freq must have"),
+        (lambda: _small(), {"inv_freq": torch.ones(5, device=DEVICE)}, ValueError, "inv_freq"),
         (
             lambda: _small(),
-            {"inv_freq": torch.ones(32).requires_grad_()},
+            {"inv_freq": torch.ones(32, device=DEVICE).half()},
+            TypeError,
+            "inv_freq must have",
+        ),
+        (
+            lambda: _small(),
+            {"inv_freq": torch.ones(32, device=DEVICE).requires_grad_()},
             ValueError,
             r"inv_freq requires grad.*corope_attention_ref",
+        ),
+        (lambda: _small(), {"inv_freq": [1.0] * 32}, TypeError, "inv_freq must be a torch.Tensor"),
+        (
+            lambda: _small(),
+            {"inv_freq": torch.ones(32, device="meta")},
+            ValueError,
+            "inv_freq is on meta but q is on",
         ),
         (lambda: _small(), {"detach_mileage": "False"}, TypeError, "detach_mileage must be a bool"),
         (lambda: _small(), {"deterministic": 1}, TypeError, "deterministic must be a bool"),
@@ -358,6 +370,8 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         "inv-freq-length",
         "inv-freq-fp16",
         "inv-freq-with-grad",
+        "inv-freq-list",
+        "inv-freq-other-device",
         "detach-mileage-str",
         "deterministic-int",
         "HQ0",
@@ -461,6 +475,19 @@ def test_interleaved_pairs_layout():
                        ((8, 16, 1), "g_pad must be at least 2")):  # fmt: skip
         with pytest.raises(ValueError, match=name):
             forward.interleaved_pairs(x, 6, *args)
+
+
+def test_torch_func_is_refused():
+    """PyTorch refuses a custom op's autograd under torch.func: refused here first, naming
+    torch.autograd and the reference, rather than PyTorch's message about a Function."""
+    q, k, v = (torch.randn(1, 2, 8, 32, device=DEVICE) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="torch.func.*corope_attention_ref"):
+        torch.func.grad(lambda x: corope_attention(x, k, v).sum())(q)
+    # the reference it names runs there (without its checkpointed chunks)
+    got = torch.func.grad(lambda x: corope_attention_ref(x, k, v).square().sum())(q)
+    x = q.clone().requires_grad_()
+    corope_attention_ref(x, k, v).square().sum().backward()
+    torch.testing.assert_close(got, x.grad)
 
 
 @pytest.mark.parametrize("mode", ["forward_ad", "jvp"])

@@ -227,3 +227,31 @@ def test_a_bad_key_reaches_only_the_rows_that_see_it(bad):
     assert torch.isfinite(o[:, :, :8]).all()
     clean = corope_attention_ref(q, torch.nan_to_num(k, nan=0.0, posinf=0.0), v)
     assert torch.equal(o[:, :, :8], clean[:, :, :8])
+
+
+def test_fp64_frequencies_stay_fp64():
+    """The float64 reference keeps float64 frequencies (it rounded them to fp32, which
+    gradcheck with respect to inv_freq exposed)."""
+    q, k, v = _qkv(1, 2, 1, 9, 8)
+    w = torch.tensor([1.0, 0.37, 0.11, 0.013], **F64)
+    assert not torch.equal(
+        corope_attention_ref(q, k, v, inv_freq=w),
+        corope_attention_ref(q, k, v, inv_freq=w.float().double()),
+    )
+    fn = lambda w: corope_attention_ref(q, k, v, inv_freq=w, theta=10.0)
+    assert torch.autograd.gradcheck(fn, (w.clone().requires_grad_(),), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["detach_mileage", "unit_gates", "return_lse"])
+def test_flags_must_be_bools(name):
+    """A truthy string would have turned the option on."""
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        corope_attention_ref(*_qkv(1, 2, 1, 4, 8), **{name: "False"})
+
+
+@pytest.mark.parametrize("nk", [0, 5])
+def test_no_query_rows(nk):
+    """NQ = 0 (with or without keys) gives empty outputs, as the kernel does."""
+    q, k, v = _qkv(1, 2, 1, max(nk, 1), 8)
+    o, lse = corope_attention_ref(q[:, :, :0], k[:, :, :nk], v[:, :, :nk], return_lse=True)
+    assert o.shape == (1, 2, 0, 8) and lse.shape == (1, 2, 0)
