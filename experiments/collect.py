@@ -54,6 +54,7 @@ import yaml  # noqa: E402
 # Run as a script (`python experiments/collect.py`): the repository root is not on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.results_io import markdown_table  # noqa: E402
+from lm.checkpoint import read_jsonl  # noqa: E402
 from lm.config import RUN_CONDUCT_KEYS, is_under  # noqa: E402
 
 SEED_KEYS = ("seed",)
@@ -101,7 +102,11 @@ def _records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        return read_jsonl(path)  # a last line cut short is left out, with a warning
+    except ValueError as error:  # a bad line within: this run only is left out
+        print(f"collect: {error}; its records are left out", file=sys.stderr)
+        return []
 
 
 def _run_record(run_dir: Path) -> tuple[dict, list[str]] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,24 @@ def checkpoint_path(ckpt_path: str | None, out_dir: Path) -> Path:
     """``train.ckpt_path``: a relative path is under ``out_dir``, the run's output directory
     (so every job of a sweep has its own); null is ``out_dir/checkpoint.pt``."""
     return out_dir / (ckpt_path or "checkpoint.pt")  # an absolute ckpt_path replaces out_dir
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file such as ``metrics.jsonl``, one object a line. A last
+    line that does not parse is the tail of an append cut short (a killed process, a full
+    disk): left out, with a warning. A bad line before the last raises ValueError naming the
+    file and the line."""
+    path = Path(path)
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}, line {n}: not a JSON record ({error})") from None
+            warnings.warn(f"{path}: left out its last line, cut short ({error})", stacklevel=2)
+    return records
 
 
 def replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:

@@ -56,6 +56,8 @@ from lm.checkpoint import (
     checkpoint_path,
     config_changes,
     load_checkpoint,
+    read_jsonl,
+    replace_atomically,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -252,9 +254,9 @@ class _Jsonl:
     def __init__(self, path: Path, keep_until: int | None) -> None:
         self.path = path
         if keep_until is not None and path.exists():
-            records = [json.loads(line) for line in path.read_text().splitlines() if line]
-            kept = [r for r in records if r["step"] <= keep_until]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            kept = [r for r in read_jsonl(path) if r["step"] <= keep_until]
+            text = "".join(json.dumps(r) + "\n" for r in kept)
+            replace_atomically(path, lambda tmp: tmp.write_text(text))
         elif path.exists():
             path.unlink()
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import lm.distributed
 import lm.training
-from lm.checkpoint import load_checkpoint, save_checkpoint, write_json
+from lm.checkpoint import load_checkpoint, read_jsonl, save_checkpoint, write_json
 from lm.data.base import IGNORE_INDEX, LMDataset
 from lm.training import lr_lambda, step_seed, train
 from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
@@ -101,10 +101,6 @@ def trainer_process(pid: int) -> bool:
         return False
     launcher = "torch.distributed.run" in argv or any(Path(a).name == "torchrun" for a in argv)
     return not launcher and any(Path(a).name == "train.py" for a in argv[1:])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def train_losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -364,6 +360,29 @@ def test_step_seed_differs_by_rank_and_step_and_not_by_process():
         run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
         assert int(run.stdout.strip()) == step_seed(7, 11, 3), run.stderr[-2000:]
+
+
+def test_resume_after_a_torn_metrics_line(tmp_path):
+    """A kill (or a full disk) mid-append leaves metrics.jsonl with a last line cut short:
+    the resume leaves it out, with a warning, rewrites the file atomically and logs what the
+    uninterrupted run logs. A bad line before the last is named, not skipped."""
+    cfg = compose_cfg(
+        *SMALL, "train.device=cpu", "train.steps=6", "train.ckpt_every=3", "train.eval_every=3"
+    )
+    train(cfg, output_dir=str(tmp_path / "full"))
+    train_killed_at_step(cfg, tmp_path / "cut", 5)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 5, "train/lo')
+    cfg.train.resume = True
+    with pytest.warns(UserWarning, match="left out its last line, cut short"):
+        train(cfg, output_dir=str(tmp_path / "cut"))
+    assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
+    assert not metrics.with_name("metrics.jsonl.tmp").exists()
+
+    metrics.write_text('{"step": 1}\n{"step": 2, "tr\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON record"):
+        read_jsonl(metrics)
 
 
 def test_max_minutes_stops_evaluates_and_resumes_to_the_same_run(tmp_path, monkeypatch):

@@ -197,6 +197,21 @@ def test_a_stopped_runs_best_val_loss_is_its_best_evaluation_not_its_last(tmp_pa
     assert float(run["best_val_loss"]) == 2.0 and float(run["val_loss"]) == 3.0
 
 
+def test_a_torn_metrics_line_does_not_stop_the_root(tmp_path, capsys):
+    """A stopped run whose last metrics line was cut short still counts (that line left out,
+    with a warning); one with a bad line within is left out, named; the root's table is made."""
+    cut = _stopped_run(tmp_path, "000", "rope", 0, 0.25)
+    with (cut / "metrics.jsonl").open("a") as f:
+        f.write('\n{"step": 6, "test/lo')
+    bad = _stopped_run(tmp_path, "001", "rope", 1, 0.5)
+    (bad / "metrics.jsonl").write_text('{"step": 5, "te\n{"step": 6, "test/loss": 1.0}\n')
+    _run(tmp_path, "002", ["attention=nope", "seed=0"], 1.0)
+    with pytest.warns(UserWarning, match="left out its last line"):
+        table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert "| attention=rope | 1 | 0.25" in table
+    assert "001/metrics.jsonl, line 1: not a JSON record" in capsys.readouterr().err
+
+
 def test_a_stopped_runs_speed_is_its_latest_logged(tmp_path):
     d = _stopped_run(tmp_path, "000", "rope", 0, 0.25)
     records = [
