@@ -35,6 +35,7 @@ import gc
 import json
 import logging
 import math
+import re
 import sys
 import time
 import traceback
@@ -212,6 +213,31 @@ def _check_options(cfg: DictConfig) -> None:
     check_fraction("optim.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
     if not optim.grad_clip >= 0:  # NaN too
         raise ValueError(f"optim.grad_clip must be >= 0 (0 = no clipping), got {optim.grad_clip}")
+    if not (math.isfinite(optim.weight_decay) and optim.weight_decay >= 0):
+        raise ValueError(f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+    for key in ("beta1", "beta2"):  # 1 would divide Adam's bias correction by 0
+        _check_below_one(f"optim.{key}", optim[key])
+    _check_positive("optim.eps", optim.eps)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device):
+        raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+    if t.cpu_threads is not None:  # null: torch's default
+        check_int("train.cpu_threads", t.cpu_threads, 1)
+    m = cfg.model
+    for key in ("d_model", "n_layer", "n_head", "n_kv_head"):
+        check_int(f"model.{key}", m[key], 1)
+    if m.mlp_hidden is not None:  # null: 8/3 d_model
+        check_int("model.mlp_hidden", m.mlp_hidden, 1)
+    _check_below_one("model.dropout", m.dropout)
+    for key in ("norm_eps", "init_std"):
+        _check_positive(f"model.{key}", m[key])
+    if cfg.attention.get("chunk_size") is not None:  # null: automatic
+        check_int("attention.chunk_size", cfg.attention.chunk_size, 1)
+
+
+def _check_below_one(name: str, value: float) -> None:
+    """ValueError (TypeError) naming ``name`` unless ``value`` is a number in [0, 1)."""
+    if check_fraction(name, value, 0.0, 1.0) == 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -290,7 +316,7 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
         ckpt_path = checkpoint_path(cfg.train.ckpt_path, out_dir)
         ckpt = _checkpoint_to_resume(cfg, ckpt_path)  # fails before the data is loaded
-        if info.device.type == "cpu" and cfg.train.cpu_threads:
+        if info.device.type == "cpu" and cfg.train.cpu_threads is not None:
             torch.set_num_threads(cfg.train.cpu_threads)
         torch.manual_seed(cfg.seed)
         dataset = build_dataset(cfg.data)

@@ -529,6 +529,17 @@ def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path
         (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio must be in [0.0, 1.0], got 1.5"),
         (["optim.min_lr_ratio=-0.1"], "optim.min_lr_ratio must be in [0.0, 1.0], got -0.1"),
         (["train.resume=true", "train.overwrite=true"], "train.overwrite=true: pick one"),
+        (["train.cpu_threads=0"], "train.cpu_threads must be >= 1, got 0"),
+        (["train.device=gpu"], "train.device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        (["optim.weight_decay=-5"], "optim.weight_decay must be >= 0, got -5.0"),
+        (["optim.beta1=1.5"], "optim.beta1 must be in [0.0, 1.0], got 1.5"),
+        (["optim.beta2=1.0"], "optim.beta2 must be in [0, 1), got 1.0"),
+        (["optim.eps=-1"], "optim.eps must be a positive number, got -1.0"),
+        (["model.mlp_hidden=0"], "model.mlp_hidden must be >= 1, got 0"),
+        (["model.dropout=1.5"], "model.dropout must be in [0.0, 1.0], got 1.5"),
+        (["model.init_std=-1"], "model.init_std must be a positive number, got -1.0"),
+        (["model.n_layer=0"], "model.n_layer must be >= 1, got 0"),
+        (["attention=corope", "attention.chunk_size=0"], "attention.chunk_size must be >= 1"),
     ],
 )
 def test_bad_loop_options_fail_before_the_data_is_loaded(
