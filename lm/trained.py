@@ -2,30 +2,47 @@
 
 For ``sample.py`` and the studies of a trained model (``experiments/plot_mileage.py``). The
 dataset is rebuilt from the run's config, for its tokenizer, vocabulary and lengths:
-relative data paths resolve against the directory the run was launched from (Hydra records
-it in the run's ``.hydra/hydra.yaml``), as they did in training, and hub corpora load from
-the local cache.
+relative data paths resolve against the directory the run was launched from (the run's
+``run.json`` records it; for older runs, Hydra's ``.hydra/hydra.yaml``, which a refused launch
+into the directory rewrites), as they did in training, and hub corpora load from the local
+cache.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lm.checkpoint import load_checkpoint
+from lm.checkpoint import checkpoint_path, load_checkpoint
 from lm.config import ATTENTION_SCHEMAS, ModelConfig
 from lm.data import build_dataset
 from lm.data.base import LMDataset
 from lm.model import GPT
 
 
+def run_record(run_dir: Path) -> dict:
+    """The run's ``run.json`` (``lm.training``: its config, overrides and launch directory);
+    empty for a run older than it, or a record that does not read."""
+    try:
+        record = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def checkpoint_file(path: str | Path) -> Path:
-    """The checkpoint of ``path``: a run directory (its ``checkpoint.pt``) or the file."""
+    """The checkpoint of ``path``: a run directory's (at its ``train.ckpt_path``, which its
+    ``run.json`` records; default ``checkpoint.pt``) or the file."""
     path = Path(path)
-    ckpt = path / "checkpoint.pt" if path.is_dir() else path
+    ckpt = path
+    if path.is_dir():
+        config = run_record(path).get("config")
+        train = config.get("train") if isinstance(config, dict) else None
+        ckpt = checkpoint_path(train.get("ckpt_path") if isinstance(train, dict) else None, path)
     if not ckpt.is_file():
         raise FileNotFoundError(f"no checkpoint at {ckpt} (pass a train.py run directory)")
     return ckpt
@@ -44,13 +61,13 @@ def run_config(ckpt: Path, state: dict) -> DictConfig:
 
 
 def launch_dir(run_dir: Path) -> Path | None:
-    """The directory ``train.py`` was started in for the run in ``run_dir`` (None when Hydra
-    left no record)."""
+    """The directory ``train.py`` was started in for the run in ``run_dir``: its ``run.json``'s,
+    else Hydra's record (None without either)."""
+    cwd = run_record(run_dir).get("launch_dir")
     record = run_dir / ".hydra" / "hydra.yaml"
-    if not record.is_file():
-        return None
-    cwd = OmegaConf.select(OmegaConf.load(record), "hydra.runtime.cwd")
-    return Path(cwd) if cwd and Path(cwd).is_dir() else None
+    if cwd is None and record.is_file():
+        cwd = OmegaConf.select(OmegaConf.load(record), "hydra.runtime.cwd")
+    return Path(cwd) if isinstance(cwd, str) and Path(cwd).is_dir() else None
 
 
 def build_run_dataset(cfg: DictConfig, run_dir: Path) -> LMDataset:
@@ -93,7 +110,7 @@ def load_run(
             cfg.attention.impl = impl
         elif cfg.attention.impl == "triton" and torch.device(device).type != "cuda":
             cfg.attention.impl = "auto"
-    dataset = build_run_dataset(cfg, ckpt.parent)
+    dataset = build_run_dataset(cfg, Path(path) if Path(path).is_dir() else ckpt.parent)
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
     model.load_state_dict(state["model"])
     return cfg, model.to(device, dtype).eval(), dataset

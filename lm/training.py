@@ -35,6 +35,7 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -265,11 +266,12 @@ def _clear_outcome(out_dir: Path) -> None:
 
 
 def _write_run_record(out_dir: Path, run_config: dict) -> None:
-    """``run.json``: what the run in ``out_dir`` is (its resolved config and overrides), for
-    collect.py to read a run stopped before its summary. Written once the run has passed its
+    """``run.json``: what the run in ``out_dir`` is (its resolved config and overrides, and the
+    directory it started in), for collect.py to read a run stopped before its summary. Written once the run has passed its
     checks, unlike Hydra's ``.hydra/``, which a refused launch into the same directory (another
     grid's job, a resume with another config) has already rewritten with its own."""
-    record = {"config": run_config, "overrides": _overrides()}
+    # launch_dir: where relative data paths resolved (lm.trained rebuilds the data from it)
+    record = {"config": run_config, "overrides": _overrides(), "launch_dir": os.getcwd()}
     write_json(out_dir / "run.json", record)
 
 

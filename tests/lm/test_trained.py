@@ -1,5 +1,7 @@
 """lm/trained.py: a run's checkpoint loaded back, from wherever the caller stands."""
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -43,9 +45,29 @@ def test_relative_data_paths_resolve_from_the_runs_launch_directory(text_run):
     for name, value in model.state_dict().items():
         assert torch.equal(value, state[name]), name
     assert not model.training
+    # A refused launch from elsewhere rewrites .hydra/; run.json, written by runs that start,
+    # still names the launch directory.
+    record = {"hydra": {"runtime": {"cwd": str(text_run.parent)}}}
+    OmegaConf.save(OmegaConf.create(record), text_run / ".hydra" / "hydra.yaml")
+    assert load_run(text_run)[2].decode(dataset.encode("fox")) == "fox"
+    run_json = json.loads((text_run / "run.json").read_text())
+    del run_json["launch_dir"]  # a run older than the record: Hydra's is used
+    (text_run / "run.json").write_text(json.dumps(run_json))
+    with pytest.raises(FileNotFoundError, match="corpus.txt is not a file"):
+        load_run(text_run)
     (text_run / ".hydra" / "hydra.yaml").unlink()  # no record: the current directory
     with pytest.raises(FileNotFoundError, match="corpus.txt is not a file"):
         load_run(text_run)
+
+
+def test_a_run_with_its_own_ckpt_path_loads_from_its_directory(tmp_path, monkeypatch):
+    """train.ckpt_path moves the checkpoint; the run directory still names the run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    train(compose_cfg(*TEXT, "train.ckpt_path=ck/m.pt"), output_dir=str(tmp_path / "run"))
+    monkeypatch.chdir(tmp_path / "run")  # relative data: from run.json's launch directory
+    cfg, _, dataset = load_run(tmp_path / "run")
+    assert cfg.train.ckpt_path == "ck/m.pt" and dataset.decode(dataset.encode("dog")) == "dog"
 
 
 def test_a_triton_run_loads_on_the_cpu_through_its_pytorch_path(text_run):
