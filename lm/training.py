@@ -277,12 +277,17 @@ def _write_run_record(out_dir: Path, run_config: dict) -> None:
 
 class _Jsonl:
     """``metrics.jsonl``; on resume it keeps only the records up to the checkpoint's step,
-    so the file reads as one uninterrupted run."""
+    less those of a train.max_minutes stop off the schedule, so the file reads as one
+    uninterrupted run."""
 
     def __init__(self, path: Path, keep_until: int | None) -> None:
         self.path = path
         if keep_until is not None and path.exists():
-            kept = [r for r in read_jsonl(path) if r["step"] <= keep_until]
+            kept = [
+                r
+                for r in read_jsonl(path)
+                if r["step"] <= keep_until and not r.get("stopped_early")  # Trainer._record
+            ]
             text = "".join(json.dumps(r) + "\n" for r in kept)
             replace_atomically(path, lambda tmp: tmp.write_text(text))
         elif path.exists():
@@ -477,7 +482,9 @@ class _Run:
             self.state.update(best_val_loss=math.inf, best_val_split=split)
         log.info("resumed from %s at step %d", self.ckpt_path, self.step)
 
-    def _save(self) -> None:
+    def _save(self, state_changes: dict | None = None) -> None:
+        """The checkpoint, its trainer state updated by ``state_changes`` (the values a resume
+        must start from, where they differ from this run's own)."""
         if self.info.main:
             save_checkpoint(
                 self.ckpt_path,
@@ -487,14 +494,17 @@ class _Run:
                     "scheduler": self.sched.state_dict(),
                     "rng": rng_state(),
                     "step": self.step,
-                    "state": self.state,
+                    "state": {**self.state, **(state_changes or {})},
                     "config": self.run_config,
                 },
             )
         self.last_ckpt_step = self.step
 
-    def _record(self, metrics: dict[str, float]) -> None:
-        self.jsonl.write({"step": self.step, **metrics})
+    def _record(self, metrics: dict[str, float], off_schedule: bool = False) -> None:
+        """``metrics`` at this step into metrics.jsonl and the logger; ``off_schedule`` (a
+        train.max_minutes stop's log or evaluation) marks the record for a resume to drop."""
+        extra = {"stopped_early": True} if off_schedule else {}
+        self.jsonl.write({"step": self.step, **metrics, **extra})
         self.logger.log(metrics, self.step)
 
     def _train_step(self) -> tuple[float, int]:
@@ -605,26 +615,37 @@ class _Run:
                     # rank 0's clock decides, so every rank leaves the loop at the same step
                     self.stopped_early = distributed.broadcast(time.monotonic() >= deadline, info)
                 last = self.step == t.steps or self.stopped_early
-                if info.main and ((t.log_every and self.step % t.log_every == 0) or last):
+                scheduled_log = bool(t.log_every) and self.step % t.log_every == 0
+                scheduled_eval = bool(t.eval_every) and self.step % t.eval_every == 0
+                # A stop for train.max_minutes logs and evaluates off the schedule, for the
+                # stopped run's summary; its checkpoint keeps what the schedule would have (the
+                # losses still to log, best_val_loss without that evaluation) and the resume
+                # drops its records, so a resumed run logs and reports the uninterrupted one's.
+                resume_state = {
+                    "pending_losses": [] if scheduled_log else list(losses),
+                    "best_val_loss": self.state["best_val_loss"],
+                }
+                if info.main and (scheduled_log or last):
                     speed = self._speed() if self.state["timed_steps"] else {}  # none timed yet
-                    self._record(
-                        {
-                            "train/loss": sum(losses) / len(losses),
-                            "train/grad_norm": self.grad_norm,
-                            "lr": self.lr,
-                            **speed,
-                        }
-                    )
+                    record = {
+                        "train/loss": sum(losses) / len(losses),
+                        "train/grad_norm": self.grad_norm,
+                        "lr": self.lr,
+                        **speed,
+                    }
+                    self._record(record, off_schedule=self.stopped_early and not scheduled_log)
                     losses.clear()
-                if last or (t.eval_every and self.step % t.eval_every == 0):
+                if last or scheduled_eval:
                     if info.main:
                         eval_metrics = self._eval()
-                        self._record(eval_metrics)
+                        self._record(eval_metrics, self.stopped_early and not scheduled_eval)
                     self.state["best_val_loss"] = distributed.broadcast(
                         self.state["best_val_loss"], info
                     )
+                if scheduled_eval:  # an off-schedule evaluation does not count for the resume
+                    resume_state["best_val_loss"] = self.state["best_val_loss"]
                 if last or (t.ckpt_every and self.step % t.ckpt_every == 0):
-                    self._save()
+                    self._save(resume_state if self.stopped_early else None)
                 if self.stopped_early:
                     log.info("train.max_minutes=%s reached at step %d", t.max_minutes, self.step)
                     break

@@ -416,6 +416,38 @@ def test_max_minutes_stops_evaluates_and_resumes_to_the_same_run(tmp_path, monke
         assert resumed[key] == full[key], key
 
 
+def test_a_max_minutes_stop_off_the_schedule_resumes_to_the_same_logs(tmp_path, monkeypatch):
+    """A stop after step 3 with logs and evaluations every 2 steps logs and evaluates for the
+    stopped run, but the resumed run logs the averages and reports the best_val_loss of the
+    uninterrupted run: the checkpoint keeps step 3's loss pending and best_val_loss without
+    step 3's evaluation, and the resume drops the stop's records."""
+    import types
+
+    import lm.training
+
+    cfg = compose_cfg(
+        *SMALL, "train.device=cpu", "train.steps=8", "train.eval_every=2", "train.log_every=2",
+        "train.ckpt_every=0",
+    )  # fmt: skip
+    full = train(cfg, output_dir=str(tmp_path / "full"))
+    ticks = iter(range(0, 10**6, 30))  # a clock that advances 30 s per reading
+    fake_time = types.SimpleNamespace(
+        perf_counter=lm.training.time.perf_counter, monotonic=lambda: next(ticks)
+    )
+    monkeypatch.setattr(lm.training, "time", fake_time)
+    cfg.train.max_minutes = 1.2  # the loop stops after step 3
+    cut = train(cfg, output_dir=str(tmp_path / "cut"))
+    assert cut["steps"] == 3 and "test/loss" in cut
+    stop = [r for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl") if r["step"] == 3]
+    assert len(stop) == 2 and all(r["stopped_early"] for r in stop)  # a log and an evaluation
+    cfg.train.max_minutes, cfg.train.resume = None, True
+    resumed = train(cfg, output_dir=str(tmp_path / "cut"))
+    assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
+    assert resumed["best_val_loss"] == full["best_val_loss"]
+    steps = [r["step"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")]
+    assert steps == [r["step"] for r in read_jsonl(tmp_path / "full" / "metrics.jsonl")]
+
+
 def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     from lm.model import GPT
 
