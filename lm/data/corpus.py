@@ -71,7 +71,8 @@ class ByteCorpus(LMDataset):
                     if k == 1:
                         raise ValueError(
                             f"the {name} stream has {len(stream)} tokens, fewer than one "
-                            f"window of data.seq_len + 1 = {self.seq_len + 1}"
+                            f"window of data.seq_len + 1 = {self.seq_len + 1}: add data or "
+                            "lower data.seq_len"
                         )
                     continue
                 offsets = np.linspace(0, len(stream) - (length + 1), count).astype(np.int64)

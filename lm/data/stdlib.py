@@ -82,6 +82,16 @@ class StdlibCorpus(ByteCorpus):
                 f"got {valid} + {test}"
             )
         splits = split_stdlib(sysconfig.get_paths()["stdlib"], max_bytes, valid, test)
+        seq_len = check_int("data.seq_len", cfg.seq_len, 1)
+        for split, fraction in (("train", None), ("valid", "data.valid_fraction")):
+            paths, stream = splits[split]
+            if len(stream) < seq_len + 1:  # files are drawn whole, so a small budget is lumpy
+                more = "data.max_bytes" + (f" or {fraction}" if fraction else "")
+                raise ValueError(
+                    f"data.max_bytes={max_bytes} gives the {split} split {len(paths)} files, "
+                    f"{len(stream)} tokens, fewer than one window of data.seq_len + 1 = "
+                    f"{seq_len + 1}: raise {more}"
+                )
         self.files = {split: paths for split, (paths, _) in splits.items()}
         evals = {"valid": splits["valid"][1]}
         if splits["test"][0]:

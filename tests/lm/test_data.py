@@ -460,6 +460,14 @@ def test_stdlib_is_split_by_file():
         assert not names & others
 
 
+def test_stdlib_too_small_a_budget_names_the_options_that_fix_it():
+    """Files are drawn whole: a small data.max_bytes can leave the valid split one empty file."""
+    cfg = {"name": "stdlib", "max_bytes": 20_000, "seq_len": 64}  # the default fractions
+    with pytest.raises(ValueError, match=r"data.max_bytes=20000 gives the valid split .* raise "
+                       r"data.max_bytes or data.valid_fraction"):  # fmt: skip
+        build_dataset(cfg)
+
+
 def test_stdlib_fractions_set_each_files_split():
     """With unequal fractions (valid 0.1, test 0.3), a file whose path hashes to bucket b in
     [0, 1) is test below 0.3, valid in [0.3, 0.4), train above."""
