@@ -117,13 +117,18 @@ def expand(spec: str) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
+# Config groups (configs/<group>/): an override choosing one names the run by its choice.
+GROUPS = frozenset(d.name for d in (ROOT / "configs").iterdir() if d.is_dir()) - {"hydra"}
+
+
 def slug(overrides: list[str], limit: int = 80) -> str:
-    """A directory-name-safe summary of the overrides (``experiment=a seed=1`` -> ``a_seed1``)."""
+    """A directory-name-safe summary of the overrides (``experiment=a data=b seed=1`` ->
+    ``a_b_seed1``: a config group's choice alone, any other key with its value)."""
     words = []
     for o in overrides:
         key, value = o.split("=", 1)
-        short = key.rsplit(".", 1)[-1].lstrip("+~")
-        words.append(value if short in ("experiment", "attention") else f"{short}{value}")
+        key = key.lstrip("+~")
+        words.append(value if key in GROUPS else f"{key.rsplit('.', 1)[-1]}{value}")
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", "_".join(words))[:limit]
 
 

@@ -269,3 +269,13 @@ def test_a_second_sigterm_kills_jobs_that_ignore_the_first(fake_train, tmp_path)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_slug_names_a_config_groups_choice_by_itself():
+    """``data=selective_copy`` reads ``selective_copy``, not ``dataselective_copy``; a plain key
+    keeps its last name part before its value."""
+    overrides = ["experiment=synth_flipflop", "data=selective_copy", "model=tiny", "seed=0",
+                 "data.seq_len=64", "+train.note=a/b"]  # fmt: skip
+    assert (
+        run_parallel.slug(overrides) == "synth_flipflop_selective_copy_tiny_seed0_seq_len64_notea-b"
+    )
