@@ -100,7 +100,7 @@ def _positive_int(params: Mapping, key: str, kind: str) -> int:
 
 
 def _check_rope_dim(rope_dim) -> None:
-    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral):
         raise TypeError(f"rope_dim must be an int, got {type(rope_dim).__name__}")
     if rope_dim <= 0 or rope_dim % 2:
         raise ValueError(f"rope_dim must be a positive even int, got {rope_dim}")
@@ -601,7 +601,7 @@ def nd_rope_frequencies(
     _check_rope_dim(rope_dim)
     _check_theta(theta)
     check_bool(interleaved, "interleaved")
-    if isinstance(n_axes, bool) or not isinstance(n_axes, int):
+    if isinstance(n_axes, bool) or not isinstance(n_axes, numbers.Integral):
         raise TypeError(f"n_axes must be an int, got {type(n_axes).__name__}")
     if n_axes <= 0:
         raise ValueError(f"n_axes must be positive, got {n_axes}")

@@ -9,6 +9,7 @@ torch.compile sees, then the public functions ``apply_rope`` and ``apply_rope_qk
 """
 
 # No ``from __future__ import annotations``: torch.library.custom_op reads the real annotations.
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -488,8 +489,8 @@ def _(x, angles, layout, rope_dim, scale, offset):
 
 
 def _check_scale(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     if not is_finite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return float(value)

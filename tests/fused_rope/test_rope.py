@@ -531,6 +531,17 @@ def test_forward_mode_tangents_are_refused(grad_mode):
         torch.func.jvp(lambda t: apply_rope(t, inv_freq=inv_freq), (x,), (torch.ones_like(x),))
 
 
+def test_numpy_scalars_are_numbers():
+    """numpy ints and floats pass where Python's do (as numbers.Integral / numbers.Real)."""
+    inv, _ = rope_frequencies(np.int64(16))
+    torch.testing.assert_close(inv, rope_frequencies(16)[0])
+    x = _x(1, 2, 3, 16)
+    angles = rope_angles(torch.arange(3, device=DEVICE), inv.to(DEVICE))
+    torch.testing.assert_close(
+        apply_rope(x, angles, output_scale=np.float32(2.0)), apply_rope(x, angles, output_scale=2.0)
+    )
+
+
 def test_torch_func_grad_and_vjp():
     """torch.func.grad and vjp reach the kernels through the autograd.Function (forward and
     setup_context apart, as functorch requires) and match the reference's gradients; vmap has
@@ -600,7 +611,7 @@ BAD_INPUTS = [
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(device="meta")), ValueError,
                  "angles is on meta but x is on", id="different-devices"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), output_scale="2"), TypeError,
-                 "output_scale must be a Python float, got str", id="scale-str"),
+                 "output_scale must be a float, got str", id="scale-str"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), output_scale=float("nan")),
                  ValueError, "output_scale must be finite", id="scale-nan"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), inplace=1), TypeError,
@@ -617,7 +628,7 @@ BAD_INPUTS = [
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16, device="meta"), A()),
                  ValueError, "k is on meta but q is on", id="qk-different-devices"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16), A(), k_scale=None),
-                 TypeError, "k_scale must be a Python float, got NoneType", id="k-scale-none"),
+                 TypeError, "k_scale must be a float, got NoneType", id="k-scale-none"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16)), ValueError,
                  "pass exactly one of angles and inv_freq, got neither", id="no-angles"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16), A(),
