@@ -101,7 +101,10 @@ def gates(qL: torch.Tensor, k: torch.Tensor, s: float, causal: torch.Tensor) -> 
     """``z [B, HKV, M, N] = sigmoid(s <qL_i, k_j>)`` where ``causal [M, N]`` is true, else 0;
     ``qL [B, HKV, M, D]`` (rows of the leader query), ``k [B, HKV, N, D]``."""
     # A select, not a product with the mask: a NaN or inf in a later key must not reach the
-    # rows that do not see it (NaN * 0 is NaN), as it does not in the kernels.
+    # outputs of the rows that do not see it (NaN * 0 is NaN), as it does not in the kernels.
+    # Only the gates and scores are guarded so: a NaN in v reaches every row through the
+    # weights' zeros (P @ v), and one in k the earlier rows' gradients, here as in the
+    # kernels and in FlashAttention.
     return torch.where(causal, torch.sigmoid(s * qL @ k.transpose(-1, -2)), 0.0)
 
 
