@@ -247,6 +247,8 @@ def main() -> None:
         help="small: (1, 8/2, D=64); large: (1, 32/8, D=128)",
     )
     args = parser.parse_args()
+    if args.min_n > args.max_n:
+        parser.error(f"--min-n {args.min_n} is above --max-n {args.max_n}: no N to run")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick, args.out = quick_and_output(args, device, "bench_corope")
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # interpreter: no bf16

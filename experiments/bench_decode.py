@@ -79,7 +79,7 @@ def time_decoding(
     step_ids = torch.randint(0, VOCAB, (B, 1), device=device)
     prefill_ms, step_ms = [], []
     for run in range(4):  # run 0 warms up
-        cache = KVCache(len(model.blocks), P + steps)
+        cache = KVCache(len(model.blocks), P + max(steps, 2))  # 2 warm-up steps
         sync(device)
         t0 = time.perf_counter()
         model(prompt, cache)
@@ -112,6 +112,8 @@ def main() -> None:
     add_output_arguments(parser)
     parser.add_argument("--steps", type=int, default=32, help="decoding steps timed per case")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick, args.out = quick_and_output(args, device, "bench_decode")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +125,7 @@ def main() -> None:
     batches, prompts, steps = ((1,), (16,), 2) if quick else (BATCHES, PROMPTS, args.steps)
     print(f"results into {args.out}; copy bandwidth {gbps:.4g} GB/s", flush=True)
     for variant in VARIANTS:
-        model = build_model(variant, sizes, max(prompts) + steps, device, dtype)
+        model = build_model(variant, sizes, max(prompts) + max(steps, 2), device, dtype)
         for B in batches:
             for P in prompts:
                 prefill_ms, step_ms = time_decoding(model, B, P, steps, device)

@@ -143,7 +143,7 @@ def run_case(shape, dtype_name, copy_gbps, env, device, quick) -> list[dict]:
     torch._dynamo.reset()  # a fresh compile per case: no cache-size fallback to eager
     rows = []
     moved = 2 * (q.numel() + k.numel()) * q.element_size()
-    n_sets = input_sets(moved, device)
+    n_sets = input_sets((q.numel() + k.numel()) * q.element_size(), device)  # what is read
     sets = [(q, k)] + [(torch.randn_like(q), torch.randn_like(k)) for _ in range(n_sets - 1)]
     rep = 20 if quick else 100
     for name, fn in providers(angles, inv_freq, cos, sin, device).items():
@@ -280,6 +280,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     chosen = [s for s in SHAPES if not args.shapes or shape_id(s) in args.shapes]
     if args.tune:
+        if device.type != "cuda":  # the full-size shapes in the interpreter would take hours
+            parser.error("--tune sweeps the kernel's launch shape on a GPU; no CUDA device here")
         for shape in chosen:
             tune_shape(shape, device)
         return

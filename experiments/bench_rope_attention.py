@@ -169,17 +169,17 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
     dtype = DTYPES[dtype_name]
     torch._dynamo.reset()  # a fresh compile per case: no cache-size fallback to eager
     make = lambda h, n: torch.randn(B, h, n, D, device=device, dtype=dtype, requires_grad=True)
-    n_sets = input_sets((NQ * HQ + 2 * NK * HKV) * D * dtype.itemsize, device)
+    n_sets = input_sets(B * (NQ * HQ + 2 * NK * HKV) * D * dtype.itemsize, device)
     sets = [(make(HQ, NQ), make(HKV, NK), make(HKV, NK)) for _ in range(n_sets)]
     grads = [t for s in sets for t in s]
     do = torch.randn(B, HQ, NQ, D, device=device, dtype=dtype)
     angles = rope_angles(torch.arange(NK, device=device), rope_frequencies(D)[0].to(device))
     emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # the eager providers' tables
     q, k, v = sets[0]
-    with torch.no_grad():
+    with torch.no_grad():  # the reference: fp32 throughout, its tables not rounded to dtype
         ref = eager_rope_sdpa(
-            q.float(), k.float(), v.float(), cos.float()[None, None], sin.float()[None, None]
+            q.float(), k.float(), v.float(), emb.cos()[None, None], emb.sin()[None, None]
         )
     fwd_flops = causal_flops(shape)
     rep = 20 if quick else 100
@@ -358,6 +358,11 @@ def main() -> None:
                 f"--shapes {unknown}: the {'quick' if quick else 'full'} run has {list(shapes)}"
             )
         shapes = {n: shapes[n] for n in args.shapes}
+    if args.providers:  # checked before anything is set up
+        known = providers(torch.zeros(1, 2), torch.zeros(1, 2), torch.device("cpu"), True)
+        unknown = [p for p in args.providers if p not in known]
+        if unknown:
+            raise SystemExit(f"--providers {unknown}: the providers are {list(known)}")
     dtypes = ["fp16"] if quick else args.dtypes
     if args.precompile and device.type == "cuda" and not args.report:
         precompile(shapes, dtypes, args.precompile, args.providers)

@@ -61,7 +61,7 @@ def run_shape(name: str, shape, dtype_name: str, device: torch.device) -> list[d
     the default's row the backend it ran."""
     B, HQ, HKV, NQ, NK, D = shape
     dtype = DTYPES[dtype_name]
-    n_sets = input_sets((NQ * HQ + 2 * NK * HKV) * D * dtype.itemsize, device)
+    n_sets = input_sets(B * (NQ * HQ + 2 * NK * HKV) * D * dtype.itemsize, device)
     sets = [
         tuple(torch.randn(B, h, n, D, device=device, dtype=dtype, requires_grad=True)
               for h, n in ((HQ, NQ), (HKV, NK), (HKV, NK)))

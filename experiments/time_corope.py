@@ -170,10 +170,24 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
     return rows
 
 
+def parse_case(text: str) -> tuple[int, ...]:
+    """``"B,HQ,HKV,D,N"`` as five positive ints (an argparse type)."""
+    try:
+        case = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        case = ()
+    if len(case) != 5 or min(case) < 1:
+        raise argparse.ArgumentTypeError(
+            f"a case is B,HQ,HKV,D,N (five positive ints), got {text!r}"
+        )
+    return case
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="current", help="name of the kernel version timed")
-    ap.add_argument("--cases", nargs="*", help="B,HQ,HKV,D,N tuples (default: issue 3's)")
+    ap.add_argument("--cases", nargs="*", type=parse_case,
+                    help="B,HQ,HKV,D,N tuples (default: issue 3's)")  # fmt: skip
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget")
     ap.add_argument("--out", type=Path, help="folder for time_corope_<label>.md")
     ap.add_argument(
@@ -193,7 +207,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("time_corope.py times GPU kernels; no CUDA device here")
-    cases = [tuple(int(x) for x in c.split(",")) for c in args.cases] if args.cases else CASES
+    cases = args.cases or CASES
     versions = [(str(root), *load_version(root, i)) for i, root in enumerate(args.versions)]
     print(f"kernels from {Path(corope.__file__).parent} ({args.label})", flush=True)
     rows = []

@@ -26,7 +26,13 @@ import triton  # noqa: E402
 
 from corope import forward  # noqa: E402
 from experiments.results_io import markdown_table  # noqa: E402
-from experiments.time_corope import CASES, describe_config, floor_ms, kernel_inputs  # noqa: E402
+from experiments.time_corope import (  # noqa: E402
+    CASES,
+    describe_config,
+    floor_ms,
+    kernel_inputs,
+    parse_case,
+)
 
 
 def parse_tile(text: str) -> triton.Config:
@@ -48,7 +54,8 @@ def parse_tile(text: str) -> triton.Config:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="*", help="B,HQ,HKV,D,N tuples (default: time_corope's)")
+    ap.add_argument("--cases", nargs="*", type=parse_case,
+                    help="B,HQ,HKV,D,N tuples (default: time_corope's)")  # fmt: skip
     ap.add_argument("--extra", nargs="*", type=parse_tile, default=[],
                     help="more tiles, BLOCK_GM,BLOCK_N,REGISTERS[,WARPS] (0 registers: no cap)")  # fmt: skip
     ap.add_argument("--only-extra", action="store_true", help="skip the autotune list's configs")
@@ -82,7 +89,7 @@ def time_configs(args: argparse.Namespace, indices: range, first: int) -> list[d
     """One row per (case, config index): the forward's median time at that config, pinned."""
     import triton.testing
 
-    cases = [tuple(int(x) for x in c.split(",")) for c in args.cases] if args.cases else CASES
+    cases = args.cases or CASES
     rows = []
     for B, HQ, HKV, D, N in cases:
         q, k, v, _, w, s = kernel_inputs(B, HQ, HKV, D, N)
