@@ -21,6 +21,7 @@ from fused_rope._validation import (
     check_inv_freq,
     check_rope_dim,
     check_softmax_scale,
+    under_functorch,
 )
 from fused_rope.frequencies import default_inv_freq
 
@@ -248,7 +249,7 @@ def corope_attention_ref(
     recompute = (
         torch.is_grad_enabled()
         and any(t.requires_grad for t in (q, k, v))
-        and torch._C._functorch.maybe_current_level() is None
+        and not under_functorch()
     )
     outs, lses = [], []
     for i0 in range(rows.start, rows.stop, chunk_size):

@@ -192,13 +192,18 @@ def check_no_tangent(reference: str, **tensors: torch.Tensor) -> None:
             )
 
 
+def under_functorch() -> bool:
+    """Whether a torch.func transform (grad, vjp, vmap, jacrev, jvp) wraps the current call."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def check_no_functorch(reference: str) -> None:
     """torch.func transforms (grad, vjp, vmap, jacrev) refuse the autograd of a torch custom
     op (PyTorch's own message then names an autograd.Function the caller never wrote): refuse
     them here, naming the ways that work. Not under ``torch.compile``."""
     if torch.compiler.is_compiling():
         return
-    if torch._C._functorch.maybe_current_level() is not None:
+    if under_functorch():
         raise NotImplementedError(
             "torch.func transforms (grad, vjp, vmap, jacrev) do not support this Triton "
             "kernel's custom op; differentiate with torch.autograd (loss.backward(), "

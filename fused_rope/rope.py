@@ -33,6 +33,7 @@ from fused_rope._validation import (
     is_finite,
     may_overlap,
     runs_eagerly,
+    under_functorch,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -532,9 +533,7 @@ def _needs_autograd(*xs: torch.Tensor) -> bool:
     rule, is refused by PyTorch). Otherwise the launcher runs directly,
     without the Function's bookkeeping, host time a decoding step does not need. (Forward-mode
     tangents are refused before: ``check_no_tangent``.)"""
-    return (
-        torch.is_grad_enabled() and any(x.requires_grad for x in xs)
-    ) or torch._C._functorch.maybe_current_level() is not None
+    return (torch.is_grad_enabled() and any(x.requires_grad for x in xs)) or under_functorch()
 
 
 def _dispatch_rotation(q, k, angles, layout: str, R: int, q_scale: float, k_scale: float, offset):

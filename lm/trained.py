@@ -31,7 +31,9 @@ def run_record(run_dir: Path) -> dict:
         record = json.loads((run_dir / "run.json").read_text())
     except (OSError, ValueError):
         return {}
-    return record if isinstance(record, dict) else {}
+    if not isinstance(record, dict) or not isinstance(record.get("config", {}), dict):
+        return {}  # not what lm.training writes
+    return record
 
 
 def checkpoint_file(path: str | Path) -> Path:
@@ -40,9 +42,8 @@ def checkpoint_file(path: str | Path) -> Path:
     path = Path(path)
     ckpt = path
     if path.is_dir():
-        config = run_record(path).get("config")
-        train = config.get("train") if isinstance(config, dict) else None
-        ckpt = checkpoint_path(train.get("ckpt_path") if isinstance(train, dict) else None, path)
+        recorded = OmegaConf.select(OmegaConf.create(run_record(path)), "config.train.ckpt_path")
+        ckpt = checkpoint_path(recorded, path)
     if not ckpt.is_file():
         raise FileNotFoundError(f"no checkpoint at {ckpt} (pass a train.py run directory)")
     return ckpt

@@ -621,10 +621,11 @@ class _Run:
                 # stopped run's summary; its checkpoint keeps what the schedule would have (the
                 # losses still to log, best_val_loss without that evaluation) and the resume
                 # drops its records, so a resumed run logs and reports the uninterrupted one's.
-                resume_state = {
-                    "pending_losses": [] if scheduled_log else list(losses),
-                    "best_val_loss": self.state["best_val_loss"],
-                }
+                resume_state = {}  # where this step's checkpoint differs from the run's state
+                if self.stopped_early and not scheduled_log:
+                    resume_state["pending_losses"] = list(losses)
+                if self.stopped_early and not scheduled_eval:
+                    resume_state["best_val_loss"] = self.state["best_val_loss"]
                 if info.main and (scheduled_log or last):
                     speed = self._speed() if self.state["timed_steps"] else {}  # none timed yet
                     record = {
@@ -642,10 +643,8 @@ class _Run:
                     self.state["best_val_loss"] = distributed.broadcast(
                         self.state["best_val_loss"], info
                     )
-                if scheduled_eval:  # an off-schedule evaluation does not count for the resume
-                    resume_state["best_val_loss"] = self.state["best_val_loss"]
                 if last or (t.ckpt_every and self.step % t.ckpt_every == 0):
-                    self._save(resume_state if self.stopped_early else None)
+                    self._save(resume_state)
                 if self.stopped_early:
                     log.info("train.max_minutes=%s reached at step %d", t.max_minutes, self.step)
                     break
