@@ -28,6 +28,7 @@ from experiments.results_io import (
     upsert_rows,
 )
 from fused_rope._validation import interpreter_blocker
+from tests.helpers import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -393,3 +394,22 @@ def test_timing_helpers_on_fakes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: memory["peak"])
     grow = lambda: memory.update(peak=memory["allocated"] + 5 * 2**20)  # noqa: E731
     assert timing.peak_extra_mib(grow, cuda, exclude_bytes=2**20) == 4.0
+
+
+def test_corope_large_logits_explains_the_recomputed_weights(tmp_path):
+    """``experiments/corope_large_logits.py``'s claim (corope/README.md, Tests): softmax weights
+    recomputed from logits rounded otherwise than the saved lse lose accuracy as the logits
+    grow, and not with their own lse; and its kernel measurement holds the 2x rule at the
+    default scale."""
+    from experiments import corope_large_logits as study
+
+    small, large = (study.plain_attention_weights(scale, seed=0) for scale in (0.125, 0.9))
+    assert small["other order, eager lse"] < 1.2 * small["eager"]
+    assert large["other order, eager lse"] > 1.4 * large["eager"]
+    assert large["other order, own lse"] < 1.2 * large["eager"]
+    ratios = study.kernel_ratios(
+        (1, 2, 1, 17, 32, "mean", False), 32**-0.5, 1, torch.device(DEVICE)
+    )
+    assert all(0 < r <= 2 for r in ratios), ratios
+    study.main(["--no-kernel", "--scales", "0.9", "--seeds", "1", "--out", str(tmp_path / "r.md")])
+    assert "| 0.9 |" in (tmp_path / "r.md").read_text()
