@@ -227,7 +227,7 @@ def _rotated_segments(x, cos, sin, stride_tb: int, row_off: int, scale: float, m
     ``_load_rotated`` forms, for kernels that would otherwise rotate a tile many times."""
     B, H, N, D = x.shape
     half, pas = meta["HALF"], meta["PASS"]
-    width = 2 * half + (pas if meta["HEAD_DIM"] > meta["ROPE_DIM"] else 0)
+    width = rotated_width(meta["HEAD_DIM"], meta["ROPE_DIM"])
     out = torch.empty((B, H, N, width), device=x.device, dtype=x.dtype)
     block = 16 if _INTERPRET else 64
     _rotate_kernel[(cdiv(N, block), B * H)](
@@ -367,6 +367,20 @@ def query_fold(softmax_scale: float, dtype: torch.dtype) -> tuple[float, float]:
     return fold / score_scale, score_scale
 
 
+def segment_dims(head_dim: int, rope_dim: int) -> tuple[int, int]:
+    """``(HALF, PASS)``: the widths of a rotated half and of the pass-through segment in the
+    kernels' tiles, powers of two of at least 16 (``tl.dot``'s inner dims)."""
+    pass_dim = head_dim - rope_dim
+    return max(16, next_power_of_2(rope_dim // 2)), max(16, next_power_of_2(pass_dim or 1))
+
+
+def rotated_width(head_dim: int, rope_dim: int) -> int:
+    """``W``, the row width of the rotated copies of q and k (``_rotated_segments``): at least
+    ``head_dim``, so their rows, not the inputs', bound the kernels' int32 offsets."""
+    half, pas = segment_dims(head_dim, rope_dim)
+    return 2 * half + (pas if head_dim > rope_dim else 0)
+
+
 def _meta(
     head_dim: int,
     rope_dim: int,
@@ -377,13 +391,13 @@ def _meta(
 ):
     """Constexprs shared by every kernel. tl.dot needs inner dims >= 16, hence the floors.
     ``score_scale``: ``query_fold``'s."""
-    pass_dim = head_dim - rope_dim
+    half, pas = segment_dims(head_dim, rope_dim)
     return dict(
         SCORE_SCALE=score_scale,
         HEAD_DIM=head_dim,
         ROPE_DIM=rope_dim,
-        HALF=max(16, next_power_of_2(rope_dim // 2)),
-        PASS=max(16, next_power_of_2(pass_dim)) if pass_dim else 16,
+        HALF=half,
+        PASS=pas,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
         INTERLEAVED=interleaved,
         CAUSAL=causal,

@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 
+from fused_rope._attention_common import rotated_width
 from fused_rope._device import num_sms
 from fused_rope._validation import (
     INT32_INDEX_LIMIT,
@@ -319,8 +320,16 @@ def _check_inputs(
     for name in ("k", "v"):
         if spans[name] > spans[widest]:
             widest = name
+    # The kernels also read rotated copies of q and k, and write o and the gradients, each
+    # indexed per (batch, head) in int32: rows of rotated_width(D, R) >= D elements.
+    rotated_span = max(NQ, NK) * rotated_width(D, rope_dim)
     # the grid's second axis is B x HQ
-    fused_fits = D <= MAX_HEAD_DIM and B * HQ <= 65535 and spans[widest] < INT32_INDEX_LIMIT
+    fused_fits = (
+        D <= MAX_HEAD_DIM
+        and B * HQ <= 65535
+        and spans[widest] < INT32_INDEX_LIMIT
+        and rotated_span < INT32_INDEX_LIMIT
+    )
     if impl == "auto":  # the faster path (README: measured on an H100 and an H200)
         # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel where it has work
         # for every SM (0.65-0.81x the separate path's time forward there) or SDPA has no
@@ -356,6 +365,13 @@ def _check_inputs(
                 f"{widest} spans {spans[widest]} elements within one (batch, head) (shape "
                 f"{tuple(x.shape)}, strides {tuple(x.stride())}), past the fused kernels' int32 "
                 f"indexing ({INT32_INDEX_LIMIT}): make it contiguous, or use impl='separate'"
+            )
+        if rotated_span >= INT32_INDEX_LIMIT:
+            raise ValueError(
+                f"the fused kernels' rotated copies of q and k take {max(NQ, NK)} rows of "
+                f"{rotated_width(D, rope_dim)} elements a (batch, head) (head dim {D}, rope_dim "
+                f"{rope_dim}, padded for the rotation): {rotated_span}, past their int32 "
+                f"indexing ({INT32_INDEX_LIMIT}); use impl='separate'"
             )
         raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
     check_kernel_device(device, "q", dot_dtype=q.dtype if impl == "fused" else None)

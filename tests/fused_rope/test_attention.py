@@ -785,6 +785,25 @@ def test_a_head_past_int32_indexing_is_refused_by_fused_and_auto_takes_sdpa(
     assert torch.equal(out, rope_attention(q, k, v, impl="separate"))
 
 
+def test_rotated_copies_past_int32_indexing_are_refused_by_fused_and_auto_takes_sdpa(
+    separate_calls, monkeypatch
+):
+    """The fused kernels' rotated copies of q and k have rows padded for the rotation (D = 40:
+    two halves of 32), so they pass int32 indexing before q, k and v do: 37 rows of 64
+    elements against a (lowered) limit of 2000, where the inputs span 37 * 40 = 1480. A prefill
+    that "auto" would give the fused kernel (stubbed) runs the separate path instead."""
+    monkeypatch.setattr(attention_module, "INT32_INDEX_LIMIT", 2000)
+    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: True)
+    q, k, v = _qkv(nq=20, nk=37, d=40)
+    with pytest.raises(ValueError, match="37 rows of 64 elements.*2368, past their int32"):
+        rope_attention(q, k, v, impl="fused")
+    out = rope_attention(q, k, v)
+    assert len(separate_calls) == 1
+    assert torch.equal(out, rope_attention(q, k, v, impl="separate"))
+    monkeypatch.setattr(attention_module, "INT32_INDEX_LIMIT", 2369)
+    rope_attention(q, k, v, impl="fused")  # one element under the limit: runs
+
+
 def test_a_cotangent_past_int32_indexing_is_made_contiguous(monkeypatch):
     """do comes from whatever follows the attention: one whose head spans INT32_INDEX_LIMIT elements
     reaches the fused backward contiguous, and the gradients are those of a contiguous do."""
