@@ -34,8 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tokens",
         type=int,
-        help="tokens to generate (default: the expected answer's length for a task's example, "
-        "else 32)",
+        help="tokens to generate (default: the expected continuation's length: a task's answer, "
+        "a corpus window's next tokens up to 32; with --prompt, 32)",
     )
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def default_prompt(dataset: LMDataset) -> tuple[list[int], list[int]]:
     """``(prompt, expected)`` ids from the first example of the first evaluation split: a
     task's input up to its first answer and that answer (its consecutive target tokens); a
-    corpus window's first half and the next 32 tokens."""
+    corpus window's first half and its next tokens, at most 32."""
     x, y = next(dataset.eval_batches(dataset.eval_splits()[0], 1))  # (1, L) each
     x, y = x[0], y[0]
     if dataset.kind == "task":

@@ -173,6 +173,11 @@ class RotaryFrequencies(nn.Module):
 
 
 def _rope_dim(cfg: Any, head_dim: int) -> int:
+    if cfg.rope_dim is None and head_dim % 2:
+        raise ValueError(
+            f"the head dim (model.d_model / model.n_head) must be even for a rotation of all "
+            f"its channels, got {head_dim}; or set attention.rope_dim to an even part of it"
+        )
     rope_dim = head_dim if cfg.rope_dim is None else cfg.rope_dim
     if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
         raise ValueError(

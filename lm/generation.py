@@ -176,8 +176,8 @@ def generate(
         unless every sequence generated ``stop_token`` first (then ``n`` is the step at
         which the last one did).
     """
-    # torch.compile(model) wraps the module; decoding calls it directly (a compiled model
-    # would compile again for every cache length)
+    # torch.compile(model) wraps the module; the loop below runs eagerly either way (a
+    # compiled model, model.compile()'s too, would compile again for every cache length)
     model = getattr(model, "_orig_mod", model)
     if not isinstance(model, GPT):
         raise TypeError(f"model must be an lm.model.GPT, got {type(model).__name__}")
@@ -207,6 +207,8 @@ def generate(
     check_sampling(temperature, top_k)
     if stop_token is not None:
         check_int("stop_token", stop_token, 0, vocab_size - 1)
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if generator is not None and not _same_device(generator.device, device):
@@ -218,7 +220,7 @@ def generate(
     cache = KVCache(len(model.blocks), total) if use_cache else None
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
     try:
-        with autocast(device):
+        with autocast(device), torch.compiler.set_stance("force_eager"):
             step_input = prompt
             for _ in range(max_new_tokens):
                 logits = model(step_input if use_cache else tokens, cache)  # (B, n, V)

@@ -54,6 +54,16 @@ def test_input_position_encodings():
     assert torch.allclose(table[0, 1::2], torch.ones(16, device=DEVICE))  # cos(0)
 
 
+@pytest.mark.parametrize(
+    "base, error", [(1.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                    (float("nan"), ValueError), ("1e4", TypeError), (True, TypeError)]
+)  # fmt: skip
+def test_sinusoidal_base_must_be_a_finite_number_above_one(base, error):
+    """0 and negative bases made the table NaN (a NaN loss at step 1), 1 made it constant."""
+    with pytest.raises(error, match="base must be a"):
+        sinusoidal_table(40, 32, base)
+
+
 def test_sinusoidal_table_follows_the_configured_base():
     """Channel 2i holds sin(p / base^(2i/C)) and channel 2i+1 its cos, with the attention
     config's base; the model adds row p to the token embedding at position p."""
