@@ -243,9 +243,10 @@ def _start(job: Job, threads: int) -> None:
     log = (job.run_dir / "stdout.log").open("a")
     log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} $ {shlex.join(job.command)}\n")
     log.flush()
-    # A new session: stopping a job stops its workers too (compile pools, data loaders).
+    # A new session: stopping a job stops its workers too (compile pools, data loaders). In the
+    # caller's directory, as --root: relative data paths in the overrides resolve against it.
     job.proc = subprocess.Popen(
-        job.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        job.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     log.close()
     job.started = time.monotonic()

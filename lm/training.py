@@ -35,7 +35,6 @@ import gc
 import json
 import logging
 import math
-import os
 import re
 import sys
 import time
@@ -69,6 +68,7 @@ from lm.config import RUN_CONDUCT_KEYS, is_under
 from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, check_fraction, check_int
 from lm.data.synthetic import SyntheticTask
+from lm.data.text import resolve_path
 from lm.evaluation import autocast, evaluate, metric_names
 from lm.model import GPT
 from lm.profiling import AttentionTimer, model_flops_per_token, peak_bf16_flops
@@ -146,7 +146,17 @@ def _output_dir(output_dir: str | None) -> Path:
     return Path(output_dir)
 
 
-def _checkpoint_to_resume(cfg: DictConfig, path: Path) -> dict[str, Any] | None:
+DATA_PATH_KEYS = ("data.dir", "data.files")
+
+
+def _data_paths(data: DictConfig) -> list[str]:
+    """The data's folder and files (``DATA_PATH_KEYS``) made absolute as the run reads them
+    (relative ones against the launch directory): a resume must read the same."""
+    named = [OmegaConf.select(data, "dir", default=None)] + list(data.get("files") or [])
+    return [str(resolve_path(p)) for p in named if p is not None]
+
+
+def _checkpoint_to_resume(cfg: DictConfig, path: Path, world_size: int) -> dict[str, Any] | None:
     """The checkpoint at ``path`` that ``train.resume=true`` continues, or None to start at
     step 0 (no checkpoint there, or ``train.overwrite=true``).
 
@@ -172,14 +182,33 @@ def _checkpoint_to_resume(cfg: DictConfig, path: Path) -> dict[str, Any] | None:
     if "config" not in ckpt:
         log.warning("%s holds no config (an older run): resuming it unchecked", path)
         return ckpt
+    # The data's paths are compared resolved (below), where the checkpoint has them: the same
+    # file named from another directory, or by its absolute path, is the same data.
+    resolved = DATA_PATH_KEYS if "data_paths" in ckpt else ()
     changed, one_sided = config_changes(
-        ckpt["config"], OmegaConf.to_container(cfg, resolve=True), _defines_the_run
+        ckpt["config"],
+        OmegaConf.to_container(cfg, resolve=True),
+        lambda key: _defines_the_run(key) and not is_under(key, resolved),
     )
     if changed:
         raise ValueError(
             f"train.resume=true: {path} was trained with another config (saved -> now):\n  "
             + "\n  ".join(changed)
             + "\nResume with the same config, or start the new one in another output directory"
+        )
+    saved_world = ckpt.get("world_size", world_size)  # absent from older checkpoints
+    if saved_world != world_size:
+        raise ValueError(
+            f"train.resume=true: {path} was trained on {saved_world} processes of "
+            f"train.batch_size={cfg.train.batch_size} rows, this launch has {world_size}: the "
+            f"global batch, and the rows each step reads, would change; launch {saved_world}"
+        )
+    saved_paths, paths = ckpt.get("data_paths", _data_paths(cfg.data)), _data_paths(cfg.data)
+    if saved_paths != paths:
+        raise ValueError(
+            f"train.resume=true: {path} was trained on the data at {saved_paths}, this launch "
+            f"reads {paths} (relative data paths resolve against the directory train.py starts "
+            "in): launch from where the run started, or give the paths it read"
         )
     if one_sided:
         log.warning(
@@ -271,7 +300,8 @@ def _write_run_record(out_dir: Path, run_config: dict) -> None:
     checks, unlike Hydra's ``.hydra/``, which a refused launch into the same directory (another
     grid's job, a resume with another config) has already rewritten with its own."""
     # launch_dir: where relative data paths resolved (lm.trained rebuilds the data from it)
-    record = {"config": run_config, "overrides": _overrides(), "launch_dir": os.getcwd()}
+    # (Hydra's original directory: with hydra.job.chdir=true the process is in out_dir by now)
+    record = {"config": run_config, "overrides": _overrides(), "launch_dir": str(resolve_path("."))}
     write_json(out_dir / "run.json", record)
 
 
@@ -322,7 +352,7 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     try:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
         ckpt_path = checkpoint_path(cfg.train.ckpt_path, out_dir)
-        ckpt = _checkpoint_to_resume(cfg, ckpt_path)  # fails before the data is loaded
+        ckpt = _checkpoint_to_resume(cfg, ckpt_path, info.world_size)  # before the data loads
         if info.device.type == "cpu" and cfg.train.cpu_threads is not None:
             torch.set_num_threads(cfg.train.cpu_threads)
         torch.manual_seed(cfg.seed)
@@ -392,6 +422,9 @@ class _Run:
             "best_val_split": dataset.eval_splits()[0],
             "train_s": 0.0,
             "attn_s": 0.0,
+            # train_s of the steps whose attention was timed (train.time_attention may change
+            # on resume): attn_time_frac's denominator
+            "attn_train_s": 0.0,
             "timed_steps": 0,
             "timed_tokens": 0,
             # The largest CUDA memory allocated during a timed step (evaluation left out)
@@ -420,13 +453,8 @@ class _Run:
         self.logger = None
         if info.main:
             out_dir.mkdir(parents=True, exist_ok=True)
-            _clear_outcome(out_dir)
-            if self.t.overwrite:
-                # Replaced now, not at the first save: a run killed before that save would
-                # leave the old run's weights for a later resume to continue under its metrics.
-                ckpt_path.unlink(missing_ok=True)
-            _write_run_record(out_dir, self.run_config)
-            self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
+            # The logger first: one that cannot start (a bad mode, no account) fails the
+            # launch before the directory's earlier run loses any file.
             self.logger = instantiate(
                 cfg.logger,
                 run_dir=str(out_dir),
@@ -440,6 +468,13 @@ class _Run:
                 _convert_="all",  # run_config holds _target_ keys: keep them as data
             )
             self.state["logger_run_id"] = self.logger.run_id
+            _clear_outcome(out_dir)
+            if self.t.overwrite:
+                # Replaced now, not at the first save: a run killed before that save would
+                # leave the old run's weights for a later resume to continue under its metrics.
+                ckpt_path.unlink(missing_ok=True)
+            _write_run_record(out_dir, self.run_config)
+            self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
         # Last: a check above that fails leaves no DDP wrapper behind (see train()'s finally).
         self.ddp = (
             DistributedDataParallel(
@@ -468,6 +503,7 @@ class _Run:
         split = self.state["best_val_split"]
         self.state = ckpt["state"]
         self.state.setdefault("peak_mem_bytes", 0)  # checkpoints from before the key
+        self.state.setdefault("attn_train_s", self.state["train_s"])  # as they computed it
         # Checkpoints from before the key: the synthetic tasks' first split was then "test".
         before = "test" if isinstance(self.dataset, SyntheticTask) else split
         if self.state.setdefault("best_val_split", before) != split:
@@ -496,6 +532,8 @@ class _Run:
                     "step": self.step,
                     "state": {**self.state, **(state_changes or {})},
                     "config": self.run_config,
+                    "world_size": self.info.world_size,
+                    "data_paths": _data_paths(self.cfg.data),
                 },
             )
         self.last_ckpt_step = self.step
@@ -603,6 +641,7 @@ class _Run:
                 if self.step > first_step + 1:  # the first step pays for compilation and warm-up
                     self.state["train_s"] += seconds
                     self.state["attn_s"] += attn_s
+                    self.state["attn_train_s"] += seconds if self.timer else 0.0
                     self.state["timed_steps"] += 1
                     self.state["timed_tokens"] += tokens
                     if cuda:
@@ -673,7 +712,7 @@ class _Run:
         return {
             "tokens_per_s": tokens_per_s,
             "step_ms": 1e3 * s["train_s"] / s["timed_steps"] if timed else None,
-            "attn_time_frac": s["attn_s"] / s["train_s"] if self.timer and timed else None,
+            "attn_time_frac": s["attn_s"] / s["attn_train_s"] if s["attn_train_s"] else None,
             "mfu": mfu,
             "peak_mem_mib": s["peak_mem_bytes"] / 2**20
             if info.device.type == "cuda" and timed

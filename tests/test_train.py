@@ -166,9 +166,11 @@ def test_train_py_end_to_end_with_wandb_offline(tmp_path):
         o for o in SMALL + ["train.steps=6"] if o.split("=")[0] not in watching
     )
 
-    # Resuming (here a finished run: it evaluates the saved model) logs into the same run.
-    resumed = run_cli("train.py", *args, "train.resume=true")
+    # Resuming (here a finished run: it evaluates the saved model) logs into the same run;
+    # with hydra.job.chdir, run.json still records the launch directory (not the run's).
+    resumed = run_cli("train.py", *args, "train.resume=true", "hydra.job.chdir=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "run.json").read_text())["launch_dir"] == str(ROOT)
     run_files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(run_files) == 2
     for run_file in run_files:
@@ -617,6 +619,79 @@ def test_resume_with_another_config_fails_naming_the_keys(tmp_path):
         "metric=test/err",
     )
     assert train(watched_otherwise, output_dir=str(tmp_path))["steps"] == 2
+
+
+def test_resume_on_another_number_of_processes_fails(tmp_path):
+    """train.batch_size is per process: a resume on another number of processes would train
+    on another global batch, and other rows, under the same config."""
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
+    train(cfg, output_dir=str(tmp_path))
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["world_size"] == 1
+    ckpt["world_size"] = 2  # as a two-process run saves it
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    cfg.train.resume = True
+    with pytest.raises(ValueError, match="trained on 2 processes of train.batch_size=.*has 1"):
+        train(cfg, output_dir=str(tmp_path))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+
+
+def test_resume_from_another_directory_with_relative_data_paths_fails(tmp_path, monkeypatch):
+    """data.files=[corpus.txt] is read from the launch directory: a resume launched elsewhere
+    would read another file of that name, so it is refused naming both (the file by its
+    absolute path, which the config check compares resolved, resumes); run.json records the
+    launch directory, also where hydra.job.chdir moved the process since."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "corpus.txt").write_text(f"text of {name} " * 400)
+    common = [*TINY, "data=text", "data.files=[corpus.txt]", "data.seq_len=32",
+              "train.steps=2", "train.eval_every=0"]  # fmt: skip
+    monkeypatch.chdir(tmp_path / "a")
+    train(compose_cfg(*common), output_dir=str(tmp_path / "run"))
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["launch_dir"] == str(
+        tmp_path / "a"
+    )
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(ValueError, match=r"a/corpus.txt'\], this launch reads \[.*b/corpus.txt"):
+        train(compose_cfg(*common, "train.resume=true"), output_dir=str(tmp_path / "run"))
+    absolute = f"data.files=[{tmp_path / 'a' / 'corpus.txt'}]"
+    resumed = train(compose_cfg(*common, absolute, "train.resume=true"), str(tmp_path / "run"))
+    assert resumed["steps"] == 2  # the same file by its absolute path: the same data
+
+
+def test_a_logger_that_cannot_start_leaves_the_earlier_run_intact(tmp_path, monkeypatch):
+    """The logger starts before the launch clears the directory's earlier outcome (or, with
+    train.overwrite, its checkpoint): a logger that fails (wandb without an account, a bad
+    mode) leaves the finished run as it was."""
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
+    train(cfg, output_dir=str(tmp_path))
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert "summary.json" in written
+
+    def failing_logger(*args, **kwargs):
+        raise RuntimeError("no account")
+
+    monkeypatch.setattr(lm.training, "instantiate", failing_logger)
+    for option in ("train.resume=true", "train.overwrite=true"):
+        with pytest.raises(RuntimeError, match="no account"):
+            train(compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0", option),
+                  output_dir=str(tmp_path))  # fmt: skip
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+
+
+def test_attention_share_counts_only_the_steps_it_timed(tmp_path, monkeypatch):
+    """A run killed with train.time_attention=false and resumed with it on: attn_time_frac is
+    the attention's share of the timed steps' time, not of every step's (which read as 0.075
+    where a whole timed run measured 0.20)."""
+    common = [*SMALL, "train.steps=6", "train.ckpt_every=1", "train.eval_every=0"]
+    train_killed_at_step(compose_cfg(*common, "train.time_attention=false"), tmp_path, 4)
+    state = load_checkpoint(tmp_path / "checkpoint.pt")["state"]
+    assert state["attn_train_s"] == state["attn_s"] == 0.0 < state["train_s"]
+    resumed = train(compose_cfg(*common, "train.resume=true"), output_dir=str(tmp_path))
+    state = load_checkpoint(tmp_path / "checkpoint.pt")["state"]
+    assert 0.0 < state["attn_train_s"] < state["train_s"]
+    assert resumed["attn_time_frac"] == pytest.approx(state["attn_s"] / state["attn_train_s"])
 
 
 def test_resume_of_a_checkpoint_without_config_warns(tmp_path, caplog):

@@ -24,7 +24,8 @@ SMALL = [*TINY, "data=counting", "data.max_statements=8", "data.seq_len=40", "da
 FAKE_TRAIN = """
 import os, signal, sys, time
 args = dict(a.split("=", 1) for a in sys.argv[1:])
-print("pid", os.getpid(), "gpu", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
+print("pid", os.getpid(), "gpu", os.environ.get("CUDA_VISIBLE_DEVICES"), "cwd", os.getcwd(),
+      flush=True)
 if args.get("ignore_term") == "true":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 time.sleep(float(args.get("sleep", 0)))
@@ -193,6 +194,16 @@ def test_a_checkpoint_at_train_ckpt_path_is_seen(fake_train, tmp_path):
     assert table(root)[-1]["status"].startswith("not started: last.pt exists")
 
 
+def test_jobs_run_in_the_callers_directory(fake_train, tmp_path, monkeypatch):
+    """As --root, relative data paths in the overrides (data.dir=jd) resolve against the
+    directory run_parallel is started in, not the repository's."""
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["--root", "runs", "seed=0"]) == 0
+    (line,) = launch_lines(tmp_path / "here" / "runs" / "000-seed0" / "stdout.log")
+    assert line.endswith(f" cwd {tmp_path / 'here'}")
+
+
 def test_common_takes_single_values_and_no_key_a_spec_sets(tmp_path):
     """A sweep in --common would reach train.py unexpanded; a key set in both would run
     --common's value in a directory named after the spec's."""
@@ -228,7 +239,7 @@ def test_a_starting_job_gets_the_least_busy_gpu(fake_train, tmp_path):
     root = tmp_path / "runs"
     assert main(["--root", str(root), "-j", "2", "--gpus", "0,1", "sleep=2", "sleep=0,0.1"]) == 0
     logs = [root / r["dir"] / "stdout.log" for r in table(root)]
-    gpus = [launch_lines(log)[0].split()[-1] for log in logs]
+    gpus = [launch_lines(log)[0].split()[3] for log in logs]
     assert gpus == ["0", "1", "1"]
     assert [r["gpu"] for r in table(root)] == gpus
 
