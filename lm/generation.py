@@ -17,6 +17,8 @@ at the cost of a forward per token).
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from lm.data.base import check_int
@@ -110,7 +112,7 @@ class KVCache:
 def check_sampling(temperature: float, top_k: int | None) -> None:
     """ValueError/TypeError naming ``temperature`` (a float >= 0) or ``top_k`` (None or an
     int >= 1)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
     if not temperature >= 0:  # NaN fails too
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -133,7 +135,9 @@ def sample_next(
     check_sampling(temperature, top_k)
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # Shifted first: logits / 1e-40 would overflow to inf and the softmax to NaN.
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         top = logits.topk(top_k, dim=-1)  # (B, top_k) values and ids
         logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)

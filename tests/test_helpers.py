@@ -35,6 +35,14 @@ def test_every_element_one_step_off_fails_on_rmse(dtype):
         assert_close_to_baseline("x", out, ref, baseline)
 
 
+def test_fp32_systematic_error_of_a_few_millionths_fails_on_rmse():
+    """2e-6 relative everywhere: inside the max-abs margin (1e-5), but 17 roundings, which the
+    rel-RMSE bound's floor (8 roundings for fp32) does not allow."""
+    ref, baseline = _case(torch.float32)
+    with pytest.raises(AssertionError, match="rel-RMSE over"):
+        assert_close_to_baseline("x", baseline * (1 + 2e-6), ref, baseline)
+
+
 def test_fp32_margin_is_the_floor():
     ref, baseline = _case(torch.float32)
     out = baseline.clone()

@@ -663,6 +663,15 @@ def test_cpu_tensor_without_interpreter(monkeypatch):
         rope_attention(*_qkv(device="cpu"))
 
 
+@pytest.mark.parametrize("offset", range(16))
+def test_causal_band_at_every_offset_within_a_key_tile(offset):
+    """The causal kernels split each tile's keys into ones every query sees and a masked
+    band, at ``NK - NQ`` modulo the key tile (16 in the interpreter): one offset per residue,
+    so a band that starts or ends a key off shows (a review's mutant, the unmasked part one
+    key too long, passed every other case)."""
+    _check_case(1, 1, 1, 20, 20 + offset, 16, dtype=torch.float32)
+
+
 # ------------------------------------------------------------- GPU: full product, bf16, compile
 
 GPU_GROUPS = [(8, 8), (8, 2), (8, 1), (4, 1)]  # GQA ratio 1, 4, 8 (single KV head), MQA of 4
@@ -926,9 +935,14 @@ def test_gpu_long_sequence(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
 @pytest.mark.parametrize("index", range(attention_module.N_CONFIGS))
 def test_gpu_every_config(index, dtype):
-    """Config ``index`` of each kernel's autotune list (tile shapes change the masking paths)."""
+    """Config ``index`` of each kernel's autotune list (tile shapes change the masking paths).
+    Causal masking starts and ends its band at ``NK - NQ`` modulo the tiles (16 to 128): the
+    offsets around each tile size, both signs, so a band one key or query off shows."""
     with attention_module.pinned_config(index):
         _check_case(2, 4, 2, 300, 700, 128, dtype=dtype)
+        for offset in sorted({b + d for b in (16, 32, 64, 128) for d in (-2, -1, 1, 2)}):
+            _check_case(1, 2, 1, 70, 70 + offset, 64, dtype=dtype)
+            _check_case(1, 2, 1, 70 + offset, 70, 64, dtype=dtype)
         _check_case(
             2,
             4,

@@ -1,6 +1,7 @@
 """lm/generation.py: a cached step computes what the whole forward computes, for every
 attention; sampling; the checks of the arguments."""
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -205,6 +206,11 @@ def test_sampling_follows_the_distribution_top_k_and_seed():
     assert torch.equal(
         sample_next(logits[:3], 0.0), torch.zeros(3, dtype=torch.long, device=DEVICE)
     )
+    # a temperature near 0 draws the argmax (logits / 1e-40 overflowed to NaN weights); a
+    # numpy temperature is a number too
+    cold = sample_next(logits[:50], 1e-40, generator=gen)
+    assert torch.equal(cold, torch.zeros(50, dtype=torch.long, device=DEVICE))
+    assert sample_next(logits[:5], np.float32(0.5), generator=gen).shape == (5,)
     a, b = (
         sample_next(logits[:50], generator=torch.Generator(DEVICE).manual_seed(3)) for _ in "ab"
     )
