@@ -843,6 +843,9 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path, data, ddp_options):
         for d in ("ddp", "one")
     ]
     assert len(norms[0]) == 4 and norms[0] == pytest.approx(norms[1], rel=1e-4)
+    # tokens_per_s counts the global batch's tokens, every rank's
+    timed = [load_checkpoint(tmp_path / d / "checkpoint.pt")["state"] for d in ("ddp", "one")]
+    assert timed[0]["timed_tokens"] == timed[1]["timed_tokens"] > 0
 
 
 @pytest.mark.slow

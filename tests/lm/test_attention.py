@@ -59,6 +59,19 @@ def test_rope_torch_path(layout, rope_dim):
     assert_close("rope", attn.attend(q, k, v), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_rope_torch_path_scales_q_and_k_by_yarns_attention_factor():
+    """YaRN (factor 4): YaRN's frequencies, and q and k multiplied by its attention factor
+    (mscale 1.139), as HF's scaled cos/sin do."""
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    attn = build_attention(attn_cfg("rope", impl="torch", scaling=scaling), 64, 4, 1).to(DEVICE)
+    q, k, v = qkv(HKV=1)
+    inv_freq, factor = rope_frequencies(16, 10000.0, scaling)
+    assert factor > 1.1
+    angles = rope_angles(torch.arange(q.shape[2]), inv_freq).double().to(DEVICE)
+    rotated = (factor * apply_rope_ref(x.double(), angles, "half", 16) for x in (q, k))
+    assert_close("yarn", attn.attend(q, k, v), causal_attention64(*rotated, v), 1e-5, 1e-5)
+
+
 def test_rope_triton_path_matches_torch_path():
     q, k, v = qkv(N=63)
     out = {}

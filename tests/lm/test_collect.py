@@ -236,6 +236,21 @@ def test_a_cell_with_one_stopped_seed_is_marked(tmp_path):
     assert _row(table, "attention=rope").endswith("| 5-10* |")
 
 
+def test_a_max_minutes_stop_is_marked_and_a_flag_is_not_averaged(tmp_path):
+    """A run whose summary says stopped_early (train.max_minutes) counts as stopped: 5-10*,
+    partial in runs.csv. A true/false summary key is no metric: no mean of booleans."""
+    _run(tmp_path, "a", ["attention=rope", "seed=0"], 0.1, flag=True)
+    _run(tmp_path, "b", ["attention=rope", "seed=1"], 0.2, steps=5, stopped_early=True, flag=False)
+    _run(tmp_path, "c", ["attention=nope", "seed=0"], 1.0, flag=True)
+    out = tmp_path / "o"
+    table = main([str(tmp_path), "--metrics", "test/err,flag", "--out", str(out)])
+    assert _row(table.split("Made by")[0], "attention=rope").endswith("| 5-10* |")
+    assert "flag" not in table.splitlines()[0]  # the header: test/err only
+    with (out / "runs.csv").open() as f:
+        partial = {r["dir"]: r["partial"] for r in csv.DictReader(f)}
+    assert partial == {"a": "False", "b": "True", "c": "False"}
+
+
 def test_a_run_on_the_defaults_is_labelled_so_not_all_runs(tmp_path):
     """Among runs that vary an override, one that sets none of them is '(defaults)'; only when
     nothing varies is the cell '(all runs)'."""

@@ -263,8 +263,10 @@ def test_selective_copy_answer_is_the_symbols_in_order():
 
 
 def test_flipflop_reads_return_the_last_written_bit():
+    """Reads return the last written bit; ignored bits are random (about half differ from it:
+    bits that always matched would give the model a second copy of the answer)."""
     ds = build_dataset(SMALL["flipflop"])
-    ignore_fraction = {}
+    ignore_fraction, ignored_differ = {}, []
     for split in ds.eval_splits():
         xs, ys = all_eval(ds, split)
         fractions = []
@@ -279,10 +281,13 @@ def test_flipflop_reads_return_the_last_written_bit():
                 elif instruction == "r":
                     assert bit == last
                     expected.append(bit)
+                else:  # an ignored bit: random, not a copy of the answer
+                    ignored_differ.append(bit != last)
             assert ds.decode(answers(y_row[None])[0]).split() == expected
             fractions.append(instructions.count("i") / len(instructions))
         ignore_fraction[split] = np.mean(fractions)
     assert ignore_fraction["ood_dense"] < ignore_fraction["test"] < ignore_fraction["ood_sparse"]
+    assert 0.35 < np.mean(ignored_differ) < 0.65, np.mean(ignored_differ)
     assert ignore_fraction["ood_sparse"] > 0.85
 
 
@@ -373,6 +378,9 @@ def test_jsonl_epochs_are_permutations(configs):
     epoch = [tuple(r.tolist()) for s in range(5) for r in ds.train_batch(s, 1)[0]]
     assert len(set(epoch)) == 5
     assert epoch != [tuple(r.tolist()) for s in range(5, 10) for r in ds.train_batch(s, 1)[0]]
+    # batches of 2: steps 0 and 1 read 4 different examples (step * batch on, not step on)
+    rows = [tuple(r.tolist()) for s in range(2) for r in ds.train_batch(s, 2)[0]]
+    assert len(set(rows)) == 4
 
 
 def test_jsonl_errors_name_the_path(configs, jsonl_dir, tmp_path):
@@ -639,7 +647,13 @@ def test_counting_queries_every_variable_and_follows_the_probabilities():
     probabilities of ``pass ;`` and ``v = 0 ;`` respectively."""
     ds = build_dataset(SMALL["counting"])
     xs, ys = all_eval(ds, "test")
-    assert {counting_program(ds, a, b)[1] for a, b in zip(xs, ys, strict=True)} == set("xyz")
+    programs = [counting_program(ds, a, b) for a, b in zip(xs, ys, strict=True)]
+    assert {var for _, var, _ in programs} == set("xyz")
+    # drawn independently of the program: the last statement's variable about a third of the time
+    x, y = ds.train_batch(0, 256)
+    programs += [counting_program(ds, a, b) for a, b in zip(x, y, strict=True)]
+    last = [(stmts[-1][0], var) for stmts, var, _ in programs if stmts[-1] != "pass"]
+    assert len(last) > 100 and np.mean([a == b for a, b in last]) < 0.5
     for override, allowed in (({"p_pass": 1.0, "p_reset": 0.0}, {"pass"}),
                               ({"p_pass": 0.0, "p_reset": 1.0}, {"x = 0", "y = 0", "z = 0"})):  # fmt: skip
         ds = build_dataset({**SMALL["counting"], **override})

@@ -24,6 +24,10 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
         "scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
     },
     "rope_interleaved": {"layout": "interleaved", "rope_dim": 8},
+    # Co-RoPE takes dynamic NTK's frequencies of the keys' length, cached or not
+    "corope_ntk": {
+        "scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+    },
 }
 
 
@@ -32,9 +36,9 @@ def make_model(
 ) -> GPT:
     """A 2-layer GPT of ``variant`` in eval mode; dynamic NTK has 1 layer unless asked (a
     cache is exact for it in the first layer only: see the test of it)."""
-    name = "rope" if variant.startswith("rope_") else variant
+    name = variant.split("_")[0]
     if n_layer is None:
-        n_layer = 1 if variant == "rope_ntk" else 2
+        n_layer = 1 if variant.endswith("_ntk") else 2
     model_cfg = OmegaConf.merge(
         OmegaConf.structured(ModelConfig),
         {"d_model": d_model, "n_layer": n_layer, "n_head": 4, "n_kv_head": 2},
@@ -80,7 +84,7 @@ def test_cached_steps_compute_the_forward_of_the_sequence_so_far(variant, chunks
     x = torch.randint(0, VOCAB, (2, 23), device=DEVICE)
     expected = forward_logits(model, x, chunks)
     torch.testing.assert_close(cached_logits(model, x, chunks), expected, atol=1e-10, rtol=1e-10)
-    if variant != "rope_ntk":
+    if not variant.endswith("_ntk"):
         torch.testing.assert_close(model(x), expected, atol=1e-10, rtol=1e-10)
 
 
@@ -178,6 +182,15 @@ def test_generate_with_the_cache_is_generate_without(variant):
         assert torch.equal(runs[0][:, :6], prompt)
         assert torch.equal(runs[0], runs[1])
     assert model.training
+
+
+def test_generate_runs_the_model_in_eval_mode():
+    """Dropout off while decoding (the test models have none, so the mode is what shows)."""
+    model = make_model("rope").train()
+    modes = []
+    model.blocks[0].register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    generate(model, torch.randint(0, VOCAB, (1, 3), device=DEVICE), 4, temperature=0)
+    assert modes == [False] * 4 and model.training
 
 
 def test_greedy_takes_the_argmax_of_each_step():

@@ -146,3 +146,22 @@ def test_learned_positions_add_row_p_at_position_p_up_to_max_len():
         model(idx)
         hook.remove()
         torch.testing.assert_close(seen[0], model.tok_emb(idx) + model.pos_emb.weight)
+
+
+def test_dropout_covers_the_input_and_both_branches_of_every_block():
+    """model.dropout applies to the embeddings and to the attention's and the MLP's outputs
+    before each residual add: 1 + 2 n_layer dropout calls a forward, each dropping values in
+    training mode and none in eval mode."""
+    model = make_model("rope", dropout=0.5).train()
+    calls = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(
+                lambda m, args, out: calls.append(bool((out == 0).any() and m.training))
+            )
+    x = torch.randint(0, 11, (2, 9), device=DEVICE)
+    model(x)
+    assert calls == [True] * (1 + 2 * model.cfg.n_layer)
+    calls.clear()
+    model.eval()(x)
+    assert calls == [False] * (1 + 2 * model.cfg.n_layer)
