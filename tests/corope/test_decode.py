@@ -43,6 +43,9 @@ CASES = [
     pytest.param(2, 16, 2, 130, 64, None, "first", F16, id="B2-G8-NK130-D64-f16"),
     pytest.param(1, 1, 1, 257 * BLOCK_N + 3, 32, None, "mean", F32, id="G1-NK16451-D32-f32"),
     pytest.param(1, 3, 1, 1250, 64, 48, "first", F32, id="G3-NK1250-D64-R48-f32"),
+    # the mean leader with G > 1 over several splits: the gate sums of the earlier splits
+    # take the mean too (a review's mutant, the first head there, passed every case above)
+    pytest.param(1, 4, 1, 200, 32, None, "mean", F32, id="G4-NK200-D32-mean-f32"),
 ]
 GPU_CASES = [
     pytest.param(1, 32, 8, 16384, 128, None, "first", BF16, id="G4-NK16384-D128-bf16"),
