@@ -196,7 +196,9 @@ def test_long_sequence_sampled_rows_gpu():
 @pytest.mark.slow
 def test_phase_precision_64k_gpu(capsys):
     """At N = 64K the mileage reaches ~N and the fp32 reference loses phase accuracy; the
-    kernel (fp64 carry, reduced phase) must pass the 2x rule. Prints the README's numbers."""
+    kernel (fp64 carry, reduced phase) must pass the 2x rule, and from row 32K be at least 8x
+    more accurate than the fp32 reference (26x and 57x measured: an fp32 carry would sit at
+    the reference's error). Prints the README's numbers."""
     N, D = 65536, 128
     q, k, v = _inputs(1, 2, 1, N, D, torch.float32)
     o = corope_attention(q, k, v)
@@ -208,6 +210,8 @@ def test_phase_precision_64k_gpu(capsys):
         out = o[:, :, rows.start : rows.stop]
         measured.append((i0, errors(out, o64), errors(base, o64)))
         assert_close_to_baseline(f"rows {i0}+", out, o64, base)
+    for i0, (_, k_rmse), (_, b_rmse) in measured[1:]:
+        assert k_rmse <= b_rmse / 8, f"rows {i0}+: kernel {k_rmse:.2e}, fp32 reference {b_rmse:.2e}"
     with capsys.disabled():
         for i0, (k_abs, k_rmse), (b_abs, b_rmse) in measured:
             print(
