@@ -25,6 +25,8 @@ from fused_rope._validation import (
     runs_eagerly,
 )
 
+MAX_GRID_GROUPS = 65535  # CUDA's limit on a grid's second axis, the backward's B x HKV
+
 
 @torch.library.custom_op("corope::attention", mutates_args=())
 def _attention_op(
@@ -162,6 +164,9 @@ def corope_attention(
 
     Returns:
         ``o`` ``[B, HQ, NQ, D]`` in q's dtype (contiguous).
+
+    Raises:
+        ValueError: with autograd, ``B * HKV > 65535`` (the backward's grid), or ``NQ < NK``.
     """
     R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=True)
     NQ, NK = q.shape[2], k.shape[2]
@@ -174,13 +179,21 @@ def corope_attention(
     check_bool(deterministic, "deterministic")
     w = corope_inv_freq(R, theta, inv_freq, q.device)  # checks inv_freq first
     check_constant(inv_freq, "inv_freq", "corope.corope_attention_ref")
-    check_no_tangent("corope.corope_attention_ref", q=q, k=k, v=v)
+    check_no_tangent("corope.corope_attention_ref", q=q, k=k, v=v, inv_freq=inv_freq)
     check_no_functorch("corope.corope_attention_ref")
     check_kernel_device(q.device, "q", dot_dtype=q.dtype)
     D = q.shape[-1]
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
-    if NQ < NK and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+    differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if differentiable and q.shape[0] * k.shape[1] > MAX_GRID_GROUPS:
+        # the backward kernels' second grid axis is B x HKV, which CUDA caps at 65535
+        raise ValueError(
+            f"the backward kernels take at most {MAX_GRID_GROUPS} (batch, KV head) groups, got "
+            f"B x HKV = {q.shape[0]} x {k.shape[1]}: split the batch, or differentiate "
+            "corope_attention_ref"
+        )
+    if NQ < NK and differentiable:
         raise ValueError(
             f"queries that continue a KV cache (NQ={NQ} < NK={NK}) have no backward kernel: "
             "run them under torch.no_grad() / torch.inference_mode(), or differentiate "

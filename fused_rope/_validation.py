@@ -176,15 +176,16 @@ def runs_eagerly(*tensors: torch.Tensor) -> bool:
     )
 
 
-def check_no_tangent(reference: str, **tensors: torch.Tensor) -> None:
+def check_no_tangent(reference: str, **tensors: torch.Tensor | None) -> None:
     """The kernels' custom ops have a backward but no forward-mode derivative, and PyTorch
     drops the tangents of such an op's inputs (a silent zero): refuse inputs that carry one
-    (``torch.func.jvp``, ``torch.autograd.forward_ad``). ``reference``: the PyTorch function
-    that does have one. Not under ``torch.compile``, which has no forward mode to check."""
+    (``torch.func.jvp``, ``torch.autograd.forward_ad``), the constant ones (frequencies,
+    positions, angles; None: not given) as the differentiable ones. ``reference``: the PyTorch
+    function that does have one. Not under ``torch.compile``, which has no forward mode."""
     if torch.compiler.is_compiling():
         return
     for name, x in tensors.items():
-        if forward_ad.unpack_dual(x).tangent is not None:
+        if x is not None and forward_ad.unpack_dual(x).tangent is not None:
             raise NotImplementedError(
                 f"{name} carries a forward-mode tangent (torch.func.jvp or "
                 "torch.autograd.forward_ad), but the Triton kernels have no forward-mode "

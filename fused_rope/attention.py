@@ -303,9 +303,12 @@ def _check_inputs(
         check_same_device(q=q, inv_freq=inv_freq)
     for name, x in (("inv_freq", inv_freq), ("positions", positions), ("q_positions", q_positions)):
         check_constant(x, name, "fused_rope.naive.rope_attention_ref")
-    check_no_tangent("fused_rope.naive.rope_attention_ref", q=q, k=k, v=v)
     _check_positions(positions, "positions", B, NK, device)
     _check_positions(q_positions, "q_positions", B, NQ, device)
+    check_no_tangent(
+        "fused_rope.naive.rope_attention_ref",
+        q=q, k=k, v=v, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
+    )  # fmt: skip
     if q_positions is None and positions is not None and NQ > NK:
         raise ValueError(
             f"NQ={NQ} > NK={NK}: queries cannot take the last NQ key positions; pass q_positions"

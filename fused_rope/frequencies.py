@@ -107,7 +107,11 @@ def _check_rope_dim(rope_dim) -> None:
 
 
 def _check_theta(theta) -> None:
-    if not _is_number(theta):
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
+        raise TypeError(
+            f"theta must be a real number, got {theta!r} of type {type(theta).__name__}"
+        )
+    if not _is_number(theta):  # inf, NaN
         raise ValueError(
             f"theta must be a finite real number, got {theta!r} of type {type(theta).__name__}"
         )

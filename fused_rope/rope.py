@@ -576,6 +576,7 @@ def _kernel_angles(
         "" if angles is not None else "(x, fused_rope.rope_angles(positions, inv_freq))"
     )
     check_constant(t, name, reference)
+    check_no_tangent(reference, **{name: t})
     check_kernel_device(check_same_device(**inputs, **{name: t}), next(iter(inputs)))
     return t
 

@@ -505,3 +505,24 @@ def test_forward_mode_ad_is_refused(mode):
         else:
             with torch.autograd.forward_ad.dual_level():
                 corope_attention(torch.autograd.forward_ad.make_dual(q, torch.ones_like(q)), k, v)
+    w = corope_inv_freq(32, 10000.0, None, q.device)
+    with torch.autograd.forward_ad.dual_level():  # the frequencies' tangent, dropped before
+        dual = torch.autograd.forward_ad.make_dual(w, torch.ones_like(w))
+        with pytest.raises(NotImplementedError, match="inv_freq carries a forward-mode"):
+            corope_attention(q, k, v, inv_freq=dual)
+
+
+def test_more_groups_than_the_backward_grid_takes_are_refused_with_autograd(monkeypatch):
+    """The backward's grid has B x HKV on its second axis (CUDA: at most 65535; lowered here):
+    with autograd that is refused before the forward runs; without, the forward's 1-D grid
+    takes it."""
+    import corope.attention
+
+    monkeypatch.setattr(corope.attention, "MAX_GRID_GROUPS", 1)
+    q, k, v = (torch.randn(1, h, 8, 32, device=DEVICE) for h in (4, 2, 2))
+    with pytest.raises(
+        ValueError, match=r"at most 1 \(batch, KV head\) groups, got B x HKV = 1 x 2"
+    ):
+        corope_attention(q.requires_grad_(), k, v)
+    with torch.no_grad():
+        torch.testing.assert_close(corope_attention(q, k, v), corope_attention_ref(q, k, v))

@@ -455,6 +455,16 @@ def test_forward_mode_ad_is_refused(impl):
     q, k, v = (torch.randn(1, 2, 8, 32, device=DEVICE) for _ in range(3))
     with pytest.raises(NotImplementedError, match="forward-mode.*rope_attention_ref"):
         torch.func.jvp(lambda x: rope_attention(q, x, v, impl=impl), (k,), (torch.ones_like(k),))
+    # the constant inputs too: the reference differentiates them, the kernels would drop them
+    inv_freq, positions = rope_frequencies(32)[0].to(DEVICE), torch.arange(8.0, device=DEVICE)
+    with torch.autograd.forward_ad.dual_level():
+        for name in ("inv_freq", "positions", "q_positions"):
+            given = {"inv_freq": inv_freq, "positions": positions, "q_positions": positions}
+            given[name] = torch.autograd.forward_ad.make_dual(
+                given[name], torch.ones_like(given[name])
+            )
+            with pytest.raises(NotImplementedError, match=f"{name} carries a forward-mode"):
+                rope_attention(q, k, v, impl=impl, **given)
 
 
 def test_torch_func_grad():
@@ -539,7 +549,12 @@ BAD_INPUTS = [
         TypeError,
         "return_lse must be a bool",
     ),
-    ("theta bool", lambda q, k, v: (q, k, v, {"theta": True}), ValueError, "theta must be a fin"),
+    (
+        "theta bool",
+        lambda q, k, v: (q, k, v, {"theta": True}),
+        TypeError,
+        "theta must be a real number, got True",
+    ),
     ("scale bool", lambda q, k, v: (q, k, v, {"softmax_scale": True}), TypeError, "must be a num"),
     (
         "inv_freq fp16",

@@ -702,7 +702,8 @@ LONGROPE = {
         ({"theta": 0.0}, ValueError, "theta"),
         ({"theta": -1.0}, ValueError, "theta"),
         ({"theta": float("inf")}, ValueError, "theta"),
-        ({"theta": "10000"}, ValueError, "theta must be a finite real number, got '10000' of type"),
+        ({"theta": "10000"}, TypeError, "theta must be a real number, got '10000' of type str"),
+        ({"theta": float("nan")}, ValueError, "theta must be a finite real number, got nan"),
         ({"theta": 1.0}, ValueError, "theta must be > 1"),  # every slot at one frequency
         ({"theta": 0.5}, ValueError, "theta must be > 1"),  # an increasing ladder
         ({"theta": np.float32(0.5)}, ValueError, "theta must be > 1"),

@@ -527,6 +527,13 @@ def test_forward_mode_tangents_are_refused(grad_mode):
             apply_rope_qk(x, dual, inv_freq=inv_freq, position_offset=3)
         with pytest.raises(NotImplementedError, match="x carries a forward-mode tangent"):
             apply_rope(dual, inv_freq=inv_freq)
+        # the frequencies or angles, constants to the kernels, would lose theirs too
+        w = forward_ad.make_dual(inv_freq, torch.ones_like(inv_freq))
+        with pytest.raises(NotImplementedError, match="inv_freq carries a forward-mode"):
+            apply_rope(x, inv_freq=w)
+        angles = rope_angles(torch.arange(4, device=DEVICE), w)
+        with pytest.raises(NotImplementedError, match="angles carries a forward-mode"):
+            apply_rope_qk(x, x, angles)
     with pytest.raises(NotImplementedError, match="forward-mode tangent.*apply_rope_ref"):
         torch.func.jvp(lambda t: apply_rope(t, inv_freq=inv_freq), (x,), (torch.ones_like(x),))
 
