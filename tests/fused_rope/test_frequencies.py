@@ -1107,5 +1107,30 @@ def test_angle_builders_refuse_half_precision_and_loose_flags():
         rope_angles(positions, inv.half())
     with pytest.raises(TypeError, match="half precision"):
         rope_angles(positions.bfloat16(), inv)
+    with pytest.raises(TypeError, match="half precision"):
+        rope_angles(positions.half(), inv)
     with pytest.raises(TypeError, match="interleaved"):
         mrope_angles(positions.expand(3, 40), inv, [4, 2, 2], interleaved="False")
+
+
+def test_angles_are_fp32_products_of_fp32_positions_and_frequencies():
+    """rope_angles multiplies in fp32, as the kernels do: fp64 frequencies or fractional fp64
+    positions give the angles of their fp32 roundings, bit for bit (an fp64 product differs
+    in the last place at positions near 5000)."""
+    inv64 = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    positions = torch.arange(4990, 5000, dtype=torch.float64) + 0.1
+    expected = rope_angles(positions.float(), inv64.float())
+    assert torch.equal(rope_angles(positions, inv64), expected)
+
+
+@pytest.mark.parametrize("kind", ["linear", "dynamic"])
+def test_a_factor_of_one_is_no_scaling(kind):
+    """linear, and dynamic NTK within its original length, at factor 1 are the unscaled
+    ladder (a schedule left at its neutral value in a sweep), not an error."""
+    scaling = {"type": kind, "factor": 1.0}
+    if kind == "dynamic":
+        scaling["original_max_position_embeddings"] = 32
+    got, factor = rope_frequencies(64, 10000.0, scaling, seq_len=32)
+    want, _ = rope_frequencies(64, 10000.0)
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+    assert factor == 1.0

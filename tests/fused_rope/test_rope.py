@@ -64,6 +64,8 @@ SHAPES = [
     pytest.param(2, 3, 63, 96, None, id="B2-H3-N63-D96"),
     pytest.param(2, 2, 63, 64, 32, id="B2-H2-N63-D64-R32"),
     pytest.param(1, 3, 37, 80, 48, id="B1-H3-N37-D80-R48"),
+    # 24 pass-through channels: not a power of two, so the pass-through tile's mask cuts
+    pytest.param(1, 3, 37, 72, 48, id="B1-H3-N37-D72-R48"),
     pytest.param(2, 32, 4096, 128, None, marks=gpu, id="B2-H32-N4096-D128"),
     pytest.param(1, 8, 16384, 128, 64, marks=gpu, id="B1-H8-N16384-D128-R64"),
 ]
@@ -393,6 +395,20 @@ def test_angles_that_require_grad_are_refused_in_grad_mode():
     out = apply_rope(x, angles.detach())
     with torch.no_grad():
         assert torch.equal(apply_rope(x, angles), out)
+    inv_freq = rope_frequencies(16)[0].to(DEVICE).requires_grad_()
+    with pytest.raises(ValueError, match="inv_freq requires grad"):
+        apply_rope(x, inv_freq=inv_freq)
+
+
+def test_angle_tables_of_any_strides_are_read_as_such():
+    """A column slice of a wider table (row stride 16, not 8) and a transposed table (column
+    stride 9) give the reference's rotation of those angles."""
+    x = torch.randn(1, 2, 9, 16, device=DEVICE)
+    wide = rope_angles(torch.arange(9, device=DEVICE), rope_frequencies(32)[0].to(DEVICE))
+    transposed = torch.randn(8, 9, device=DEVICE).T
+    for angles in (wide[:, :8], transposed):
+        ref = apply_rope_ref(x.double(), angles.double(), "half", 16)
+        torch.testing.assert_close(apply_rope(x, angles).double(), ref, atol=1e-5, rtol=0)
 
 
 def test_custom_ops_pass_torch_library_opcheck():
@@ -664,6 +680,10 @@ BAD_INPUTS = [
                  inv_freq=torch.ones(8, device=DEVICE), position_offset=2**24 - 7), ValueError,
                  "position_offset \\+ N <= 2\\*\\*24.*got 16777209 with N=8",
                  id="offset-past-fp32-positions"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), output_scale=float("inf")), ValueError,
+                 "output_scale", id="scale-inf"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), torch.zeros(8, 0, device=DEVICE),
+                 rope_dim=0), ValueError, "rope_dim", id="rope-dim-zero"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), position_offset=3), ValueError,
                  "with an angle table, pass the table's rows", id="offset-with-angles"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 2, 8, 16), A(),
