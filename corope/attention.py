@@ -17,6 +17,7 @@ from corope.forward import SUPPORTED_HEAD_DIMS, corope_fwd
 from corope.naive import check_corope_inputs, corope_inv_freq
 from fused_rope._validation import (
     KERNEL_DTYPES,
+    MAX_GRID_AXIS1,
     check_bool,
     check_constant,
     check_kernel_device,
@@ -24,8 +25,6 @@ from fused_rope._validation import (
     check_no_tangent,
     runs_eagerly,
 )
-
-MAX_GRID_GROUPS = 65535  # CUDA's limit on a grid's second axis, the backward's B x HKV
 
 
 @torch.library.custom_op("corope::attention", mutates_args=())
@@ -186,10 +185,9 @@ def corope_attention(
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
     differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if differentiable and q.shape[0] * k.shape[1] > MAX_GRID_GROUPS:
-        # the backward kernels' second grid axis is B x HKV, which CUDA caps at 65535
+    if differentiable and q.shape[0] * k.shape[1] > MAX_GRID_AXIS1:  # the backward's B x HKV
         raise ValueError(
-            f"the backward kernels take at most {MAX_GRID_GROUPS} (batch, KV head) groups, got "
+            f"the backward kernels take at most {MAX_GRID_AXIS1} (batch, KV head) groups, got "
             f"B x HKV = {q.shape[0]} x {k.shape[1]}: split the batch, or differentiate "
             "corope_attention_ref"
         )

@@ -19,6 +19,7 @@ from fused_rope._device import num_sms
 from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
+    MAX_GRID_AXIS1,
     check_bool,
     check_constant,
     check_float_tensor,
@@ -326,10 +327,9 @@ def _check_inputs(
     # The kernels also read rotated copies of q and k, and write o and the gradients, each
     # indexed per (batch, head) in int32: rows of rotated_width(D, R) >= D elements.
     rotated_span = max(NQ, NK) * rotated_width(D, rope_dim)
-    # the grid's second axis is B x HQ
     fused_fits = (
         D <= MAX_HEAD_DIM
-        and B * HQ <= 65535
+        and B * HQ <= MAX_GRID_AXIS1
         and spans[widest] < INT32_INDEX_LIMIT
         and rotated_span < INT32_INDEX_LIMIT
     )
@@ -376,7 +376,7 @@ def _check_inputs(
                 f"{rope_dim}, padded for the rotation): {rotated_span}, past their int32 "
                 f"indexing ({INT32_INDEX_LIMIT}); use impl='separate'"
             )
-        raise ValueError(f"batch x query heads must be at most 65535, got {B} x {HQ}")
+        raise ValueError(f"batch x query heads must be at most {MAX_GRID_AXIS1}, got {B} x {HQ}")
     check_kernel_device(device, "q", dot_dtype=q.dtype if impl == "fused" else None)
     if impl == "fused":  # the separate path's RoPE Function and SDPA support torch.func
         check_no_functorch("impl='separate' or fused_rope.naive.rope_attention_ref")

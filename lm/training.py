@@ -149,11 +149,14 @@ def _output_dir(output_dir: str | None) -> Path:
 DATA_PATH_KEYS = ("data.dir", "data.files")
 
 
-def _data_paths(data: DictConfig) -> list[str]:
+def _data_paths(cfg: DictConfig) -> list[str]:
     """The data's folder and files (``DATA_PATH_KEYS``) made absolute as the run reads them
     (relative ones against the launch directory): a resume must read the same."""
-    named = [OmegaConf.select(data, "dir", default=None)] + list(data.get("files") or [])
-    return [str(resolve_path(p)) for p in named if p is not None]
+    named = []
+    for key in DATA_PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)  # absent, or missing: none
+        named += [] if value is None else [value] if isinstance(value, str) else list(value)
+    return [str(resolve_path(p)) for p in named]
 
 
 def _checkpoint_to_resume(cfg: DictConfig, path: Path, world_size: int) -> dict[str, Any] | None:
@@ -203,7 +206,8 @@ def _checkpoint_to_resume(cfg: DictConfig, path: Path, world_size: int) -> dict[
             f"train.batch_size={cfg.train.batch_size} rows, this launch has {world_size}: the "
             f"global batch, and the rows each step reads, would change; launch {saved_world}"
         )
-    saved_paths, paths = ckpt.get("data_paths", _data_paths(cfg.data)), _data_paths(cfg.data)
+    paths = _data_paths(cfg)
+    saved_paths = ckpt.get("data_paths", paths)  # absent from older checkpoints
     if saved_paths != paths:
         raise ValueError(
             f"train.resume=true: {path} was trained on the data at {saved_paths}, this launch "
@@ -435,6 +439,7 @@ class _Run:
             "logger_run_id": None,
         }
         self.last_ckpt_step: int | None = None
+        self.data_paths = _data_paths(cfg)  # what every checkpoint records the run read
         self.stopped_early = False
         if ckpt is not None:
             self._resume(ckpt)
@@ -533,7 +538,7 @@ class _Run:
                     "state": {**self.state, **(state_changes or {})},
                     "config": self.run_config,
                     "world_size": self.info.world_size,
-                    "data_paths": _data_paths(self.cfg.data),
+                    "data_paths": self.data_paths,
                 },
             )
         self.last_ckpt_step = self.step

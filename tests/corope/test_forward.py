@@ -518,7 +518,7 @@ def test_more_groups_than_the_backward_grid_takes_are_refused_with_autograd(monk
     takes it."""
     import corope.attention
 
-    monkeypatch.setattr(corope.attention, "MAX_GRID_GROUPS", 1)
+    monkeypatch.setattr(corope.attention, "MAX_GRID_AXIS1", 1)
     q, k, v = (torch.randn(1, h, 8, 32, device=DEVICE) for h in (4, 2, 2))
     with pytest.raises(
         ValueError, match=r"at most 1 \(batch, KV head\) groups, got B x HKV = 1 x 2"
