@@ -159,17 +159,45 @@ def _data_paths(cfg: DictConfig) -> list[str]:
     return [str(resolve_path(p)) for p in named]
 
 
-def _checkpoint_to_resume(cfg: DictConfig, path: Path, world_size: int) -> dict[str, Any] | None:
-    """The checkpoint at ``path`` that ``train.resume=true`` continues, or None to start at
-    step 0 (no checkpoint there, or ``train.overwrite=true``).
+def _check_no_checkpoint_elsewhere(path: Path, out_dir: Path) -> None:
+    """``train.resume=true`` and no checkpoint at ``path``: the run would start at step 0 and
+    replace ``out_dir``'s metrics. Refused if the directory's earlier run (its ``run.json``)
+    saved its checkpoints under another ``train.ckpt_path`` and one is there: a changed
+    ``ckpt_path`` must not start over beside the run it was meant to continue.
+
+    Raises:
+        FileNotFoundError: naming the earlier run's checkpoint.
+    """
+    try:
+        earlier = json.loads((out_dir / "run.json").read_text())["config"]["train"]["ckpt_path"]
+    except (OSError, ValueError, KeyError, TypeError):  # no earlier run, or a record without it
+        return
+    found = checkpoint_path(earlier, out_dir)
+    if found != path and found.exists():
+        raise FileNotFoundError(
+            f"train.resume=true: no checkpoint at {path}, but this directory's earlier run saved "
+            f"its checkpoints to {found} (train.ckpt_path={earlier}): resume with that "
+            "train.ckpt_path, or start again with train.overwrite=true"
+        )
+
+
+def _checkpoint_to_resume(
+    cfg: DictConfig, path: Path, out_dir: Path, world_size: int
+) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` (in ``out_dir``'s run, unless ``train.ckpt_path`` is
+    absolute) that ``train.resume=true`` continues, or None to start at step 0 (no checkpoint
+    there, or ``train.overwrite=true``).
 
     Raises:
         FileExistsError: ``path`` exists and neither train.resume nor train.overwrite is set.
+        FileNotFoundError: train.resume, no checkpoint at ``path``, but one where the
+            directory's earlier run saved them (``_check_no_checkpoint_elsewhere``).
         ValueError: the checkpoint's config differs from ``cfg`` (outside ``RUN_CONDUCT_KEYS``).
     """
     t = cfg.train
     if not path.exists():
         if t.resume:
+            _check_no_checkpoint_elsewhere(path, out_dir)
             log.info("train.resume: no checkpoint at %s, starting from step 0", path)
         return None
     if t.overwrite:
@@ -316,10 +344,14 @@ class _Jsonl:
 
     def __init__(self, path: Path, keep_until: int | None) -> None:
         self.path = path
+        # The last step the file recorded before this run: the logger's service has it too
+        self.recorded_through: int | None = None
         if keep_until is not None and path.exists():
+            records = read_jsonl(path)
+            self.recorded_through = max((r["step"] for r in records), default=None)
             kept = [
                 r
-                for r in read_jsonl(path)
+                for r in records
                 if r["step"] <= keep_until and not r.get("stopped_early")  # Trainer._record
             ]
             text = "".join(json.dumps(r) + "\n" for r in kept)
@@ -356,7 +388,9 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     try:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
         ckpt_path = checkpoint_path(cfg.train.ckpt_path, out_dir)
-        ckpt = _checkpoint_to_resume(cfg, ckpt_path, info.world_size)  # before the data loads
+        ckpt = _checkpoint_to_resume(
+            cfg, ckpt_path, out_dir, info.world_size
+        )  # before the data loads
         if info.device.type == "cpu" and cfg.train.cpu_threads is not None:
             torch.set_num_threads(cfg.train.cpu_threads)
         torch.manual_seed(cfg.seed)
@@ -472,6 +506,11 @@ class _Run:
                 _recursive_=False,
                 _convert_="all",  # run_config holds _target_ keys: keep them as data
             )
+            # Resumed into the same service run (wandb's), the steps the killed run logged
+            # after its checkpoint are there already: logged again, each would appear twice.
+            resumed_run = self.logger.run_id is not None and (
+                self.logger.run_id == self.state.get("logger_run_id")
+            )
             self.state["logger_run_id"] = self.logger.run_id
             _clear_outcome(out_dir)
             if self.t.overwrite:
@@ -480,6 +519,7 @@ class _Run:
                 ckpt_path.unlink(missing_ok=True)
             _write_run_record(out_dir, self.run_config)
             self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
+            self.logged_through = self.jsonl.recorded_through if resumed_run else None
         # Last: a check above that fails leaves no DDP wrapper behind (see train()'s finally).
         self.ddp = (
             DistributedDataParallel(
@@ -544,11 +584,13 @@ class _Run:
         self.last_ckpt_step = self.step
 
     def _record(self, metrics: dict[str, float], off_schedule: bool = False) -> None:
-        """``metrics`` at this step into metrics.jsonl and the logger; ``off_schedule`` (a
+        """``metrics`` at this step into metrics.jsonl and the logger (but for the steps a
+        resumed service run has already, ``logged_through``); ``off_schedule`` (a
         train.max_minutes stop's log or evaluation) marks the record for a resume to drop."""
         extra = {"stopped_early": True} if off_schedule else {}
         self.jsonl.write({"step": self.step, **metrics, **extra})
-        self.logger.log(metrics, self.step)
+        if self.logged_through is None or self.step > self.logged_through:
+            self.logger.log(metrics, self.step)
 
     def _train_step(self) -> tuple[float, int]:
         """One optimizer step; returns (the global batch's loss, tokens in the global batch).

@@ -20,6 +20,7 @@ import lm.distributed
 import lm.training
 from lm.checkpoint import load_checkpoint, read_jsonl, save_checkpoint, write_json
 from lm.data.base import IGNORE_INDEX, LMDataset
+from lm.loggers import NullLogger
 from lm.training import lr_lambda, step_seed, train
 from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
 
@@ -207,6 +208,73 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, log_every):
     assert len(train_losses(tmp_path / "full")) == 8 // log_every
     for key in ("test/loss", "ood_long/loss", "best_val_loss"):
         assert resumed[key] == full[key], key
+
+
+class RecordingLogger:
+    """A logger service's stand-in: every ``log`` call's step and metrics (the speed aside)
+    go into ``logged``, shared by the runs of a test; a resumed run continues the run id its
+    checkpoint holds."""
+
+    logged: list[tuple[int, dict]] = []
+
+    def __init__(self, run_id=None, **_):
+        self.run_id = run_id or "run-1"
+
+    def log(self, metrics, step):
+        speed = ("tokens_per_s", "step_ms", "attn_time_frac", "mfu", "peak_mem_mib")
+        self.logged.append((step, {k: v for k, v in metrics.items() if k not in speed}))
+
+    def finish(self, summary):
+        pass
+
+    def abort(self):
+        pass
+
+
+def test_resume_logs_each_step_once_into_the_same_service_run(tmp_path, monkeypatch):
+    """The killed run logged steps 4 and 5 past its checkpoint (step 3) to the service; the
+    resumed run recomputes them into metrics.jsonl but does not log them again, so the
+    service's run holds each step once, with the uninterrupted run's values."""
+    monkeypatch.setattr(lm.training, "instantiate", lambda _, **kwargs: RecordingLogger(**kwargs))
+    monkeypatch.setattr(RecordingLogger, "logged", [])
+    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=8", "train.ckpt_every=3",
+                      "train.log_every=1", "train.eval_every=4")  # fmt: skip
+    train(cfg, output_dir=str(tmp_path / "full"))
+    full, RecordingLogger.logged[:] = list(RecordingLogger.logged), []
+    train_killed_at_step(cfg, tmp_path / "cut", 5)
+    assert max(step for step, _ in RecordingLogger.logged) == 5
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["step"] == 3
+    cfg.train.resume = True
+    train(cfg, output_dir=str(tmp_path / "cut"))
+    assert RecordingLogger.logged == full
+    assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
+
+    # A run resumed into a new service run (the killed one had none) logs every step there.
+    cfg.train.resume = False
+    monkeypatch.setattr(lm.training, "instantiate", lambda _, **kwargs: NullLogger())
+    train_killed_at_step(cfg, tmp_path / "new", 5)
+    monkeypatch.setattr(lm.training, "instantiate", lambda _, **kwargs: RecordingLogger(**kwargs))
+    RecordingLogger.logged[:] = []
+    cfg.train.resume = True
+    train(cfg, output_dir=str(tmp_path / "new"))
+    assert RecordingLogger.logged == [(step, metrics) for step, metrics in full if step > 3]
+
+
+def test_resume_with_another_ckpt_path_beside_the_runs_checkpoint_fails(tmp_path):
+    """train.ckpt_path may change on resume, but a resume that finds no checkpoint at the new
+    path while the directory's earlier run saved one under its own would start at step 0 and
+    replace that run's metrics: refused, naming the checkpoint; the directory is untouched."""
+    common = [*SMALL, "train.steps=6", "train.ckpt_every=2", "train.eval_every=0"]
+    train_killed_at_step(compose_cfg(*common), tmp_path, 4)
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    moved = compose_cfg(*common, "train.resume=true", "train.ckpt_path=other.pt")
+    with pytest.raises(FileNotFoundError, match=r"saved its checkpoints to .*checkpoint\.pt"):
+        train(moved, output_dir=str(tmp_path))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+    # Without that checkpoint (a run killed before its first save), the resume starts over.
+    (tmp_path / "checkpoint.pt").unlink()
+    assert train(moved, output_dir=str(tmp_path))["steps"] == 6
+    assert load_checkpoint(tmp_path / "other.pt")["step"] == 6
 
 
 @pytest.mark.parametrize("grad_accum_steps", [1, 4])
