@@ -11,7 +11,8 @@ partial (``*`` on their steps), as are runs that ``train.max_minutes`` stopped
 (``stopped_early`` in their summary). Runs that ended with an error (``failed.json``) are left
 out and listed, with the error, under the tables and on stderr.
 
-A cell is one setting of the overrides that vary between runs (``seed`` aside, as are the keys
+A cell is one setting of the overrides that vary between runs (their values as Hydra reads
+them: ``optim.lr=1e-3`` is ``optim.lr=0.001``; ``seed`` aside, as are the keys
 of how a run is carried out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resume`` or
 ``train.max_minutes`` but for those that change its speed (``SPEED_KEYS``: ``attention.impl``,
 ``train.device``, ``train.cpu_threads``, ``train.compile``, ``train.grad_accum_steps``), and
@@ -50,6 +51,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import yaml  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
 
 # Run as a script (`python experiments/collect.py`): the repository root is not on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,6 +77,7 @@ SPEED_KEYS = (
     "train.grad_accum_steps",
 )
 NO_CELL_KEYS = tuple(k for k in RUN_CONDUCT_KEYS if k not in SPEED_KEYS)
+_OVERRIDES_PARSER = OverridesParser.create()
 
 
 @dataclass
@@ -201,9 +205,24 @@ def drop_overrides(runs: list[Run], keys: list[str]) -> None:
 
 
 def overrides_of(summary: dict) -> dict[str, str]:
-    """The run's command-line overrides as ``{key: value}``, without the seed."""
+    """The run's command-line overrides as ``{key: value}``, without the seed; a value as
+    Hydra reads it (``optim.lr=1e-3`` and ``optim.lr=0.001`` are one cell, ``0.001``)."""
     pairs = (o.split("=", 1) for o in summary.get("overrides", []) if "=" in o)
-    return {k.lstrip("+~"): v for k, v in pairs if k.lstrip("+~") not in SEED_KEYS}
+    return {k.lstrip("+~"): _canonical(k, v) for k, v in pairs if k.lstrip("+~") not in SEED_KEYS}
+
+
+def _canonical(key: str, value: str) -> str:
+    """An override's value as text that is equal where Hydra's values are: a number or a
+    boolean written either way, a string quoted or not; other values (lists) as written."""
+    try:
+        parsed = _OVERRIDES_PARSER.parse_override(f"{key}={value}").value()
+    except HydraException:  # not an override Hydra would take; as written
+        return value
+    if isinstance(parsed, bool) or parsed is None:
+        return {True: "true", False: "false", None: "null"}[parsed]
+    if isinstance(parsed, str):
+        return parsed
+    return repr(parsed) if isinstance(parsed, int | float) else value
 
 
 def _is_task_key(key: str) -> bool:
