@@ -582,6 +582,15 @@ def _gate_tail_kernel(
     )
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' head-dim tile: the next power of two, at least 64. With 32, the "mean"
+    leader's fp32 gate product ``qL @ k^T`` (``[rows, 32] x [32, keys]``, tf32x3) read out
+    of range on sm_90 (Triton 3.6, H100: an illegal memory access, or non-finite dq and dk,
+    at every group size with bf16 and fp16 inputs; the padded channels are masked loads of
+    zeros). The pass-through product has the same floor (``DN_PAD``)."""
+    return max(64, next_power_of_2(head_dim))
+
+
 def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): query rows and keys of a tile, warps, for programs that
     take ``group`` heads (at most SLICE_HEADS: ``_launch_configs``).
@@ -603,7 +612,7 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     if dtype == torch.float32 and not interpreting():
         return 16, 16, 8
     gp = next_power_of_2(group)
-    row_bytes = gp * max(16, next_power_of_2(head_dim)) * dtype.itemsize
+    row_bytes = gp * padded_head_dim(head_dim) * dtype.itemsize
     do_bytes = 65536 if head_dim <= 128 else 32768
     return max(16, min(64, do_bytes // row_bytes)), 32, 4
 
@@ -861,7 +870,7 @@ def corope_bwd(
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
                 *dk.stride(), *tg.stride()[:2], locks.stride(1),
                 G=n, GP=next_power_of_2(n), D=D,
-                D_PAD=max(16, next_power_of_2(D)), HALF=half,
+                D_PAD=d_pad, HALF=half,
                 # At least 64 pass-through channels: with 32, the [rows, 32] x [32, BLOCK_N]
                 # score product read out of range in shared memory on sm_90 (Triton 3.6,
                 # compute-sanitizer).
@@ -876,6 +885,7 @@ def corope_bwd(
         return tg, locks[1], per_program, n_splits
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
+    d_pad = padded_head_dim(D)
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic)
     config, (tg, locks_t, per_program, n_splits) = _first_fitting(
@@ -889,7 +899,7 @@ def corope_bwd(
             _gate_tail_kernel[(cdiv(N, block_m) * n_splits, B * HKV)](
                 qL, k, tg, dql, dk_t, locks_t, s, N, HKV, per_program, n_splits,
                 *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
-                D=D, D_PAD=max(16, next_power_of_2(D)), BLOCK_M=block_m,
+                D=D, D_PAD=d_pad, BLOCK_M=block_m,
                 BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
                 num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip

@@ -14,8 +14,11 @@ untuned config, and ``test_gpu_every_config`` runs every autotune config.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 import fused_rope.sdpa
 from fused_rope import attention as attention_module
@@ -725,12 +728,21 @@ def test_gpu_product(causal, HQ, HKV, NQ, NK, layout, rope, positions):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"]
+)
 @pytest.mark.parametrize(
     "D, rope_dim",
     [(32, None), (64, None), (96, None), (96, 64), (128, None), (256, None), (256, 64)],
 )
-def test_gpu_other_head_dims(D, rope_dim, dtype):
+def test_gpu_other_head_dims(D, rope_dim, dtype, request):
+    """Head dims 32 to 256, partial rotation, in each dtype (fp32: IEEE products, which TF32
+    would fail by the fp32 baseline's rule)."""
+    if dtype == torch.float32 and D == 256 and rope_dim is not None:
+        # Found in session 32 (H100): each half and the pass-through channels padded to
+        # powers of two, 64 + 256 fp32 channels, take 246 KB of shared memory at the untuned
+        # tile, over sm_90's 227 KB. A known limit (fused_rope/README.md), not yet lifted.
+        request.applymarker(pytest.mark.xfail(raises=OutOfResources, strict=True))
     _check_case(2, 4, 2, 300, 300, D, dtype=dtype, rope_dim=rope_dim)
     _check_case(
         1, 4, 1, 100, 700, D, dtype=dtype, rope_dim=rope_dim, causal=False, layout="interleaved"
@@ -971,6 +983,64 @@ def test_gpu_every_config(index, dtype):
             positions="batch",
             q_positions=True,
         )
+
+
+def _random_case(rng: random.Random) -> tuple[tuple, dict, int]:
+    """One draw of every option ``_check_case`` takes: ``(B, HQ, HKV, NQ, NK, D)``, its
+    keywords, and the autotune config to pin. On the CPU (the interpreter) small shapes in
+    fp32/fp16 and the fused kernel's one config."""
+    D = rng.choice([32, 64, 96, 128, 256] if ON_GPU else [32, 64])
+    HKV, group = rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4, 8])
+    n_max = 1500 if ON_GPU else 80
+    NQ, NK = rng.randint(1, n_max), rng.randint(1, n_max)
+    positions = rng.choice(["default", "shared", "batch"])
+    kw = dict(
+        dtype=rng.choice(
+            [torch.float16, torch.bfloat16, torch.float32]
+            if ON_GPU
+            else [torch.float32, torch.float16]
+        ),
+        causal=rng.random() < 0.7,
+        layout=rng.choice(["half", "interleaved"]),
+        rope_dim=rng.choice([None, 2 * rng.randint(1, D // 2)]),
+        positions=positions,
+        # the default query positions (the last NQ of the keys') need NQ <= NK
+        q_positions=positions == "batch" or NQ > NK,
+        theta=10.0 ** rng.uniform(2, 6),
+        softmax_scale=rng.choice([None, rng.uniform(0.03, 0.5)]),
+        transposed=rng.random() < 0.3,
+        impl=rng.choice(["fused", "fused", "auto", "separate"]),
+    )
+    if kw["impl"] == "separate" and kw["causal"] and NQ > NK:
+        kw["impl"] = "auto"  # SDPA has no kernel for causal queries that see no key
+    if kw["dtype"] == torch.float32 and D == 256:
+        kw["rope_dim"] = None  # partial rotation does not fit (test_gpu_other_head_dims)
+    # 256-channel heads fit only the 64-row tiles of each list's last config
+    config = rng.randrange(attention_module.N_CONFIGS) if D <= 128 else -1
+    return (rng.randint(1, 3), HKV * group, HKV, NQ, NK, D), kw, config
+
+
+@pytest.mark.parametrize(
+    "seed", [pytest.param(s, marks=pytest.mark.gpu) if s >= 3 else s for s in range(48)]
+)
+def test_random_configurations(seed):
+    """Options drawn at random, together (the grids above vary a few at a time): lengths
+    that are not tile multiples and NQ != NK, GQA and MQA, partial rotation of any even width,
+    positions, layouts, a random theta and softmax scale, transposed storage, each ``impl``,
+    and on the GPU each autotune config pinned in turn. Three draws in the interpreter."""
+    shape, kw, config = _random_case(random.Random(seed))
+    if not ON_GPU:
+        _check_case(*shape, **kw)
+        return
+    try:
+        with attention_module.pinned_config(config):
+            _check_case(*shape, **kw)
+    except OutOfResources:
+        # A tile too large for this head's padded segments (partial rotation pads each half
+        # and the pass-through channels to powers of two), which autotuning skips: the
+        # untuned config, which fits every supported head.
+        with attention_module.pinned_config(-1):
+            _check_case(*shape, **kw)
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
