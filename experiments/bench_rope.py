@@ -195,7 +195,10 @@ def verdict(rows: list[dict], copy_gbps: float) -> list[str]:
     ]
     for case in cases:
         by = {r["provider"]: r for r in timed if (r["shape"], r["dtype"], r["mode"]) == case}
-        tri = by["triton"]
+        tri = by.get("triton")
+        if tri is None:  # rows of other providers only (an earlier run's): nothing to judge
+            lines.append(f"MISS {' '.join(case)}: no triton row")
+            continue
         for rival in ("liger", "torch.compile"):
             if rival in by and by[rival]["ms"] <= tri["ms"]:
                 lines.append(

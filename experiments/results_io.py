@@ -92,25 +92,33 @@ ACC_TOL = {"fp16": 2 * 2.0**-8, "bf16": 2 * 2.0**-5}
 ACC_FAIL = "ACC FAIL"  # the prefix of a failed row's note, as bench_corope.py's
 
 
+def _git_commit() -> str:
+    """HEAD's short hash, ``+dirty`` when tracked files differ from it (the rows measure code
+    no commit holds); ``unknown`` without git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def environment() -> dict[str, str]:
     """gpu, torch, triton, commit and date fields for the rows of this run."""
     import torch
     import triton
 
-    commit = os.environ.get("GIT_COMMIT")  # set by runs on machines that get no .git
-    try:
-        commit = (
-            commit
-            or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                check=True,
-                cwd=Path(__file__).resolve().parent,
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    # GIT_COMMIT: set by runs on machines whose copy of the tree has no (or a stale) .git
+    commit = os.environ.get("GIT_COMMIT") or _git_commit()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
         "gpu": gpu,

@@ -30,7 +30,8 @@ def input_sets(bytes_per_set: int, device: torch.device) -> int:
 
 def _quantiles(times: list[float]) -> tuple[float, float, float]:
     times = sorted(times)
-    q = statistics.quantiles(times, n=10) if len(times) > 1 else [times[0]] * 9
+    # inclusive: percentiles within the measured range (the default extrapolates from few runs)
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
     return statistics.median(times), q[1], q[7]  # median, 20th, 80th percentile
 
 

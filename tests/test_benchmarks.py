@@ -413,3 +413,296 @@ def test_corope_large_logits_explains_the_recomputed_weights(tmp_path):
     assert all(0 < r <= 2 for r in ratios), ratios
     study.main(["--no-kernel", "--scales", "0.9", "--seeds", "1", "--out", str(tmp_path / "r.md")])
     assert "| 0.9 |" in (tmp_path / "r.md").read_text()
+
+
+# ---- Published numbers: units, byte and FLOP counts, ratios, floors (a mutation review found
+# ---- each of these could be wrong with every test above still passing).
+
+
+def test_cpu_time_ms_is_the_median_of_the_timed_runs_in_milliseconds(monkeypatch):
+    """``time_ms`` without CUDA: the warm-up call is left out, each run is converted from
+    seconds to milliseconds (not microseconds), and the reported value is the median of the
+    runs, not their mean (a slow outlier must not move it); ``_quantiles`` likewise on skewed
+    data."""
+    from experiments import timing
+
+    assert timing._quantiles([1.0, 1.0, 1.0, 1.0, 10.0])[0] == 1.0  # the mean is 2.8
+    clock = {"now": 100.0}
+    durations = iter([0.5, 0.001, 0.002, 0.009])  # s: warm-up (a compile), then three runs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
+
+    def fn():
+        clock["now"] += next(durations)
+
+    median, p20, p80 = timing.time_ms(fn)
+    assert median == pytest.approx(2.0)  # ms; the mean would be 4, microseconds 2000
+    assert p20 <= median <= p80
+
+
+def test_cuda_time_ms_returns_median_p20_p80_in_that_order(monkeypatch):
+    """``time_ms`` on CUDA (faked: no GPU needed): the eager path asks ``do_bench`` for the
+    median, 20th and 80th percentiles and returns them in that order (the CSV's ms, ms_p20,
+    ms_p80); the graph path returns the median of ``do_bench_cudagraph``'s replays."""
+    import triton.testing
+
+    from experiments import timing
+
+    by_quantile = {0.5: 5.0, 0.2: 2.0, 0.8: 8.0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        triton.testing, "do_bench", lambda fn, quantiles, **kw: [by_quantile[q] for q in quantiles]
+    )
+    replays = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 9.0, 30.0]  # skewed: mean 5.0
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: list(replays))
+    assert timing.time_ms(lambda: None, graph=False) == (5.0, 2.0, 8.0)
+    assert timing.time_ms(lambda: None, graph=True)[0] == 1.0
+
+
+def test_upsert_keeps_one_row_per_dtype_and_replaces_only_the_rerun_dtype(tmp_path):
+    """dtype is part of a row's key: a run writing fp16 and bf16 rows of one (op, provider,
+    mode, shape, gpu) keeps both, and a rerun of bf16 alone replaces the bf16 row only."""
+    from experiments.results_io import read_rows
+
+    path = tmp_path / "b.csv"
+    row = dict(op="o", provider="p", mode="fwd", shape="s", gpu="g")
+    upsert_rows([dict(row, dtype="fp16", ms=1.0), dict(row, dtype="bf16", ms=2.0)], path)
+    upsert_rows([dict(row, dtype="bf16", ms=3.0)], path)
+    assert sorted((r["dtype"], r["ms"]) for r in read_rows(path, "o", "g")) == [
+        ("bf16", 3.0), ("fp16", 1.0)]  # fmt: skip
+
+
+def test_timings_keep_six_significant_digits_through_the_csv(tmp_path):
+    """The CSV (and so every markdown table and ratio rebuilt from it) holds a timing to six
+    significant digits: 0.0123456 ms is not published as 0.0123."""
+    from experiments.results_io import markdown_table, read_rows
+
+    path = tmp_path / "b.csv"
+    upsert_rows([dict(op="o", provider="p", mode="fwd", shape="s", dtype="fp16", gpu="g",
+                      ms=0.0123456, tflops=123.456)], path)  # fmt: skip
+    (row,) = read_rows(path, "o", "g")
+    assert (row["ms"], row["tflops"]) == (0.0123456, 123.456)
+    assert "| 0.0123456 |" in markdown_table([row], ["ms"])
+
+
+def test_accuracy_tolerance_is_two_ulps_at_magnitude_four_to_eight_for_bf16_too():
+    """ACC_TOL: 2 * 2^-5 for bf16 (2 * 2^-8 for fp16). An error just over it fails, one at it
+    passes; a looser bf16 tolerance would let a wrong bf16 kernel publish its speed."""
+    assert not accuracy_failed({"note": accuracy_note(2 * 2.0**-5, "bf16")})
+    assert accuracy_failed({"note": accuracy_note(0.07, "bf16")})
+    assert not accuracy_failed({"note": accuracy_note(2 * 2.0**-8, "fp16")})
+    assert accuracy_failed({"note": accuracy_note(0.0079, "fp16")})
+
+
+def test_bench_rope_counts_bytes_read_and_written_and_reports_percent_of_copy(monkeypatch):
+    """bench_rope's GB/s: q and k read once and written once per pass (2 x their bytes for the
+    forward, twice that for forward+backward) over the median ms time_ms returns; ms, p20 and
+    p80 go to their own columns; the note's "% of copy bw" is gbps / copy_gbps."""
+    real = bench_rope.providers
+    monkeypatch.setattr(bench_rope, "providers", lambda *a: {"triton": real(*a)["eager"]})
+    monkeypatch.setattr(bench_rope, "time_ms", lambda fn, **kw: (0.5, 0.4, 0.6))
+    B, HQ, HK, N, D = shape = bench_rope.QUICK_SHAPES[0]
+    qk_bytes = B * (HQ + HK) * N * D * 2  # fp16
+    fwd_gbps = 2 * qk_bytes / 0.5 / 1e6
+    rows = bench_rope.run_case(shape, "fp16", 4 * fwd_gbps, {}, torch.device("cpu"), quick=True)
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["fwd"]["gbps"] == pytest.approx(fwd_gbps)
+    assert by_mode["fwd+bwd"]["gbps"] == pytest.approx(2 * fwd_gbps)
+    assert [by_mode["fwd"][c] for c in ("ms", "ms_p20", "ms_p80")] == [0.5, 0.4, 0.6]
+    assert "; 25% of copy bw;" in by_mode["fwd"]["note"]
+    assert "; 50% of copy bw;" in by_mode["fwd+bwd"]["note"]
+
+
+def test_bench_rope_copy_bandwidth_counts_read_and_write(monkeypatch):
+    """The copy floor every rope_qk row is compared with: bytes read + written (2 x the
+    buffer) over the median ms, in GB/s."""
+    monkeypatch.setattr(bench_rope, "time_ms", lambda fn, **kw: (2.0, 1.0, 3.0))
+    ms, gbps = bench_rope.copy_bandwidth(torch.device("cpu"), quick=True)
+    assert ms == 2.0
+    assert gbps == pytest.approx(2 * (1 << 20) * 2 / 2.0 / 1e6)  # 2 MiB of fp16, read + write
+
+
+def test_bench_rope_verdict_misses_a_faster_rival_and_a_large_shape_under_80_percent_copy():
+    """bench_rope's verdict: a rival (Liger, torch.compile) at most as slow as triton is a
+    MISS and a slower one is not; triton under 80% of the copy bandwidth at a large shape is
+    a MISS, at 85% it is not; with every rival and large shape measured and met: PASS."""
+
+    def case(shape, tri_gbps, liger_ms=2.0, compile_ms=2.0):
+        common = dict(shape=shape, dtype="bf16", mode="fwd", note="max err 1e-3")
+        return [dict(common, provider="triton", ms=1.0, gbps=tri_gbps),
+                dict(common, provider="liger", ms=liger_ms, gbps=None),
+                dict(common, provider="torch.compile", ms=compile_ms, gbps=None)]  # fmt: skip
+
+    large = sorted(bench_rope.shape_id(s) for s in bench_rope.LARGE)
+    met = [row for shape in large for row in case(shape, 850.0)]
+    assert bench_rope.verdict(met, 1000.0)[-1].startswith("VERDICT: PASS")
+    lines = bench_rope.verdict(case(large[0], 850.0, liger_ms=0.9) + case(large[1], 750.0), 1000.0)
+    misses = [line for line in lines if line.startswith("MISS")]
+    assert len(misses) == 2 and lines[-1].startswith("VERDICT: FAIL (2 misses)"), lines
+    assert f"MISS {large[0]} bf16 fwd: liger 0.9000 ms <= triton 1.0000 ms" in misses
+    assert any(m.startswith(f"MISS {large[1]} bf16 fwd: triton 750 GB/s < 80%") for m in misses)
+
+
+def test_rope_attention_causal_flops_count_the_visible_pairs_of_query_heads():
+    """TFLOPS' numerator: 4 * B * HQ * D per visible (query, key) pair, HQ the query heads
+    (GQA's shared KV heads do not reduce the work); a square causal shape counts N^2 / 2
+    pairs (anchors.md's convention), a prefill the pairs of its bottom-right mask."""
+    from experiments.bench_rope_attention import QUICK_SHAPES, SHAPES, causal_flops
+
+    assert causal_flops((2, 4, 4, 8, 8, 16)) == 4 * 2 * 4 * 16 * 8 * 8 / 2
+    assert causal_flops((2, 4, 1, 8, 8, 16)) == causal_flops((2, 4, 4, 8, 8, 16))
+    for B, HQ, HKV, NQ, NK, D in [
+        QUICK_SHAPES["Tiny-Prefill"],
+        SHAPES["Prefill-4K"],
+        (1, 2, 1, 1, 9, 8),
+    ]:
+        pairs = torch.ones(NQ, NK, dtype=torch.bool).tril(NK - NQ).sum().item()  # lower right
+        assert causal_flops((B, HQ, HKV, NQ, NK, D)) == 4 * B * HQ * D * pairs
+
+
+def test_rope_attention_tflops_are_flops_over_ms_and_3_5x_for_the_backward(monkeypatch):
+    """run_shape's tflops column: causal_flops / ms / 1e9 for the forward and 3.5 times the
+    forward's FLOPs for forward+backward (anchors.md), over the median ms time_ms returns."""
+    from experiments.bench_rope_attention import causal_flops
+
+    real = bench_rope_attention.providers
+    monkeypatch.setattr(bench_rope_attention, "providers",
+                        lambda *a: {"sdpa_no_rope": real(*a)["sdpa_no_rope"]})  # fmt: skip
+    monkeypatch.setattr(bench_rope_attention, "time_ms", lambda fn, **kw: (2.0, 1.0, 3.0))
+    shape = bench_rope_attention.QUICK_SHAPES["Tiny-GQA"]
+    rows = bench_rope_attention.run_shape("Tiny-GQA", shape, "fp16", {}, torch.device("cpu"), True)
+    tflops = {r["mode"]: r["tflops"] for r in rows}
+    assert tflops["fwd"] == pytest.approx(causal_flops(shape) / 2.0 / 1e9)
+    assert tflops["fwd+bwd"] == pytest.approx(3.5 * causal_flops(shape) / 2.0 / 1e9)
+    assert all((r["ms"], r["ms_p20"], r["ms_p80"]) == (2.0, 1.0, 3.0) for r in rows)
+
+
+def test_rope_attention_verdicts_compare_with_the_best_alternative_and_fused_over_separate():
+    """vs_best_alt is rope_attention's time over the *fastest* of Liger and torch.compile
+    (here compile), and fused_vs_separate is fused's time over triton_rope+sdpa's."""
+    from experiments.bench_rope_attention import verdicts
+
+    ms = {"rope_attention": 0.95, "sdpa_no_rope": 1.0, "liger_rope+sdpa": 2.0,
+          "compile(rope+sdpa)": 1.0, "fused": 1.0, "triton_rope+sdpa": 2.0}  # fmt: skip
+    (v,) = verdicts([dict(shape="s", dtype="bf16", mode="fwd", provider=p, ms=t)
+                     for p, t in ms.items()])  # fmt: skip
+    assert (v["vs_floor"], v["vs_best_alt"], v["fused_vs_separate"]) == (0.95, 0.95, 0.5)
+    assert v["target"] == "MISSED (alternatives)"
+
+
+def test_corope_sincos_floor_counts_causal_pairs_and_doubles_for_the_backward(monkeypatch):
+    """bench_corope's floor (corope.md): sin and cos of R/2 phases per causal (query, key) pair
+    (N^2 / 2 pairs) of each (batch, KV head) at 4.2e12 per second, in ms: 33 ms at the issue's
+    16K shape; the fwd+bwd floor row is twice the forward's (the backward recomputes them)."""
+    from experiments import bench_corope
+
+    assert bench_corope.sincos_floor_ms(1, 8, 16384, 128) == pytest.approx(
+        2 * 8 * (16384**2 / 2) * 64 / 4.2e12 * 1e3)  # fmt: skip
+    assert 32 < bench_corope.sincos_floor_ms(1, 8, 16384, 128) < 34
+    # run_case with the kernels and the timer stubbed: only the rows' arithmetic is checked
+    monkeypatch.setattr(bench_corope, "corope_attention", lambda q, k, v: q * 1.0)
+    monkeypatch.setattr(bench_corope, "corope_attention_ref", lambda q, k, v: q * 1.0)
+    monkeypatch.setattr(bench_corope, "rows_accuracy", lambda *a: "acc ok")
+    monkeypatch.setattr(bench_corope, "timer", lambda fn, **kw: (1.0, 1.0, 1.0))
+    B, HQ, HKV, D = shape = bench_corope.QUICK_SHAPES[0]
+    rows = bench_corope.run_case(shape, 64, torch.float16, {}, torch.device("cpu"), True)
+    floor = {r["mode"]: r["ms"] for r in rows if r["provider"] == "sincos_floor"}
+    assert floor == {"fwd": bench_corope.sincos_floor_ms(B, HKV, 64, D),
+                     "fwd+bwd": 2 * bench_corope.sincos_floor_ms(B, HKV, 64, D)}  # fmt: skip
+
+
+def test_bench_decode_times_three_prefills_and_the_steps_after_the_warm_up(monkeypatch):
+    """time_decoding (a fake model and clock): the warm-up run's prefill and its two steps
+    are left out; the three prefills after it and the ``steps`` steps of the last run are
+    returned, in ms."""
+    import types
+
+    from experiments import bench_decode
+
+    clock = {"now": 0.0}
+    prefill_s = iter([1.0, 0.010, 0.020, 0.030])  # warm-up, then the three timed
+    step_s = iter([0.5, 0.5, 0.001, 0.002, 0.003])  # two warm-up steps, then three
+
+    class Model:
+        blocks = [None, None]
+
+        def __call__(self, ids, cache):
+            clock["now"] += next(prefill_s if ids.shape[1] > 1 else step_s)
+
+    monkeypatch.setattr(
+        bench_decode, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"])
+    )
+    prefill, steps = bench_decode.time_decoding(Model(), 1, 4, 3, torch.device("cpu"))
+    assert prefill == pytest.approx([10.0, 20.0, 30.0])
+    assert steps == pytest.approx([1.0, 2.0, 3.0])
+
+
+def test_bench_decode_floor_reads_the_weights_and_every_layers_keys_and_values():
+    """A decoding step's floor: bf16 weights plus the cached keys *and* values of every layer
+    (2 x layers x B x HKV x P x D x 2 bytes), over the copy bandwidth, in ms."""
+    import types
+
+    from experiments.bench_decode import floor_ms
+
+    attn = types.SimpleNamespace(n_kv_head=2, head_dim=64)
+    model = types.SimpleNamespace(
+        parameters=lambda: [torch.zeros(1000), torch.zeros(24)],
+        blocks=[types.SimpleNamespace(attn=attn)] * 8,
+    )
+    expected = (1024 * 2 + 2 * 8 * 3 * 2 * 512 * 64 * 2) / 1000.0 / 1e6
+    assert floor_ms(model, 3, 512, 1000.0) == pytest.approx(expected)
+
+
+def test_plot_relative_to_draws_each_time_over_the_base_providers(tmp_path, monkeypatch):
+    """``--relative-to``: a bar is the provider's ms over the base provider's on the same
+    (mode, dtype, shape): 1.5 for a provider 1.5x slower, not its inverse."""
+    import matplotlib.axes
+
+    from experiments.plot_benchmarks import plot_op
+
+    heights = {}
+    real_bar = matplotlib.axes.Axes.bar
+
+    def bar(self, xs, values, width, label=None, **kw):
+        heights[label] = list(values)
+        return real_bar(self, xs, values, width, label=label, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    csv_path = tmp_path / "b.csv"
+    common = dict(op="o", mode="fwd", shape="s", dtype="bf16", gpu="g")
+    upsert_rows([dict(common, provider="floor", ms=2.0), dict(common, provider="main", ms=3.0)],
+                csv_path)  # fmt: skip
+    plot_op("o", csv_path, tmp_path / "p.png", relative_to="floor", target=1.1)
+    assert heights == {"floor": [1.0], "main": [1.5]}
+
+
+def test_percentiles_of_few_runs_stay_within_the_measured_times():
+    """p20 and p80 of three CPU runs lie between their fastest and slowest (the exclusive
+    method extrapolated a negative p20 from 1, 7 and 8 ms)."""
+    from experiments import timing
+
+    median, p20, p80 = timing._quantiles([1.0, 7.0, 8.0])
+    assert median == 7.0 and 1.0 <= p20 <= median <= p80 <= 8.0
+
+
+def test_bench_rope_verdict_without_a_triton_row_is_a_miss_not_an_error():
+    """A case that only other providers measured (an earlier run's rows) is reported."""
+    row = dict(shape="s", dtype="bf16", mode="fwd", provider="earlier", ms=1.0, note="")
+    assert "MISS s bf16 fwd: no triton row" in bench_rope.verdict([row], 1000.0)
+
+
+def test_rows_of_uncommitted_code_say_so(monkeypatch):
+    """The commit field: HEAD's hash, with ``+dirty`` where tracked files differ from HEAD."""
+    import subprocess
+
+    from experiments import results_io
+
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    for status, expected in ((" M fused_rope/rope.py", "abc1234+dirty"), ("", "abc1234")):
+
+        def run(args, status=status, **kwargs):
+            out = status if "status" in args else "abc1234\n"
+            return subprocess.CompletedProcess(args, 0, stdout=out)
+
+        monkeypatch.setattr(results_io.subprocess, "run", run)
+        assert results_io.environment()["commit"] == expected
