@@ -582,13 +582,14 @@ def _gate_tail_kernel(
     )
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """The kernels' head-dim tile: the next power of two, at least 64. With 32, the "mean"
-    leader's fp32 gate product ``qL @ k^T`` (``[rows, 32] x [32, keys]``, tf32x3) read out
-    of range on sm_90 (Triton 3.6, H100: an illegal memory access, or non-finite dq and dk,
-    at every group size with bf16 and fp16 inputs; the padded channels are masked loads of
-    zeros). The pass-through product has the same floor (``DN_PAD``)."""
-    return max(64, next_power_of_2(head_dim))
+def padded_channels(channels: int) -> int:
+    """The width of the kernels' channel tiles (the head, ``D_PAD``; the pass-through
+    channels, ``DN_PAD``): the next power of two, at least 64; the padded channels are masked
+    loads of zeros. With 32, products over them read out of range on sm_90 (Triton 3.6): the
+    pass-through score product in shared memory (compute-sanitizer), and the "mean" leader's
+    fp32 gate product ``qL @ k^T`` at D = 32 (H100: an illegal memory access, or non-finite
+    dq and dk, at every group size with bf16 and fp16 inputs)."""
+    return max(64, next_power_of_2(channels))
 
 
 def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -612,7 +613,7 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     if dtype == torch.float32 and not interpreting():
         return 16, 16, 8
     gp = next_power_of_2(group)
-    row_bytes = gp * padded_head_dim(head_dim) * dtype.itemsize
+    row_bytes = gp * padded_channels(head_dim) * dtype.itemsize
     do_bytes = 65536 if head_dim <= 128 else 32768
     return max(16, min(64, do_bytes // row_bytes)), 32, 4
 
@@ -871,10 +872,7 @@ def corope_bwd(
                 *dk.stride(), *tg.stride()[:2], locks.stride(1),
                 G=n, GP=next_power_of_2(n), D=D,
                 D_PAD=d_pad, HALF=half,
-                # At least 64 pass-through channels: with 32, the [rows, 32] x [32, BLOCK_N]
-                # score product read out of range in shared memory on sm_90 (Triton 3.6,
-                # compute-sanitizer).
-                DN_PAD=max(64, next_power_of_2(dn)) if dn else 0,
+                DN_PAD=padded_channels(dn) if dn else 0,
                 BLOCK_M=block_m, BLOCK_N=block_n,
                 MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
                 FAST_TRIG=not interpreting() and q.dtype != torch.float32,
@@ -885,7 +883,7 @@ def corope_bwd(
         return tg, locks[1], per_program, n_splits
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
-    d_pad = padded_head_dim(D)
+    d_pad = padded_channels(D)
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic)
     config, (tg, locks_t, per_program, n_splits) = _first_fitting(

@@ -388,9 +388,8 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     try:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
         ckpt_path = checkpoint_path(cfg.train.ckpt_path, out_dir)
-        ckpt = _checkpoint_to_resume(
-            cfg, ckpt_path, out_dir, info.world_size
-        )  # before the data loads
+        # before the data loads
+        ckpt = _checkpoint_to_resume(cfg, ckpt_path, out_dir, info.world_size)
         if info.device.type == "cpu" and cfg.train.cpu_threads is not None:
             torch.set_num_threads(cfg.train.cpu_threads)
         torch.manual_seed(cfg.seed)

@@ -460,7 +460,7 @@ NARROW_GPU_CASES = [
     pytest.param(1, 8, 2, 700, 256, None, "mean", id="G4-N700-D256-mean"),
     pytest.param(1, 4, 2, 333, 32, None, "first", id="G2-N333-D32"),
     # The "mean" leader's fp32 gate product at D = 32, which Triton 3.6 miscompiled on an H100
-    # before the head dim was padded to 64 (backward.padded_head_dim): found by
+    # before the head dim was padded to 64 (backward.padded_channels): found by
     # test_random_configurations.
     pytest.param(1, 8, 2, 700, 32, None, "mean", id="G4-N700-D32-mean"),
     pytest.param(1, 3, 1, 1506, 32, 20, "mean", id="G3-N1506-D32-R20-mean"),
