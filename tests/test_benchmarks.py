@@ -365,7 +365,8 @@ def test_timing_helpers_on_fakes(monkeypatch):
 
     from experiments import timing
 
-    assert timing._quantiles([float(t) for t in range(11, 0, -1)]) == (6.0, 2.4, 9.6)
+    # inclusive percentiles: 1 + 0.2 * 10 and 1 + 0.8 * 10 of the times 1 .. 11
+    assert timing._quantiles([float(t) for t in range(11, 0, -1)]) == (6.0, 3.0, 9.0)
     assert timing._quantiles([5.0]) == (5.0, 5.0, 5.0)
 
     calls = []
