@@ -45,6 +45,18 @@ from fused_rope.frequencies import check_position_tensor, default_inv_freq, rope
 from fused_rope.sdpa import _lower_right_backend, sdpa_attention
 
 MAX_HEAD_DIM = 256
+# fp32 inputs take IEEE fp32 dots (CUDA cores, not tensor cores). At 256 channels the fused
+# kernels spill 60-170 KB a thread block on sm_90 (ptxas, Triton 3.6: 64-row tiles) and each
+# config compiles for half a minute or more: a test of two autotuned calls ran 400 s on an H100
+# (session 33): fp32 heads wider than this go to SDPA.
+MAX_FP32_HEAD_DIM = 128
+
+
+def max_head_dim(dtype: torch.dtype) -> int:
+    """The widest head the fused kernel takes in ``dtype``."""
+    return MAX_FP32_HEAD_DIM if dtype == torch.float32 else MAX_HEAD_DIM
+
+
 IMPLS = ("auto", "fused", "separate")
 
 # Each autotuned kernel with its full config list (pinned_config narrows the kernel's own).
@@ -328,7 +340,7 @@ def _check_inputs(
     # indexed per (batch, head) in int32: rows of rotated_width(D, R) >= D elements.
     rotated_span = max(NQ, NK) * rotated_width(D, rope_dim)
     fused_fits = (
-        D <= MAX_HEAD_DIM
+        D <= max_head_dim(q.dtype)
         and B * HQ <= MAX_GRID_AXIS1
         and spans[widest] < INT32_INDEX_LIMIT
         and rotated_span < INT32_INDEX_LIMIT
@@ -360,8 +372,11 @@ def _check_inputs(
             f"causal, got return_lse={return_lse}, NQ={NQ}, NK={NK}, causal={causal}"
         )
     if impl == "fused" and not fused_fits:
-        if D > MAX_HEAD_DIM:
-            raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {D}")
+        if D > max_head_dim(q.dtype):
+            raise ValueError(
+                f"head dim must be at most {max_head_dim(q.dtype)} for {q.dtype} inputs in the "
+                f"fused kernel, got {D}; use impl='separate'"
+            )
         if spans[widest] >= INT32_INDEX_LIMIT:
             x = {"q": q, "k": k, "v": v}[widest]
             raise ValueError(
@@ -406,8 +421,8 @@ def rope_attention(
     channels by ``position * inv_freq`` (as ``fused_rope.naive.apply_rope_ref``).
 
     Args:
-        q: ``[B, HQ, NQ, D]`` fp16, bf16 or fp32 (the fused kernel: ``D <= 256``,
-            ``B * HQ <= 65535``; on the CPU, in the interpreter, fp16 or fp32).
+        q: ``[B, HQ, NQ, D]`` fp16, bf16 or fp32 (the fused kernel: ``D <= 256``, fp32
+            ``D <= 128``, ``B * HQ <= 65535``; on the CPU, in the interpreter, fp16 or fp32).
         k, v: ``[B, HKV, NK, D]``, same dtype; ``HQ`` a multiple of ``HKV`` (GQA, MQA).
         theta: RoPE base, used when ``inv_freq`` is None.
         inv_freq: ``[rope_dim // 2]`` fp32/fp64 inverse frequencies (scaled schedules);

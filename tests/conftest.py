@@ -11,6 +11,10 @@
 * Freshly allocated floating-point tensors (``torch.empty``/``empty_like``/
   ``new_empty``) are filled with NaN during tests, so an output element a kernel
   never writes shows up as NaN and fails the comparison.
+* On the GPU, each test hands its cached blocks back to the driver when it ends: the
+  test processes share one GPU under xdist, and PyTorch's caching allocator would
+  otherwise keep each process's largest test's memory for the rest of the run (in
+  session 33 fifteen processes held all 80 GB, and the last tests ran out of memory).
 """
 
 import os
@@ -32,6 +36,13 @@ _warm.cos(), _warm.sin()  # see the module docstring: the first call may be inac
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    yield
+    if ON_GPU:
+        torch.cuda.empty_cache()
 
 
 def _nan_filled(fn):

@@ -22,7 +22,7 @@ from triton.runtime.errors import OutOfResources
 
 import fused_rope.sdpa
 from fused_rope import attention as attention_module
-from fused_rope.attention import rope_attention
+from fused_rope.attention import max_head_dim, rope_attention
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from fused_rope.sdpa import sdpa_attention
@@ -655,8 +655,11 @@ def test_validation(make, exc, match):
 
 
 def test_validation_size_limits():
-    q, k, v = _qkv(d=264, hq=1, hkv=1, nq=2, nk=2)
-    with pytest.raises(ValueError, match="head dim must be at most 256"):
+    q, k, v = _qkv(dtype=torch.float16, d=264, hq=1, hkv=1, nq=2, nk=2)
+    with pytest.raises(ValueError, match="head dim must be at most 256 for torch.float16"):
+        rope_attention(q, k, v, impl="fused")
+    q, k, v = _qkv(d=136, hq=1, hkv=1, nq=2, nk=2)
+    with pytest.raises(ValueError, match="head dim must be at most 128 for torch.float32"):
         rope_attention(q, k, v, impl="fused")
     q, k, v = (x.expand(65536, -1, -1, -1) for x in _qkv(d=16, hq=1, hkv=1, nq=2, nk=2))
     with pytest.raises(ValueError, match="batch x query heads must be at most 65535"):
@@ -735,18 +738,16 @@ def test_gpu_product(causal, HQ, HKV, NQ, NK, layout, rope, positions):
     "D, rope_dim",
     [(32, None), (64, None), (96, None), (96, 64), (128, None), (256, None), (256, 64)],
 )
-def test_gpu_other_head_dims(D, rope_dim, dtype, request):
+def test_gpu_other_head_dims(D, rope_dim, dtype):
     """Head dims 32 to 256, partial rotation, in each dtype (fp32: IEEE products, which TF32
     would fail by the fp32 baseline's rule)."""
-    if dtype == torch.float32 and D == 256 and rope_dim is not None:
-        # Found in session 32 (H100): each half and the pass-through channels padded to
-        # powers of two, 64 + 256 fp32 channels, take 246 KB of shared memory at the untuned
-        # tile, over sm_90's 227 KB. A known limit (fused_rope/README.md), not yet lifted.
-        request.applymarker(pytest.mark.xfail(raises=OutOfResources, strict=True))
-    _check_case(2, 4, 2, 300, 300, D, dtype=dtype, rope_dim=rope_dim)
+    # fp32 heads past 128 channels are SDPA's under "auto" (the fused kernel refuses them)
+    impl = "auto" if D > max_head_dim(dtype) else "fused"
+    _check_case(2, 4, 2, 300, 300, D, dtype=dtype, rope_dim=rope_dim, impl=impl)
     _check_case(
-        1, 4, 1, 100, 700, D, dtype=dtype, rope_dim=rope_dim, causal=False, layout="interleaved"
-    )
+        1, 4, 1, 100, 700, D, dtype=dtype, rope_dim=rope_dim, causal=False,
+        layout="interleaved", impl=impl,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -793,14 +794,16 @@ def test_fused_prefill_wins_matches_the_measured_faster_path(shape, fused):
     assert attention_module.fused_prefill_wins(*shape) == fused
 
 
-def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(separate_calls, monkeypatch):
-    """D > 256, beyond the fused kernel: "auto" runs SDPA with its bottom-right mask rather
-    than raising, even where SDPA has no kernel for that mask (a materialized one)."""
+@pytest.mark.parametrize("dtype, D", [(torch.float16, 264), (torch.float32, 136)])
+def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(dtype, D, separate_calls, monkeypatch):
+    """A head beyond the fused kernel (fp32: past 128 channels): "auto" runs SDPA with its
+    bottom-right mask rather than raising, even where SDPA has no kernel for that mask (a
+    materialized one)."""
     monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
-    _check_case(1, 2, 1, 5, 9, 264, dtype=torch.float32, impl="auto")
+    _check_case(1, 2, 1, 5, 9, D, dtype=dtype, impl="auto")
     assert len(separate_calls) == 1
-    with pytest.raises(ValueError, match="head dim must be at most 256"):
-        rope_attention(*_qkv(nq=5, nk=9, d=264), impl="fused")
+    with pytest.raises(ValueError, match=f"head dim must be at most {max_head_dim(dtype)}"):
+        rope_attention(*_qkv(dtype, nq=5, nk=9, d=D), impl="fused")
 
 
 def test_a_head_past_int32_indexing_is_refused_by_fused_and_auto_takes_sdpa(
@@ -922,10 +925,11 @@ def test_sdpa_kernel_check_is_false_under_compile(monkeypatch):
 
 def test_auto_prefill_under_compile_beyond_the_fused_kernel_raises(monkeypatch):
     """Under compile a prefill cannot take SDPA's bottom-right mask, so one the fused kernel
-    cannot run (D > 256) raises the fused kernel's error rather than the separate path's."""
+    cannot run (an fp32 head past 128 channels) raises the fused kernel's error rather than
+    the separate path's."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with pytest.raises(ValueError, match="head dim must be at most 256"):
-        rope_attention(*_qkv(nq=5, nk=9, d=264))
+    with pytest.raises(ValueError, match="head dim must be at most 128 for torch.float32"):
+        rope_attention(*_qkv(nq=5, nk=9, d=136))
 
 
 # The first does not fill an H100 or H200 (48 programs for 132 SMs: SDPA's kernel), the second
@@ -1013,8 +1017,8 @@ def _random_case(rng: random.Random) -> tuple[tuple, dict, int]:
     )
     if kw["impl"] == "separate" and kw["causal"] and NQ > NK:
         kw["impl"] = "auto"  # SDPA has no kernel for causal queries that see no key
-    if kw["dtype"] == torch.float32 and D == 256:
-        kw["rope_dim"] = None  # partial rotation does not fit (test_gpu_other_head_dims)
+    if D > max_head_dim(kw["dtype"]):  # fp32 past 128 channels: SDPA's (test_gpu_other_head_dims)
+        kw["dtype"] = rng.choice([torch.float16, torch.bfloat16])
     # 256-channel heads fit only the 64-row tiles of each list's last config
     config = rng.randrange(attention_module.N_CONFIGS) if D <= 128 else -1
     return (rng.randint(1, 3), HKV * group, HKV, NQ, NK, D), kw, config
