@@ -472,7 +472,9 @@ class _Run:
             "logger_run_id": None,
         }
         self.last_ckpt_step: int | None = None
-        self.data_paths = _data_paths(cfg)  # what every checkpoint records the run read
+        # What every checkpoint records the run read: the data's paths and a digest of its tokens
+        self.data_paths = _data_paths(cfg)
+        self.data_fingerprint = dataset.fingerprint()
         self.stopped_early = False
         if ckpt is not None:
             self._resume(ckpt)
@@ -539,6 +541,15 @@ class _Run:
             )
 
     def _resume(self, ckpt: dict[str, Any]) -> None:
+        saved = ckpt.get("data_fingerprint", self.data_fingerprint)  # absent: older checkpoints
+        if saved != self.data_fingerprint:
+            raise ValueError(
+                f"train.resume=true: {self.ckpt_path} was trained on other tokens than this "
+                f"launch reads from the same config and paths (data digest {saved} -> "
+                f"{self.data_fingerprint}): a data file changed, or the Python stdlib, or the "
+                "Hub dataset's revision; resume with the data the run started on, or start the "
+                "new data in another output directory"
+            )
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
@@ -578,6 +589,7 @@ class _Run:
                     "config": self.run_config,
                     "world_size": self.info.world_size,
                     "data_paths": self.data_paths,
+                    "data_fingerprint": self.data_fingerprint,
                 },
             )
         self.last_ckpt_step = self.step

@@ -728,6 +728,25 @@ def test_resume_from_another_directory_with_relative_data_paths_fails(tmp_path, 
     assert resumed["steps"] == 2  # the same file by its absolute path: the same data
 
 
+def test_resume_refuses_other_tokens_at_the_same_path(tmp_path):
+    """The same config and file path, but the file edited since the checkpoint: the run would
+    go on training on other data, so the resume is refused before anything is written (the
+    checkpoint's digest of the tokens differs); with the file as it was, it resumes."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the first text " * 300)
+    cfg = compose_cfg(*TINY, "data=text", f"data.files=[{corpus}]", "data.seq_len=32",
+                      "train.steps=4", "train.ckpt_every=2", "train.eval_every=0")  # fmt: skip
+    train_killed_at_step(cfg, tmp_path / "run", 3)
+    written = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    corpus.write_text("the other text " * 300)
+    cfg.train.resume = True
+    with pytest.raises(ValueError, match="trained on other tokens than this launch reads"):
+        train(cfg, output_dir=str(tmp_path / "run"))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == written
+    corpus.write_text("the first text " * 300)
+    assert train(cfg, output_dir=str(tmp_path / "run"))["steps"] == 4
+
+
 def test_a_logger_that_cannot_start_leaves_the_earlier_run_intact(tmp_path, monkeypatch):
     """The logger starts before the launch clears the directory's earlier outcome (or, with
     train.overwrite, its checkpoint): a logger that fails (wandb without an account, a bad

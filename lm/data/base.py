@@ -10,9 +10,10 @@ Data parallelism: the global batch of a step has ``batch_size * world_size`` row
 rank ``r`` gets rows ``r, r + world_size, r + 2 * world_size, ...`` (``r::world_size``).
 """
 
+import hashlib
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -26,6 +27,16 @@ def split_rng(seed: int, split: str, *keys: int) -> np.random.Generator:
     """A generator determined by (seed, split name, keys) alone: the split's stream id is a
     CRC of its name, so adding a split never changes another split's data."""
     return np.random.default_rng([zlib.crc32(split.encode()), seed, *keys])
+
+
+def digest(parts: Iterable[bytes]) -> str:
+    """A hex digest of ``parts`` in order, each one's length included (so that moving bytes
+    from one part to the next changes it)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -104,6 +115,13 @@ class LMDataset(ABC):
     @abstractmethod
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Text of token ids [L]."""
+
+    def fingerprint(self) -> str | None:
+        """A digest of the tokens this source serves that its config does not determine (a
+        file's content, the installed Python's stdlib, a Hub dataset's current revision), or
+        None where the config and seed determine them (the synthetic tasks). A checkpoint
+        records it and a resume must find the same (``lm.training``)."""
+        return None
 
     def _check_split(self, split: str) -> None:
         if split not in self.eval_splits():

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from lm.data.base import Batch, LMDataset, check_int, split_rng
+from lm.data.base import Batch, LMDataset, check_int, digest, split_rng
 
 EOS_ID, PAD_ID, BYTE_VOCAB_SIZE = 256, 257, 258
 SPECIALS = {EOS_ID: "<eos>", PAD_ID: "<pad>"}
@@ -79,6 +79,14 @@ class ByteCorpus(LMDataset):
                 self._windows[f"{name}@{k}x"] = (offsets, length)
         self._streams = evals
         self.max_len = max(length for _, length in self._windows.values())
+
+    def fingerprint(self) -> str:
+        # The streams as read (after data.max_bytes and the splits are cut), in name order.
+        named = sorted(self._streams.items())
+        return digest(
+            [self.train.tobytes()]
+            + [part for name, s in named for part in (name.encode(), s.tobytes())]
+        )
 
     def _train_rows(self, step: int, rows: range, global_batch: int) -> Batch:
         high = len(self.train) - self.seq_len

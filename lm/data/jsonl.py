@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import MISSING
 
-from lm.data.base import split_rng
+from lm.data.base import digest, split_rng
 from lm.data.config import JsonlConfig
 from lm.data.examples import Example, ExampleDataset
 from lm.data.text import resolve_path
@@ -104,6 +104,19 @@ class JsonlDataset(ExampleDataset):
 
     def eval_splits(self) -> list[str]:
         return ["valid", "test"]
+
+    def fingerprint(self) -> str:
+        # The vocabulary (built from train.jsonl's word counts), each split's size and every
+        # example's tokens and answer mask.
+        splits = [self.train, *(self.evals[split] for split in self.eval_splits())]
+        sizes = [str(len(examples)).encode() for examples in splits]
+        tokens = [
+            part
+            for examples in splits
+            for ex in examples
+            for part in (ex.tokens.tobytes(), ex.answer.tobytes())
+        ]
+        return digest(["\0".join(self.vocab.tokens).encode(), *sizes, *tokens])
 
     def _make_eval_examples(self, split: str) -> list[Example]:
         return self.evals[split]

@@ -143,6 +143,25 @@ def test_seed_changes_the_data(dataset, source):
     assert not torch.equal(dataset.train_batch(0, 4)[0], other.train_batch(0, 4)[0])
 
 
+def test_fingerprint_is_the_tokens_digest(dataset, source):
+    """Sources read from files or the stdlib carry a digest of the tokens they serve (what a
+    resume compares): the same for another build and another sampling seed. The synthetic
+    tasks, which their config and seed determine, have none."""
+    again = build_dataset({**source, "seed": 1})
+    if source["name"] in ("counting", "selective_copy", "flipflop"):
+        assert dataset.fingerprint() is None and again.fingerprint() is None
+    else:
+        assert len(dataset.fingerprint()) == 32 and dataset.fingerprint() == again.fingerprint()
+
+
+@pytest.mark.parametrize("name", ["text", "jsonl"])
+def test_fingerprint_changes_with_a_files_content(name, configs, jsonl_dir, text_files):
+    before = build_dataset(configs[name]).fingerprint()
+    path = Path(text_files[1]) if name == "text" else jsonl_dir / "train.jsonl"
+    path.write_text(path.read_text().replace("dozen" if name == "text" else "cat", "dog", 1))
+    assert build_dataset(configs[name]).fingerprint() != before
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ddp_ranks_partition_the_global_batch(dataset, world_size):
     gx, gy = dataset.train_batch(5, 2 * world_size)
