@@ -77,7 +77,7 @@ from corope.forward import check_index_span
 from corope.naive import check_corope_inputs
 from fused_rope._device import num_sms
 from fused_rope._intmath import cdiv, next_power_of_2
-from fused_rope._trig import cos_sin
+from fused_rope._trig import cos_sin, fast_trig
 from fused_rope._validation import (
     KERNEL_DTYPES,
     check_bool,
@@ -875,7 +875,7 @@ def corope_bwd(
                 DN_PAD=padded_channels(dn) if dn else 0,
                 BLOCK_M=block_m, BLOCK_N=block_n,
                 MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
-                FAST_TRIG=not interpreting() and q.dtype != torch.float32,
+                FAST_TRIG=fast_trig(q),
                 DK_PARTS=_dk_parts(block_m, num_warps, deterministic),
                 PASS1_STAGES=_pass1_stages(half),
                 num_warps=num_warps, num_stages=SWEEP_NUM_STAGES,

@@ -35,10 +35,8 @@ import triton.language as tl
 from corope.forward import check_index_span
 from fused_rope._device import num_sms
 from fused_rope._intmath import cdiv, next_power_of_2
-from fused_rope._trig import cos_sin
-from fused_rope._validation import interpreting
+from fused_rope._trig import cos_sin, fast_trig
 
-_INTERPRET = interpreting()
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys a program
 PROGRAMS_PER_SM = 8  # the splits of the keys aim at this many programs per SM
@@ -325,7 +323,7 @@ def corope_decode(
         *splits, softmax_scale * LOG2E,
         ROPE_DIM=rope_dim, HALF_PAD=max(MIN_DOT, next_power_of_2(rope_dim // 2)),
         PASS_PAD=max(MIN_DOT, next_power_of_2(max(D - rope_dim, 1))),
-        FAST_TRIG=not _INTERPRET and q.dtype != torch.float32,
+        FAST_TRIG=fast_trig(q),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK=BLOCK_N, SUM_CHUNK=256, num_warps=warps, num_stages=stages, **shape,
     )  # fmt: skip

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fused_rope._intmath import cdiv, next_power_of_2
-from fused_rope._trig import cos_sin
+from fused_rope._trig import cos_sin, fast_trig
 from fused_rope._validation import INT32_INDEX_LIMIT, element_span, interpreting
 
 _INTERPRET = interpreting()
@@ -445,7 +445,7 @@ def corope_fwd(
         G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, HALF_PAD=half_pad,
         LEADER_MEAN=leader == "mean",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FAST_TRIG=not _INTERPRET,
+        FAST_TRIG=fast_trig(q),
     )  # fmt: skip
     return o, lse
 

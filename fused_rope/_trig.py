@@ -6,12 +6,23 @@ arguments), otherwise libm's accurate versions (the interpreter has only those).
 ``cos_sin_of_angle`` takes any fp32 angle (a RoPE angle ``position * inv_freq`` reaches a
 million radians at long context): with ``FAST`` it first subtracts a multiple of 2 pi
 (``reduce_angle``), so that the fast versions see a few radians at most; libm's reduce exactly
-by themselves.
+by themselves. ``fast_trig`` is the launchers' one choice between them.
 """
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from fused_rope._validation import interpreting
+
+
+def fast_trig(x: torch.Tensor) -> bool:
+    """Whether a kernel whose inputs and outputs are ``x``'s dtype takes the hardware sin/cos
+    (``FAST``): for fp16/bf16 on a GPU, where their ~1e-6 absolute error is far below the
+    output's rounding. fp32 keeps libm's, and so does the interpreter (it has only those)."""
+    return x.is_cuda and not interpreting() and x.dtype != torch.float32
+
 
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
 # 2 pi split as HI + LO: HI = fp32(2 pi) and LO = fp32(2 pi - HI). For an integer k and an

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from fused_rope._device import num_sms
 from fused_rope._intmath import cdiv, next_power_of_2
-from fused_rope._trig import cos_sin_of_angle
+from fused_rope._trig import cos_sin_of_angle, fast_trig
 from fused_rope._validation import (
     KERNEL_DTYPES,
     check_angles,
@@ -308,9 +308,7 @@ def _launch(
         BLOCK_N=cfg.block_n, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk,
         HEADS_PER_PROGRAM=heads,
         INTERLEAVED=layout == "interleaved", CONJUGATE=conjugate, COPY_PASS=copy_pass,
-        # The hardware sin/cos (~1e-6 absolute error) is far below a half-precision output's
-        # rounding; fp32 outputs keep libm's. The interpreter has only libm's.
-        FAST_TRIG=q.is_cuda and q.dtype != torch.float32,
+        FAST_TRIG=fast_trig(q),
         FROM_INV_FREQ=angles.dim() == 1,
         num_warps=cfg.num_warps,
     )  # fmt: skip
