@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fused_rope._intmath import cdiv, next_power_of_2
-from fused_rope._trig import cos_sin, fast_trig
+from fused_rope._trig import cos_sin
 from fused_rope._validation import INT32_INDEX_LIMIT, element_span, interpreting
 
 _INTERPRET = interpreting()
@@ -445,7 +445,11 @@ def corope_fwd(
         G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, HALF_PAD=half_pad,
         LEADER_MEAN=leader == "mean",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FAST_TRIG=fast_trig(q),
+        # The hardware sin/cos for fp32 too, unlike fast_trig: the per-pair phases are reduced
+        # below 2 pi + BLOCK_N * w, where its ~1e-6 error is under the fp32 phase's own rounding
+        # (test_phase_precision_64k_gpu), and libm's made the fp32 forward's compile 2-3x longer
+        # (sm_90a offline, D = 256: 8-24 s a config, 6 configs autotuned, against 3-8 s).
+        FAST_TRIG=not _INTERPRET,
     )  # fmt: skip
     return o, lse
 
