@@ -7,6 +7,8 @@ Triton interpreter (fp32/fp16, small shapes); on a GPU the same tests also run b
 shapes (``gpu`` marker).
 """
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,7 @@ from fused_rope._validation import check_kernel_device, interpreter_blocker, int
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref
 from fused_rope.rope import TileConfig, apply_rope, apply_rope_qk, rope_fwd
-from tests.helpers import DEVICE, assert_close_to_baseline
+from tests.helpers import DEVICE, ON_GPU, assert_close_to_baseline
 
 gpu = pytest.mark.gpu
 DTYPES = [
@@ -846,3 +848,115 @@ def test_tracers_reach_the_custom_ops(inplace):
     code = make_fx(rotate)(q, k).code
     op = "fused_rope.rope_.default" if inplace else "fused_rope.rope.default"
     assert "fused_rope.rope_qk.default" in code and op in code, code
+
+
+def _drawn_storage(rng: random.Random, shape: tuple, dtype: torch.dtype):
+    """Random values of ``shape`` ``[B, H, N, D]`` in a drawn storage, as ``(buffer, view)``
+    with ``view(buffer)`` the tensor: contiguous; a ``[B, N, H, D]`` buffer seen through
+    ``.transpose(1, 2)`` (a model's projections); or one part of a fused ``[B, N, 3, H, D +
+    pad]`` qkv buffer from a channel offset (rows padded, an odd offset misaligns the
+    pointer, no dense order: the output is allocated densely). ``view`` applies to any
+    buffer of that shape, so an in-place call can be checked outside the view too."""
+    B, H, N, D = shape
+    kind = rng.choice(["contiguous", "transposed", "qkv"])
+    if kind == "contiguous":
+        return torch.randn(shape, device=DEVICE).to(dtype), lambda buf: buf
+    if kind == "transposed":
+        return torch.randn(B, N, H, D, device=DEVICE).to(dtype), lambda buf: buf.transpose(1, 2)
+    part, pad = rng.randrange(3), rng.randint(1, 8)
+    lo = rng.randint(0, pad)
+    buf = torch.randn(B, N, 3, H, D + pad, device=DEVICE).to(dtype)
+    return buf, lambda buf: buf[:, :, part, :, lo : lo + D].transpose(1, 2)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=gpu) if s >= 3 else s for s in range(40)])
+def test_random_configurations(seed):
+    """Options drawn at random, together (the grids above vary a few at a time): apply_rope or
+    apply_rope_qk, B, heads (HQ and HK independent), lengths (NQ <= N for q), head dims that
+    are not powers of two, any even rotary width, layout, dtype, theta and positions up to
+    1e5, the angles (shared, per batch, a stride-0 batch, a NaN-padded wider table, or
+    ``inv_freq`` from an offset), scales of either sign, strided storage of inputs and
+    cotangents, in place (under no_grad) or with the backward of a random cotangent. Three
+    small fp32/fp16 draws in the interpreter."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    qk = rng.random() < 0.5
+    B = rng.randint(1, 3)
+    HQ, HK = rng.randint(1, 8 if ON_GPU else 3), rng.randint(1, 8 if ON_GPU else 3)
+    N = rng.randint(1, 3000 if ON_GPU else 70)
+    NQ = rng.choice([N, 1, rng.randint(1, N)]) if qk else N
+    D = rng.choice([16, 32, 64, 72, 80, 96, 128, 136, 192, 256] if ON_GPU else [2, 8, 24, 48])
+    if B * (HQ + HK) * N * D > 2**24:
+        B = 1  # float64 copies of at most ~130 MB each: the test processes share the GPU
+    R = rng.choice([None, 2 * rng.randint(1, D // 2)])
+    layout = rng.choice(["half", "interleaved"])
+    # bf16 on the GPU only: the interpreter (Triton 3.9) casts fp32 to bf16 by truncation, not
+    # to nearest, which doubles the rounding error and fails the rule in most bf16 draws
+    dtype = rng.choice([torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
+    scales = [rng.choice([1.0, rng.choice([-1, 1]) * rng.uniform(0.05, 2.0)]) for _ in range(2)]
+    inplace = not qk and rng.random() < 0.3
+
+    # Angles of random positions up to 1e5 (with inv_freq: offset..offset+N-1), tens of
+    # thousands of radians at the fastest frequency. ``table`` is what the reference reads.
+    inv_freq = rope_frequencies(R or D, 10.0 ** rng.uniform(2, 6))[0].to(DEVICE)
+    angle_kind = rng.choice(["shared", "batch", "stride-0 batch", "padded", "inv_freq"])
+    rope = {}
+    if angle_kind == "inv_freq":
+        offset = rng.choice([0, rng.randint(1, 10**5)])
+        table = rope_angles(torch.arange(offset, offset + N, device=DEVICE), inv_freq)
+        rope = dict(inv_freq=inv_freq, position_offset=offset)
+    else:
+        per_batch = angle_kind in ("batch", "padded")
+        positions = torch.randint(0, 10**5, (B, N) if per_batch else (N,), device=DEVICE)
+        table = rope_angles(positions, inv_freq)
+        if angle_kind == "stride-0 batch":
+            table = table.expand(B, N, -1)
+        elif angle_kind == "padded":
+            # a column slice of a wider table: a read past R/2 columns would bring NaN in
+            wide = torch.full((B, N, table.shape[-1] + 5), float("nan"), device=DEVICE)
+            table = wide[..., : table.shape[-1]].copy_(table)
+        rope = dict(angles=table)
+
+    heads, rows = ([HQ, HK], [NQ, N]) if qk else ([HQ], [N])
+    stored = [_drawn_storage(rng, (B, h, n, D), dtype) for h, n in zip(heads, rows, strict=True)]
+    before = [buf.clone() for buf, _ in stored]
+    xs = [view(buf) for buf, view in stored]
+    # q's rows are k's last NQ positions
+    x_angles = [table[..., N - n :, :] for n in rows]
+    names, scales = (["q", "k"], scales) if qk else (["x"], scales[:1])
+    if inplace:
+        # into a copy of the buffer: only the view changes, bitwise as out of place
+        buf, view = stored[0]
+        written = buf.clone()
+        target = view(written)
+        with torch.no_grad():
+            out = apply_rope(target, layout=layout, rope_dim=R, output_scale=scales[0],
+                             inplace=True, **rope)  # fmt: skip
+            expected = apply_rope(xs[0], layout=layout, rope_dim=R, output_scale=scales[0], **rope)
+        assert out is target
+        _check("x inplace", target, xs[0], x_angles[0], layout, R, scales[0])
+        assert torch.equal(target, expected)
+        inside = torch.zeros(buf.shape, dtype=torch.bool, device=DEVICE)
+        view(inside).fill_(True)
+        assert torch.equal(written[~inside], buf[~inside]), "written outside the view"
+        return
+
+    grad = rng.random() < 0.8  # else no graph: the launcher runs directly
+    xs = [x.detach().requires_grad_(grad) for x in xs]
+    if qk:
+        outs = apply_rope_qk(*xs, layout=layout, rope_dim=R, q_scale=scales[0],
+                             k_scale=scales[1], **rope)  # fmt: skip
+    else:
+        outs = [apply_rope(xs[0], layout=layout, rope_dim=R, output_scale=scales[0], **rope)]
+    for name, out, x, a, s in zip(names, outs, xs, x_angles, scales, strict=True):
+        _check(f"{name}_out", out, x, a, layout, R, s)
+        assert out.stride() == torch.empty_like(x).stride(), name  # the documented layout
+    # the inputs are only read
+    assert all(torch.equal(buf, b) for (buf, _), b in zip(stored, before, strict=True))
+    if not grad:
+        return
+    # cotangents in drawn storages of their own
+    dys = [view(buf) for buf, view in (_drawn_storage(rng, o.shape, dtype) for o in outs)]
+    torch.autograd.backward(outs, dys)
+    for name, x, a, s, dy in zip(names, xs, x_angles, scales, dys, strict=True):
+        _check(f"d{name}", x.grad, x, a, layout, R, s, dy=dy)
