@@ -66,4 +66,4 @@ def cos_sin_of_angle(x, FAST: tl.constexpr):
     return cos_sin(x, FAST)
 
 
-__all__ = ["cos_sin", "cos_sin_of_angle", "reduce_angle"]
+__all__ = ["cos_sin", "cos_sin_of_angle", "fast_trig", "reduce_angle"]

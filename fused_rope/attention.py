@@ -46,7 +46,7 @@ from fused_rope.sdpa import _lower_right_backend, sdpa_attention
 
 MAX_HEAD_DIM = 256
 # fp32 inputs take IEEE fp32 dots (CUDA cores, not tensor cores). At 256 channels the fused
-# kernels spill 60-170 KB a thread block on sm_90 (ptxas, Triton 3.6: 64-row tiles) and each
+# kernels spill 63-170 KB a thread block on sm_90 (ptxas, Triton 3.6: 64-row tiles) and each
 # config compiles for half a minute or more: a test of two autotuned calls ran 400 s on an H100
 # (session 33): fp32 heads wider than this go to SDPA.
 MAX_FP32_HEAD_DIM = 128
@@ -372,26 +372,42 @@ def _check_inputs(
             f"causal, got return_lse={return_lse}, NQ={NQ}, NK={NK}, causal={causal}"
         )
     if impl == "fused" and not fused_fits:
+        # Suggest the separate path only where it can take this call.
+        if not separate_applies:
+            why = "return_lse=True" if return_lse else f"causal NQ={NQ} > NK={NK}"
+        elif causal and NQ != NK and torch.compiler.is_compiling():
+            why = "causal NQ != NK under torch.compile"
+        else:
+            why = None
+        other = (
+            "impl='separate'"
+            if why is None
+            else f"fused_rope.naive.rope_attention_ref (impl='separate' cannot take {why})"
+        )
         if D > max_head_dim(q.dtype):
+            cast = "fp16 or bf16 inputs, or " if q.dtype == torch.float32 else ""
             raise ValueError(
                 f"head dim must be at most {max_head_dim(q.dtype)} for {q.dtype} inputs in the "
-                f"fused kernel, got {D}; use impl='separate'"
+                f"fused kernel, got {D}; use {cast}{other}"
             )
         if spans[widest] >= INT32_INDEX_LIMIT:
             x = {"q": q, "k": k, "v": v}[widest]
             raise ValueError(
                 f"{widest} spans {spans[widest]} elements within one (batch, head) (shape "
                 f"{tuple(x.shape)}, strides {tuple(x.stride())}), past the fused kernels' int32 "
-                f"indexing ({INT32_INDEX_LIMIT}): make it contiguous, or use impl='separate'"
+                f"indexing ({INT32_INDEX_LIMIT}): make it contiguous, or use {other}"
             )
         if rotated_span >= INT32_INDEX_LIMIT:
             raise ValueError(
                 f"the fused kernels' rotated copies of q and k take {max(NQ, NK)} rows of "
                 f"{rotated_width(D, rope_dim)} elements a (batch, head) (head dim {D}, rope_dim "
                 f"{rope_dim}, padded for the rotation): {rotated_span}, past their int32 "
-                f"indexing ({INT32_INDEX_LIMIT}); use impl='separate'"
+                f"indexing ({INT32_INDEX_LIMIT}); use {other}"
             )
-        raise ValueError(f"batch x query heads must be at most {MAX_GRID_AXIS1}, got {B} x {HQ}")
+        raise ValueError(
+            f"batch x query heads must be at most {MAX_GRID_AXIS1}, got {B} x {HQ}: split the "
+            f"batch, or use {other}"
+        )
     check_kernel_device(device, "q", dot_dtype=q.dtype if impl == "fused" else None)
     if impl == "fused":  # the separate path's RoPE Function and SDPA support torch.func
         check_no_functorch("impl='separate' or fused_rope.naive.rope_attention_ref")
@@ -451,9 +467,11 @@ def rope_attention(
             ``return_lse=True``
             and causal ``NQ > NK``; "separate" elsewhere (square causal attention: 1.10-1.50x
             faster than the fused kernel on an H100 and an H200), and where the fused kernel
-            cannot run (``D > 256``, ``B * HQ > 65535``, a head of q, k or v spanning
-            ``2**31`` elements or more), except for a prefill under compile,
-            which then raises. See the README's benchmark.
+            cannot run (``D > 256``, fp32 ``D > 128``, ``B * HQ > 65535``, a head of q, k or v
+            spanning ``2**31`` elements or more), except for a prefill under compile. Where
+            neither path can run (beyond the fused kernel with ``return_lse=True``, causal
+            ``NQ > NK``, or a prefill under compile) it raises ``ValueError``, naming
+            ``fused_rope.naive.rope_attention_ref``. See the README's benchmark.
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.

@@ -372,9 +372,10 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         output_dir: where logs and checkpoints go; default: Hydra's run directory.
 
     Raises:
-        ValueError, TypeError: an option out of range (naming it), an unknown ``metric``, or
-            ``train.resume=true`` with a config other than the checkpoint's; before the trainer
-            writes anything (Hydra has rewritten the directory's ``.hydra/`` records by then).
+        ValueError, TypeError: an option out of range (naming it), an unknown ``metric``, a DDP
+            rank reading other tokens than rank 0 (every rank raises), or ``train.resume=true``
+            with a config, a number of processes, data paths or tokens (the data's digest) other
+            than the checkpoint's; before the trainer writes anything (Hydra has rewritten the directory's ``.hydra/`` records by then).
         FileExistsError: the output directory holds a checkpoint and neither
             ``train.resume`` nor ``train.overwrite`` is set; as early.
         FloatingPointError: a non-finite loss or gradient norm, naming the step; the last
@@ -474,7 +475,7 @@ class _Run:
         self.last_ckpt_step: int | None = None
         # What every checkpoint records the run read: the data's paths and a digest of its tokens
         self.data_paths = _data_paths(cfg)
-        self.data_fingerprint = dataset.fingerprint()
+        self.data_fingerprint = self._same_data_on_every_rank(dataset.fingerprint())
         self.stopped_early = False
         if ckpt is not None:
             self._resume(ckpt)
@@ -529,6 +530,22 @@ class _Run:
             if info.world_size > 1
             else model
         )
+
+    def _same_data_on_every_rank(self, fingerprint: str | None) -> str | None:
+        """Rank 0's digest of the tokens, once every rank has checked that it reads the same:
+        each process reads its own copy of the data (a node's files may differ), and a rank
+        that raised alone would leave the others waiting in their first collective."""
+        info = self.info
+        first = distributed.broadcast(fingerprint, info)
+        differ = torch.tensor(int(fingerprint != first), device=info.device)
+        ranks = int(distributed.all_sum(differ, info).item())
+        if ranks:
+            raise ValueError(
+                f"{ranks} of {info.world_size} ranks read other tokens than rank 0 from the "
+                f"same config (data digest on rank 0: {first}, on rank {info.rank}: "
+                f"{fingerprint}): give every process the same data files"
+            )
+        return first
 
     def _check_metric(self) -> None:
         """``metric`` (what train.py returns to sweepers) must be a key of the summary."""

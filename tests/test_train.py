@@ -747,6 +747,21 @@ def test_resume_refuses_other_tokens_at_the_same_path(tmp_path):
     assert train(cfg, output_dir=str(tmp_path / "run"))["steps"] == 4
 
 
+def test_resume_of_a_checkpoint_without_a_data_digest(tmp_path):
+    """Checkpoints written before the digest have none: they resume, and the next save adds it."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the first text " * 300)
+    cfg = compose_cfg(*TINY, "data=text", f"data.files=[{corpus}]", "data.seq_len=32",
+                      "train.steps=4", "train.ckpt_every=2", "train.eval_every=0")  # fmt: skip
+    train_killed_at_step(cfg, tmp_path, 3)
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    digest = ckpt.pop("data_fingerprint")
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    cfg.train.resume = True
+    assert train(cfg, output_dir=str(tmp_path))["steps"] == 4
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["data_fingerprint"] == digest
+
+
 def test_a_logger_that_cannot_start_leaves_the_earlier_run_intact(tmp_path, monkeypatch):
     """The logger starts before the launch clears the directory's earlier outcome (or, with
     train.overwrite, its checkpoint): a logger that fails (wandb without an account, a bad
@@ -933,6 +948,26 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path, data, ddp_options):
     # tokens_per_s counts the global batch's tokens, every rank's
     timed = [load_checkpoint(tmp_path / d / "checkpoint.pt")["state"] for d in ("ddp", "one")]
     assert timed[0]["timed_tokens"] == timed[1]["timed_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_ddp_ranks_reading_other_tokens_all_fail(tmp_path):
+    """Each rank reads its own copy of the data: where rank 1's file differs from rank 0's
+    (here through its RANK in the path), every rank raises, before any step, rather than one
+    raising and the other waiting for it in a collective."""
+    for rank in (0, 1):
+        (tmp_path / f"corpus{rank}.txt").write_text(f"the text of rank {rank} " * 300)
+    files = f"data.files=[{tmp_path}/corpus${{oc.env:RANK}}.txt]"
+    ddp = run_cli("-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
+                  *TINY, "data=text", files, "data.seq_len=32", "train.steps=2",
+                  "train.device=cpu", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert ddp.returncode != 0
+    assert "1 of 2 ranks read other tokens than rank 0 from the same config" in ddp.stderr
+    rank0, rank1 = (
+        re.search(rf"on rank 0: (\w+), on rank {r}: (\w+)\)", ddp.stderr) for r in (0, 1)
+    )
+    assert rank0 and rank1 and rank0[1] == rank0[2] == rank1[1] != rank1[2], ddp.stderr
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 
 @pytest.mark.slow

@@ -29,13 +29,16 @@ def split_rng(seed: int, split: str, *keys: int) -> np.random.Generator:
     return np.random.default_rng([zlib.crc32(split.encode()), seed, *keys])
 
 
-def digest(parts: Iterable[bytes]) -> str:
-    """A hex digest of ``parts`` in order, each one's length included (so that moving bytes
-    from one part to the next changes it)."""
+def digest(parts: Iterable[bytes | np.ndarray]) -> str:
+    """A hex digest of ``parts`` in order (bytes, or arrays hashed in place, not copied), each
+    one's length in bytes included (so that moving bytes from one part to the next changes it)."""
     h = hashlib.blake2b(digest_size=16)
     for part in parts:
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
+        if isinstance(part, np.ndarray):
+            part = np.ascontiguousarray(part)
+        view = memoryview(part).cast("B")
+        h.update(view.nbytes.to_bytes(8, "little"))
+        h.update(view)
     return h.hexdigest()
 
 

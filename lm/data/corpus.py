@@ -83,10 +83,7 @@ class ByteCorpus(LMDataset):
     def fingerprint(self) -> str:
         # The streams as read (after data.max_bytes and the splits are cut), in name order.
         named = sorted(self._streams.items())
-        return digest(
-            [self.train.tobytes()]
-            + [part for name, s in named for part in (name.encode(), s.tobytes())]
-        )
+        return digest([self.train] + [part for name, s in named for part in (name.encode(), s)])
 
     def _train_rows(self, step: int, rows: range, global_batch: int) -> Batch:
         high = len(self.train) - self.seq_len

@@ -110,12 +110,7 @@ class JsonlDataset(ExampleDataset):
         # example's tokens and answer mask.
         splits = [self.train, *(self.evals[split] for split in self.eval_splits())]
         sizes = [str(len(examples)).encode() for examples in splits]
-        tokens = [
-            part
-            for examples in splits
-            for ex in examples
-            for part in (ex.tokens.tobytes(), ex.answer.tobytes())
-        ]
+        tokens = [part for examples in splits for ex in examples for part in (ex.tokens, ex.answer)]
         return digest(["\0".join(self.vocab.tokens).encode(), *sizes, *tokens])
 
     def _make_eval_examples(self, split: str) -> list[Example]:

@@ -659,7 +659,7 @@ def test_validation_size_limits():
     with pytest.raises(ValueError, match="head dim must be at most 256 for torch.float16"):
         rope_attention(q, k, v, impl="fused")
     q, k, v = _qkv(d=136, hq=1, hkv=1, nq=2, nk=2)
-    with pytest.raises(ValueError, match="head dim must be at most 128 for torch.float32"):
+    with pytest.raises(ValueError, match="at most 128 for torch.float32 .* or bf16 inputs, or imp"):
         rope_attention(q, k, v, impl="fused")
     q, k, v = (x.expand(65536, -1, -1, -1) for x in _qkv(d=16, hq=1, hkv=1, nq=2, nk=2))
     with pytest.raises(ValueError, match="batch x query heads must be at most 65535"):
@@ -806,6 +806,21 @@ def test_auto_prefill_the_fused_kernel_cannot_run_takes_sdpa(dtype, D, separate_
         rope_attention(*_qkv(dtype, nq=5, nk=9, d=D), impl="fused")
 
 
+@pytest.mark.parametrize(
+    "nq, nk, kw, why",
+    [(2, 2, {"return_lse": True}, "return_lse=True"), (9, 5, {}, "causal NQ=9 > NK=5")],
+)
+def test_auto_beyond_both_paths_raises_naming_the_reference(nq, nk, kw, why):
+    """An fp32 head past 128 channels where SDPA cannot run either (it returns no lse and has
+    no kernel for causal queries that see no key): "auto" raises, and the message does not send
+    the user to impl='separate'."""
+    q, k, v = _qkv(d=136, hq=1, hkv=1, nq=nq, nk=nk)
+    match = rf"rope_attention_ref \(impl='separate' cannot take {why}\)"
+    for impl in ("auto", "fused"):
+        with pytest.raises(ValueError, match=match):
+            rope_attention(q, k, v, impl=impl, **kw)
+
+
 def test_a_head_past_int32_indexing_is_refused_by_fused_and_auto_takes_sdpa(
     separate_calls, monkeypatch
 ):
@@ -928,7 +943,8 @@ def test_auto_prefill_under_compile_beyond_the_fused_kernel_raises(monkeypatch):
     cannot run (an fp32 head past 128 channels) raises the fused kernel's error rather than
     the separate path's."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with pytest.raises(ValueError, match="head dim must be at most 128 for torch.float32"):
+    match = r"at most 128 for torch.float32 .* \(impl='separate' cannot take causal NQ != NK under"
+    with pytest.raises(ValueError, match=match):
         rope_attention(*_qkv(nq=5, nk=9, d=136))
 
 
