@@ -223,6 +223,20 @@ def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
     return _lower_right_backend(q, k, v) != "math"
 
 
+def _separate_blocker(return_lse: bool, causal: bool, nq: int, nk: int) -> str | None:
+    """Why the separate path (RoPE, then PyTorch's SDPA) cannot take a call, or None: SDPA
+    returns no lse, has no kernel that returns 0 for a causal query that sees no key (NQ > NK),
+    and takes a bottom-right causal mask (NQ != NK) through a mask object that torch.compile
+    cannot trace."""
+    if return_lse:
+        return "return_lse=True (SDPA returns no lse)"
+    if causal and nq > nk:
+        return f"causal NQ={nq} > NK={nk} (SDPA has no kernel for queries that see no key)"
+    if causal and nq != nk and torch.compiler.is_compiling():
+        return "causal NQ != NK under torch.compile (which cannot trace SDPA's bottom-right mask)"
+    return None
+
+
 # A prefill takes the fused kernel from this many queries on (below, SDPA's decoding kernels,
 # which split the keys, win: 1.6-4.5x at NQ = 1, H100) ...
 PREFILL_MIN_QUERIES = 16
@@ -328,9 +342,7 @@ def _check_inputs(
         )
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    # SDPA returns no lse, and a causal query that sees no key (NQ > NK) has no SDPA kernel
-    # that returns the fused kernel's 0 for it.
-    separate_applies = not return_lse and (NQ <= NK or not causal)
+    blocker = _separate_blocker(return_lse, causal, NQ, NK)
     spans = {name: _head_span(x) for name, x in (("q", q), ("k", k), ("v", v))}
     widest = "q"  # a loop, not max(key=): Dynamo traces neither max nor sorted by symbolic keys
     for name in ("k", "v"):
@@ -356,57 +368,46 @@ def _check_inputs(
         )
         # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
         # which may be a materialized one) beats an error; not under compile, which cannot
-        # trace that mask.
-        fallback = not fused_fits and not (bottom_right and torch.compiler.is_compiling())
-        impl = "separate" if separate_applies and (not fused_first or fallback) else "fused"
-    if impl == "separate" and separate_applies and causal and NQ != NK:
-        if torch.compiler.is_compiling():
-            raise ValueError(
-                "impl='separate' with causal NQ != NK needs SDPA's bottom-right mask object, "
-                "which torch.compile cannot trace; use impl='auto' or 'fused' under compile"
-            )
-    if impl == "separate" and not separate_applies:
+        # trace that mask (a blocker).
+        impl = "separate" if blocker is None and (not fused_first or not fused_fits) else "fused"
+    if impl == "separate" and blocker is not None:
         raise ValueError(
-            f"impl='separate' runs PyTorch's SDPA, which returns no lse and has no kernel for "
-            f"causal queries that see no key: it needs return_lse=False and NQ <= NK when "
-            f"causal, got return_lse={return_lse}, NQ={NQ}, NK={NK}, causal={causal}"
+            f"impl='separate' runs RoPE then PyTorch's SDPA, which cannot take {blocker}: use "
+            f"impl='auto' or 'fused'"
         )
     if impl == "fused" and not fused_fits:
-        # Suggest the separate path only where it can take this call.
-        if not separate_applies:
-            why = "return_lse=True" if return_lse else f"causal NQ={NQ} > NK={NK}"
-        elif causal and NQ != NK and torch.compiler.is_compiling():
-            why = "causal NQ != NK under torch.compile"
-        else:
-            why = None
-        other = (
-            "impl='separate'"
-            if why is None
-            else f"fused_rope.naive.rope_attention_ref (impl='separate' cannot take {why})"
+        # The separate path is suggested only where it can take this call.
+        instead = (
+            "use impl='separate'" if blocker is None else f"impl='separate' cannot take {blocker}"
         )
         if D > max_head_dim(q.dtype):
-            cast = "fp16 or bf16 inputs, or " if q.dtype == torch.float32 else ""
+            cast = "fp16 or bf16 inputs, or " if D <= MAX_HEAD_DIM else ""
+            if blocker is None:
+                remedy = f"use {cast}impl='separate'"
+            else:
+                remedy = f"{instead}: use {cast}fused_rope.naive.rope_attention_ref at small sizes"
             raise ValueError(
                 f"head dim must be at most {max_head_dim(q.dtype)} for {q.dtype} inputs in the "
-                f"fused kernel, got {D}; use {cast}{other}"
+                f"fused kernel, got {D}; {remedy}"
             )
         if spans[widest] >= INT32_INDEX_LIMIT:
             x = {"q": q, "k": k, "v": v}[widest]
             raise ValueError(
                 f"{widest} spans {spans[widest]} elements within one (batch, head) (shape "
                 f"{tuple(x.shape)}, strides {tuple(x.stride())}), past the fused kernels' int32 "
-                f"indexing ({INT32_INDEX_LIMIT}): make it contiguous, or use {other}"
+                f"indexing ({INT32_INDEX_LIMIT}): make it contiguous if its strides leave gaps; "
+                f"{instead}"
             )
         if rotated_span >= INT32_INDEX_LIMIT:
             raise ValueError(
                 f"the fused kernels' rotated copies of q and k take {max(NQ, NK)} rows of "
                 f"{rotated_width(D, rope_dim)} elements a (batch, head) (head dim {D}, rope_dim "
                 f"{rope_dim}, padded for the rotation): {rotated_span}, past their int32 "
-                f"indexing ({INT32_INDEX_LIMIT}); use {other}"
+                f"indexing ({INT32_INDEX_LIMIT}); {instead}"
             )
         raise ValueError(
             f"batch x query heads must be at most {MAX_GRID_AXIS1}, got {B} x {HQ}: split the "
-            f"batch, or use {other}"
+            f"batch; {instead}"
         )
     check_kernel_device(device, "q", dot_dtype=q.dtype if impl == "fused" else None)
     if impl == "fused":  # the separate path's RoPE Function and SDPA support torch.func

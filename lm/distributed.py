@@ -69,6 +69,15 @@ def broadcast(obj, info: DistInfo):
     return box[0]
 
 
+def gather(obj, info: DistInfo) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if info.world_size == 1:
+        return [obj]
+    objs = [None] * info.world_size
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
 def all_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """The sum of ``value`` over the ranks (a detached copy; the input is untouched)."""
     value = value.detach().clone()

@@ -532,20 +532,18 @@ class _Run:
         )
 
     def _same_data_on_every_rank(self, fingerprint: str | None) -> str | None:
-        """Rank 0's digest of the tokens, once every rank has checked that it reads the same:
-        each process reads its own copy of the data (a node's files may differ), and a rank
-        that raised alone would leave the others waiting in their first collective."""
-        info = self.info
-        first = distributed.broadcast(fingerprint, info)
-        differ = torch.tensor(int(fingerprint != first), device=info.device)
-        ranks = int(distributed.all_sum(differ, info).item())
-        if ranks:
+        """The digest of the tokens, once every rank has checked that it reads rank 0's: each
+        process reads its own copy of the data (a node's files may differ), and a rank that
+        raised alone would leave the others waiting in their next collective."""
+        digests = distributed.gather(fingerprint, self.info)
+        other = [rank for rank, d in enumerate(digests) if d != digests[0]]
+        if other:
             raise ValueError(
-                f"{ranks} of {info.world_size} ranks read other tokens than rank 0 from the "
-                f"same config (data digest on rank 0: {first}, on rank {info.rank}: "
-                f"{fingerprint}): give every process the same data files"
+                f"ranks {other} read other tokens than rank 0 from the same config (data "
+                f"digests by rank: {', '.join(map(str, digests))}): give every process the "
+                "same data files"
             )
-        return first
+        return fingerprint
 
     def _check_metric(self) -> None:
         """``metric`` (what train.py returns to sweepers) must be a key of the summary."""

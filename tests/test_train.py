@@ -747,8 +747,9 @@ def test_resume_refuses_other_tokens_at_the_same_path(tmp_path):
     assert train(cfg, output_dir=str(tmp_path / "run"))["steps"] == 4
 
 
-def test_resume_of_a_checkpoint_without_a_data_digest(tmp_path):
-    """Checkpoints written before the digest have none: they resume, and the next save adds it."""
+def test_resume_of_a_checkpoint_without_a_data_digest(tmp_path, monkeypatch):
+    """Checkpoints written before the digest have none: they resume (from their step, not from
+    0), and the next save adds it."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the first text " * 300)
     cfg = compose_cfg(*TINY, "data=text", f"data.files=[{corpus}]", "data.seq_len=32",
@@ -758,7 +759,15 @@ def test_resume_of_a_checkpoint_without_a_data_digest(tmp_path):
     digest = ckpt.pop("data_fingerprint")
     save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
     cfg.train.resume = True
+    asked, original = [], LMDataset.train_batch
+
+    def recorded(self, step, *args, **kwargs):
+        asked.append(step)
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(LMDataset, "train_batch", recorded)
     assert train(cfg, output_dir=str(tmp_path))["steps"] == 4
+    assert asked == [ckpt["step"], 3] and ckpt["step"] == 2
     assert load_checkpoint(tmp_path / "checkpoint.pt")["data_fingerprint"] == digest
 
 
@@ -992,11 +1001,12 @@ def test_ddp_ranks_reading_other_tokens_all_fail(tmp_path, device):
                   *TINY, "data=text", files, "data.seq_len=32", "train.steps=2",
                   f"train.device={device}", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
     assert ddp.returncode != 0
-    assert "1 of 2 ranks read other tokens than rank 0 from the same config" in ddp.stderr
-    rank0, rank1 = (
-        re.search(rf"on rank 0: (\w+), on rank {r}: (\w+)\)", ddp.stderr) for r in (0, 1)
+    # Both ranks raise, and each names both digests
+    message = re.findall(
+        r"ranks \[1\] read other tokens than rank 0 .*: (\w+), (\w+)\)", ddp.stderr
     )
-    assert rank0 and rank1 and rank0[1] == rank0[2] == rank1[1] != rank1[2], ddp.stderr
+    assert len(message) == 2 and message[0] == message[1], ddp.stderr[-3000:]
+    assert message[0][0] != message[0][1]
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 

@@ -1,5 +1,6 @@
 """The data sources of ``lm.data``: sampling, masks, answers, splits, files, errors."""
 
+import hashlib
 import json
 import os
 import random
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 
 from lm.config import register_configs
 from lm.data import DATA_SCHEMAS, IGNORE_INDEX, build_dataset
-from lm.data.base import split_rng
+from lm.data.base import digest, split_rng
 from lm.data.corpus import EOS_ID
 from lm.data.counting import VAR_NAMES
 from lm.data.hub import load_hub_streams
@@ -152,6 +153,18 @@ def test_fingerprint_is_the_tokens_digest(dataset, source):
         assert dataset.fingerprint() is None and again.fingerprint() is None
     else:
         assert len(dataset.fingerprint()) == 32 and dataset.fingerprint() == again.fingerprint()
+
+
+def test_digest_hashes_arrays_as_their_bytes():
+    """digest() hashes arrays in place, as the bytes .tobytes() gives (a strided array as its
+    elements in order), each part's length first: the format checkpoints' digests were made in."""
+    parts = [b"name", np.arange(10, dtype=np.uint16)[::3], np.array([True, False]), b""]
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        raw = part.tobytes() if isinstance(part, np.ndarray) else part
+        h.update(len(raw).to_bytes(8, "little") + raw)
+    assert digest(parts) == h.hexdigest() == "3e43fd8e42eec48950df637bae6f6c68"
+    assert digest([b"ab", b"c"]) != digest([b"a", b"bc"])
 
 
 @pytest.mark.parametrize("name", ["text", "jsonl"])
