@@ -471,8 +471,8 @@ def rope_attention(
             cannot run (``D > 256``, fp32 ``D > 128``, ``B * HQ > 65535``, a head of q, k or v
             spanning ``2**31`` elements or more), except for a prefill under compile. Where
             neither path can run (beyond the fused kernel with ``return_lse=True``, causal
-            ``NQ > NK``, or a prefill under compile) it raises ``ValueError``, naming
-            ``fused_rope.naive.rope_attention_ref``. See the README's benchmark.
+            ``NQ > NK``, or a prefill under compile) it raises ``ValueError`` saying why
+            neither can. See the README's benchmark.
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.
