@@ -896,6 +896,7 @@ def test_ddp_syncs_gradients_in_the_last_micro_batch_only(tmp_path, monkeypatch)
     monkeypatch.setattr(lm.distributed, "setup", lambda device: lm.distributed.DistInfo(0, 2, cpu))
     monkeypatch.setattr(lm.distributed, "all_sum", lambda value, info: value.detach().clone())
     monkeypatch.setattr(lm.distributed, "broadcast", lambda obj, info: obj)
+    monkeypatch.setattr(lm.distributed, "gather", lambda obj, info: [obj] * info.world_size)
     cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0", "train.batch_size=3",
                       "train.grad_accum_steps=3", "train.device=cpu")  # fmt: skip
     train(cfg, output_dir=str(tmp_path))
