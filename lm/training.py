@@ -375,7 +375,8 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         ValueError, TypeError: an option out of range (naming it), an unknown ``metric``, a DDP
             rank reading other tokens than rank 0 (every rank raises), or ``train.resume=true``
             with a config, a number of processes, data paths or tokens (the data's digest) other
-            than the checkpoint's; before the trainer writes anything (Hydra has rewritten the directory's ``.hydra/`` records by then).
+            than the checkpoint's; before the trainer writes anything (Hydra has rewritten the
+            directory's ``.hydra/`` records by then).
         FileExistsError: the output directory holds a checkpoint and neither
             ``train.resume`` nor ``train.overwrite`` is set; as early.
         FloatingPointError: a non-finite loss or gradient norm, naming the step; the last
