@@ -420,23 +420,39 @@ def _table_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.bfloat16 else torch.float32
 
 
+# _rope_table_kernel's sources of the angles
+FROM_RANGE = tl.constexpr(0)
+FROM_POSITIONS = tl.constexpr(1)
+FROM_ANGLES = tl.constexpr(2)
+
+
 @triton.jit(do_not_specialize=["rows", "first"])
 def _rope_table_kernel(
-    POS, INV_FREQ, COS, SIN, rows, first, half_rope, HAS_POS: tl.constexpr, HALF: tl.constexpr,
+    ROWS, INV_FREQ, COS, SIN, rows, first, half_rope, SOURCE: tl.constexpr, HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Rows of ``_rope_tables``' tables for batch row ``program_id(1)``: the angles
-    ``position * inv_freq`` (fp32, as ``rope_angles``), positions ``first + row`` or loaded from
-    ``POS [1 | B, rows]``; accurate cos and sin, stored in the tables' dtype."""
+    ``position * inv_freq`` (fp32, as ``rope_angles``) of positions ``first + row``
+    (``SOURCE`` ``FROM_RANGE``) or loaded from ``ROWS [1 | B, rows]`` (``FROM_POSITIONS``), or
+    the angles loaded from ``ROWS [1 | B, rows, half_rope]`` (``FROM_ANGLES``); accurate cos and
+    sin, stored in the tables' dtype."""
     b = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < rows
-    if HAS_POS:
-        pos = tl.load(POS + b * rows + offs, mask=mask, other=0.0)
-    else:
-        pos = (offs + first).to(tl.float32)
     cols = tl.arange(0, HALF)
-    angle = pos[:, None] * tl.load(INV_FREQ + cols, mask=cols < half_rope, other=0.0)[None, :]
+    col_ok = cols < half_rope
+    if SOURCE == FROM_ANGLES:
+        angle = tl.load(
+            ROWS + (b * rows + offs)[:, None] * half_rope + cols[None, :],
+            mask=mask[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+    else:
+        if SOURCE == FROM_POSITIONS:
+            pos = tl.load(ROWS + b * rows + offs, mask=mask, other=0.0)
+        else:
+            pos = (offs + first).to(tl.float32)
+        angle = pos[:, None] * tl.load(INV_FREQ + cols, mask=col_ok, other=0.0)[None, :]
     cos, sin = cos_sin_of_angle(angle, False)  # accurate: a table serves every tile
     out = (b * rows + offs)[:, None] * HALF + cols[None, :]
     tl.store(COS + out, cos.to(COS.dtype.element_ty), mask=mask[:, None])
@@ -452,12 +468,23 @@ def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: tor
 
     Without position tensors the keys sit at ``0..NK-1`` and the queries at ``NK-NQ..NK-1``:
     one table from position ``min(0, NK-NQ)`` serves both. Position tensors (fp32
-    ``[1 | B, N]``, contiguous, as ``rope_attention`` passes them) get a table each."""
+    ``[1 | B, N]``, contiguous, as ``rope_attention`` passes them) get a table each, and so do
+    angle tensors (fp32 ``[1 | B, N, R/2]``, contiguous: M-RoPE and other schedules that are
+    not one position times ``inv_freq``)."""
     if (q_pos is None) != (k_pos is None):
         raise ValueError("q_pos and k_pos must both be tensors or both be None")
+    half_rope = inv_freq.shape[0]
     for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
-        if pos is not None and (pos.dtype != torch.float32 or not pos.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous fp32 [1 | B, N], got {pos.dtype}")
+        if pos is None:
+            continue
+        angles = pos.dim() == 3 and pos.shape[-1] == half_rope
+        if pos.dtype != torch.float32 or not pos.is_contiguous() or not (angles or pos.dim() == 2):
+            raise ValueError(
+                f"{name} must be contiguous fp32 positions [1 | B, N] or angles [1 | B, N, "
+                f"{half_rope}], got {pos.dtype} {tuple(pos.shape)}"
+            )
+    if q_pos is not None and q_pos.dim() != k_pos.dim():
+        raise ValueError("q_pos and k_pos must both be positions or both be angles")
     dtype = _table_dtype(dtype)
 
     def table(pos, rows, first):
@@ -465,9 +492,10 @@ def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: tor
         cos = torch.empty((batch, rows, half), device=inv_freq.device, dtype=dtype)
         sin = torch.empty_like(cos)
         block = 16 if _INTERPRET else 64
+        source = FROM_RANGE if pos is None else FROM_POSITIONS if pos.dim() == 2 else FROM_ANGLES
         _rope_table_kernel[(cdiv(rows, block), batch)](
-            inv_freq if pos is None else pos, inv_freq, cos, sin, rows, first,
-            inv_freq.shape[0], pos is not None, half, block,
+            inv_freq if pos is None else pos, inv_freq, cos, sin, rows, first, half_rope,
+            source.value, half, block,
         )  # fmt: skip
         return cos, sin
 

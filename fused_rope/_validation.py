@@ -274,3 +274,32 @@ def check_angles(angles, batch: int, seq_len: int, rope_dim: int, name: str = "a
         )
     if angles.dim() == 3 and angles.shape[0] != batch:
         raise ValueError(f"{name} has batch {angles.shape[0]} but the input has B={batch}")
+
+
+def check_angle_options(
+    angles, q_angles, *, inv_freq, positions, q_positions, batch: int, nq: int, nk: int,
+    rope_dim: int,
+) -> None:  # fmt: skip
+    """Attention's ``angles`` (keys ``[NK, R/2]`` or ``[B, NK, R/2]``) and ``q_angles``
+    (queries ``[NQ, R/2]`` or ``[B, NQ, R/2]``): given angles replace ``positions * inv_freq``,
+    so they exclude ``inv_freq``, ``positions`` and ``q_positions``; queries default to the
+    last NQ rows of ``angles``, which needs ``NQ <= NK``."""
+    if angles is None:
+        if q_angles is not None:
+            raise ValueError(
+                "q_angles needs angles (the keys' angles); for positions use q_positions"
+            )
+        return
+    given = [name for name, x in (("inv_freq", inv_freq), ("positions", positions),
+                                  ("q_positions", q_positions)) if x is not None]  # fmt: skip
+    if given:
+        raise ValueError(
+            f"angles replace positions * inv_freq: pass angles or {', '.join(given)}, not both"
+        )
+    check_angles(angles, batch, nk, rope_dim, "angles")
+    if q_angles is not None:
+        check_angles(q_angles, batch, nq, rope_dim, "q_angles")
+    elif nq > nk:
+        raise ValueError(
+            f"NQ={nq} > NK={nk}: queries cannot take the last NQ rows of angles; pass q_angles"
+        )

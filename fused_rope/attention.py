@@ -20,6 +20,7 @@ from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
+    check_angle_options,
     check_bool,
     check_constant,
     check_float_tensor,
@@ -190,10 +191,12 @@ def _check_positions(pos, name: str, batch: int, length: int, device: torch.devi
         raise ValueError(f"{name} is on {pos.device} but q is on {device}")
 
 
-def _as_rows(pos: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[1 | B, N]`` contiguous, the kernels' position format."""
-    pos = pos.float()
-    return (pos[None] if pos.dim() == 1 else pos).contiguous()
+def _as_rows(rows: torch.Tensor, batched_ndim: int = 2) -> torch.Tensor:
+    """Positions ``[N]`` or ``[B, N]`` as fp32 ``[1 | B, N]`` (``batched_ndim`` 2), angles
+    ``[N, R/2]`` or ``[B, N, R/2]`` as fp32 ``[1 | B, N, R/2]`` (3), contiguous: the kernels'
+    formats."""
+    rows = rows.float()
+    return (rows[None] if rows.dim() < batched_ndim else rows).contiguous()
 
 
 def _query_positions(positions, q_positions, nq: int, nk: int, device) -> torch.Tensor | None:
@@ -262,29 +265,38 @@ def _fused_prefill_fills_the_gpu(q: torch.Tensor) -> bool:
     return fused_prefill_wins(B, HQ, NQ, num_sms(q.device))
 
 
-def _rope_then_sdpa(q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim):
+def _rope_then_sdpa(
+    q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout, rope_dim
+):
     """The unfused path: this package's Triton RoPE over q and k, then PyTorch's best SDPA
     backend. Causal with ``NQ < NK`` (a prefill that continues a KV cache) uses SDPA's
     bottom-right mask (``causal_lower_right``), the fused kernel's alignment."""
     from fused_rope.rope import apply_rope, apply_rope_qk  # task B's kernel module, on use
 
     NQ, NK = q.shape[2], k.shape[2]
-    # As in the fused kernel: no gradient for positions or frequencies, any strides. Default
-    # positions: the RoPE kernel forms the angles itself, where an angle table took three
-    # more small launches (arange, cast, product).
+    # As in the fused kernel: no gradient for angles, positions or frequencies, any strides.
+    # Default positions: the RoPE kernel forms the angles itself, where an angle table took
+    # three more small launches (arange, cast, product).
     inv_freq = inv_freq.detach()
     rope = lambda pos: dict(inv_freq=inv_freq) if pos is None else dict(
         angles=rope_angles(pos.detach(), inv_freq)
     )  # fmt: skip
+    if angles is not None:  # without q_angles, NQ <= NK (checked)
+        k_rope = dict(angles=angles.detach())
+        q_rope = None if q_angles is None else dict(angles=q_angles.detach())
+    else:
+        k_rope = rope(positions)
+        q_rope = None
+        if NQ > NK or q_positions is not None:
+            q_rope = rope(_query_positions(positions, q_positions, NQ, NK, q.device))
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
-    if NQ <= NK and q_positions is None:
+    if q_rope is None:
         # q's rows take k's last positions: one launch, sin/cos shared (a decoding step or a
         # prefill continuing a KV cache included).
-        q_rot, k_rot = apply_rope_qk(q, k, layout=layout, rope_dim=rope_dim, **rope(positions))
+        q_rot, k_rot = apply_rope_qk(q, k, layout=layout, rope_dim=rope_dim, **k_rope)
     else:
-        q_pos = _query_positions(positions, q_positions, NQ, NK, q.device)
-        q_rot = apply_rope(q, layout=layout, rope_dim=rope_dim, **rope(q_pos))
-        k_rot = apply_rope(k, layout=layout, rope_dim=rope_dim, **rope(positions))
+        q_rot = apply_rope(q, layout=layout, rope_dim=rope_dim, **q_rope)
+        k_rot = apply_rope(k, layout=layout, rope_dim=rope_dim, **k_rope)
     return sdpa_attention(q_rot, k_rot, v, causal=causal, scale=scale)
 
 
@@ -296,6 +308,8 @@ def _check_inputs(
     inv_freq,
     positions,
     q_positions,
+    angles,
+    q_angles,
     causal,
     softmax_scale,
     layout,
@@ -328,14 +342,20 @@ def _check_inputs(
     if inv_freq is not None:  # theta is checked where its frequencies are made
         check_inv_freq(inv_freq, rope_dim)
         check_same_device(q=q, inv_freq=inv_freq)
-    for name, x in (("inv_freq", inv_freq), ("positions", positions), ("q_positions", q_positions)):
+    constants = dict(
+        inv_freq=inv_freq, positions=positions, q_positions=q_positions, angles=angles,
+        q_angles=q_angles,
+    )  # fmt: skip
+    for name, x in constants.items():
         check_constant(x, name, "fused_rope.naive.rope_attention_ref")
     _check_positions(positions, "positions", B, NK, device)
     _check_positions(q_positions, "q_positions", B, NQ, device)
-    check_no_tangent(
-        "fused_rope.naive.rope_attention_ref",
-        q=q, k=k, v=v, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
+    check_angle_options(
+        angles, q_angles, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
+        batch=B, nq=NQ, nk=NK, rope_dim=rope_dim,
     )  # fmt: skip
+    check_same_device(q=q, angles=angles, q_angles=q_angles)
+    check_no_tangent("fused_rope.naive.rope_attention_ref", q=q, k=k, v=v, **constants)
     if q_positions is None and positions is not None and NQ > NK:
         raise ValueError(
             f"NQ={NQ} > NK={NK}: queries cannot take the last NQ key positions; pass q_positions"
@@ -424,6 +444,8 @@ def rope_attention(
     inv_freq: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     q_positions: torch.Tensor | None = None,
+    angles: torch.Tensor | None = None,
+    q_angles: torch.Tensor | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     layout: str = "half",
@@ -449,6 +471,13 @@ def rope_attention(
             2**24 (larger ones round, as in ``rope_angles``).
         q_positions: ``[NQ]`` or ``[B, NQ]``; default: the last NQ entries of ``positions``
             (for the default positions and ``NQ > NK``: ``NK-NQ..NK-1``).
+        angles: the keys' rotation angles ``[NK, R/2]`` or ``[B, NK, R/2]`` (any float dtype,
+            taken in fp32), for the schedules that are not one position times ``inv_freq``:
+            M-RoPE (``frequencies.mrope_angles``, Qwen2-VL, Qwen3-VL), N-D RoPE
+            (``nd_rope_angles``). Replaces ``positions * inv_freq``: not with ``inv_freq``,
+            ``positions`` or ``q_positions`` (theta is then unused). A constant, as positions.
+        q_angles: the queries' ``[NQ, R/2]`` or ``[B, NQ, R/2]``, with ``angles`` only;
+            default: the last NQ rows of ``angles`` (``NQ > NK`` needs them).
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right aligned,
             by index, as FlashAttention-2). A query that sees no key returns 0.
         softmax_scale: default ``1/sqrt(D)``.
@@ -485,6 +514,8 @@ def rope_attention(
         inv_freq,
         positions,
         q_positions,
+        angles,
+        q_angles,
         causal,
         softmax_scale,
         layout,
@@ -500,9 +531,13 @@ def rope_attention(
     scale = check_softmax_scale(softmax_scale, D)
     if impl == "separate":
         return _rope_then_sdpa(
-            q, k, v, inv_freq, positions, q_positions, causal, scale, layout, rope_dim
-        )
-    if positions is None and q_positions is None:
+            q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout,
+            rope_dim,
+        )  # fmt: skip
+    if angles is not None:  # the kernels' tables take angle rows as they take position rows
+        q_pos = _as_rows(angles[..., NK - NQ :, :] if q_angles is None else q_angles, 3)
+        k_pos = _as_rows(angles, 3)
+    elif positions is None and q_positions is None:
         q_pos = k_pos = None  # one cos/sin table of positions min(0, NK-NQ)..NK-1 serves both
     else:
         q_pos = _as_rows(_query_positions(positions, q_positions, NQ, NK, q.device))

@@ -213,8 +213,9 @@ def _rope_attn_fwd_kernel(
 def rope_attention_fwd(
     q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim
 ):
-    """Launches the forward. Positions are fp32 ``[1 | B, N]`` contiguous, or both None for the
-    default positions. Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
+    """Launches the forward. ``q_pos``, ``k_pos``: fp32 positions ``[1 | B, N]`` or angles
+    ``[1 | B, N, R/2]``, contiguous, or both None for the default positions (``_rope_tables``).
+    Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from fused_rope._validation import check_angles, check_float_tensor, check_layout, check_rope_dim
+from fused_rope._validation import (
+    check_angle_options,
+    check_angles,
+    check_float_tensor,
+    check_layout,
+    check_rope_dim,
+)
 from fused_rope.frequencies import rope_angles, rope_frequencies
 
 
@@ -78,6 +84,8 @@ def rope_attention_ref(
     softmax_scale: float | None = None,
     layout: str = "half",
     rope_dim: int | None = None,
+    angles: torch.Tensor | None = None,
+    q_angles: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k (``apply_rope_ref``), then attention in float32 (float64 for float64 input).
 
@@ -88,6 +96,11 @@ def rope_attention_ref(
         q_positions: ``[NQ]`` or ``[B, NQ]``; default the last NQ key positions
             (``NK-NQ..NK-1`` when NQ > NK and the positions are the default).
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right).
+        angles: the keys' rotation angles ``[NK, R/2]`` or ``[B, NK, R/2]`` in place of
+            ``positions * inv_freq`` (M-RoPE, N-D RoPE: ``mrope_angles``, ``nd_rope_angles``);
+            excludes theta's role, ``inv_freq``, ``positions`` and ``q_positions``.
+        q_angles: the queries' ``[NQ, R/2]`` or ``[B, NQ, R/2]``, with ``angles`` only;
+            default the last NQ rows of ``angles`` (NQ > NK needs them).
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype (0 for a query that sees no key) and the
@@ -101,20 +114,30 @@ def rope_attention_ref(
     if HQ % HKV:
         raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads")
     R = check_rope_dim(rope_dim, D)
-    if inv_freq is None:
-        inv_freq, _ = rope_frequencies(R, theta, device=q.device)
-    inv_freq = inv_freq.to(q.device)
-    if q_positions is None and positions is not None and NQ > NK:
-        raise ValueError(f"NQ={NQ} > NK={NK} with explicit positions: pass q_positions")
-    if positions is None:
-        positions = torch.arange(NK, device=q.device)
-    if q_positions is None:
-        q_positions = (
-            positions[..., NK - NQ :] if NQ <= NK else torch.arange(NK - NQ, NK, device=q.device)
-        )
+    check_angle_options(
+        angles, q_angles, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
+        batch=B, nq=NQ, nk=NK, rope_dim=R,
+    )  # fmt: skip
+    if angles is None:
+        if inv_freq is None:
+            inv_freq, _ = rope_frequencies(R, theta, device=q.device)
+        inv_freq = inv_freq.to(q.device)
+        if q_positions is None and positions is not None and NQ > NK:
+            raise ValueError(f"NQ={NQ} > NK={NK} with explicit positions: pass q_positions")
+        if positions is None:
+            positions = torch.arange(NK, device=q.device)
+        if q_positions is None:
+            q_positions = (
+                positions[..., NK - NQ :]
+                if NQ <= NK
+                else torch.arange(NK - NQ, NK, device=q.device)
+            )
+        angles, q_angles = rope_angles(positions, inv_freq), rope_angles(q_positions, inv_freq)
+    elif q_angles is None:
+        q_angles = angles[..., NK - NQ :, :]
     cd = _compute_dtype(q)
-    q_rot = apply_rope_ref(q.to(cd), rope_angles(q_positions, inv_freq), layout, R)
-    k_rot = apply_rope_ref(k.to(cd), rope_angles(positions, inv_freq), layout, R)
+    q_rot = apply_rope_ref(q.to(cd), q_angles, layout, R)
+    k_rot = apply_rope_ref(k.to(cd), angles, layout, R)
     group = HQ // HKV
     k_rot = k_rot.repeat_interleave(group, dim=1)
     vf = v.to(cd).repeat_interleave(group, dim=1)

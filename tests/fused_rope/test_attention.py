@@ -23,7 +23,7 @@ from triton.runtime.errors import OutOfResources
 import fused_rope.sdpa
 from fused_rope import attention as attention_module
 from fused_rope.attention import max_head_dim, rope_attention
-from fused_rope.frequencies import rope_angles, rope_frequencies
+from fused_rope.frequencies import mrope_angles, rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from fused_rope.sdpa import sdpa_attention
 from tests.helpers import DEVICE, ON_GPU, assert_close, assert_close_to_baseline
@@ -40,14 +40,12 @@ def _untuned():
         yield
 
 
-def _torch_same_dtype(
-    q, k, v, *, inv_freq, positions, q_positions, causal, scale, layout, rope_dim
-):
+def _torch_same_dtype(q, k, v, *, q_angles, k_angles, causal, scale, layout, rope_dim):
     """The flash-attention rule's baseline: PyTorch attention in q's dtype (see module doc)."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
-    q_rot = apply_rope_ref(q, rope_angles(q_positions, inv_freq), layout, rope_dim)
-    k_rot = apply_rope_ref(k, rope_angles(positions, inv_freq), layout, rope_dim)
+    q_rot = apply_rope_ref(q, q_angles, layout, rope_dim)
+    k_rot = apply_rope_ref(k, k_angles, layout, rope_dim)
     k_rot = k_rot.repeat_interleave(HQ // HKV, dim=1)
     v = v.repeat_interleave(HQ // HKV, dim=1)
     s = (q_rot * scale) @ k_rot.transpose(-1, -2)
@@ -61,6 +59,19 @@ def _torch_same_dtype(
     # in fp32 (rounding it to the dtype would allow twice that rounding); the gradients keep
     # the dtype's logsumexp.
     return p @ v, lse, torch.logsumexp(s.detach().float(), dim=-1)
+
+
+def _mrope_sections(half: int) -> list[int]:
+    """Three M-RoPE axes (t, h, w) over ``half`` frequency slots, the first taking the
+    remainder; also valid interleaved (Qwen3-VL)."""
+    return [half - 2 * (half // 3), half // 3, half // 3]
+
+
+def _mrope(inv_freq, B, N, generator=None):
+    """M-RoPE angles ``[B, N, R/2]`` of random (t, h, w) positions, the slots interleaved over
+    the axes as Qwen3-VL's."""
+    pos = torch.randint(0, 4 * N, (3, B, N), device=inv_freq.device, generator=generator)
+    return mrope_angles(pos, inv_freq, _mrope_sections(inv_freq.shape[0]), interleaved=True)
 
 
 def _loss(o, lse, do, dlse):
@@ -90,8 +101,9 @@ def _check_case(
 ):
     """Runs one configuration and checks o, lse, dq, dk, dv with the flash-attention rule.
 
-    positions: "default" (None), "shared" ([NK], shuffled offsets) or "batch" ([B, NK]).
-    q_positions: pass explicit (random) query positions.
+    positions: "default" (None), "shared" ([NK], shuffled offsets), "batch" ([B, NK]) or
+        "mrope" (``angles`` [B, NK, R/2] of random 3-axis M-RoPE positions, ``_mrope``).
+    q_positions: pass explicit (random) query positions (with "mrope": ``q_angles``).
     transposed: q, k, v are [B, N, H, D] tensors seen through .transpose(1, 2).
     impl: rope_attention's; the fused kernel returns lse (checked), "separate" and "auto" not.
     """
@@ -102,22 +114,27 @@ def _check_case(
         return torch.randn(B, h, n, D, device=DEVICE, dtype=dtype)
 
     q, k, v = make(HQ, NQ), make(HKV, NK), make(HKV, NK)
-    pos = {
-        "default": None,
-        "shared": torch.randperm(4 * NK, device=DEVICE)[:NK],
-        "batch": torch.randint(0, 4 * NK, (B, NK), device=DEVICE),
-    }[positions]
-    qpos = torch.randint(0, 4 * NK, (B, NQ), device=DEVICE) if q_positions else None
-    kw = dict(
-        causal=causal,
-        layout=layout,
-        rope_dim=rope_dim,
-        positions=pos,
-        q_positions=qpos,
-        theta=theta,
-        inv_freq=inv_freq,
-        softmax_scale=softmax_scale,
-    )
+    R = rope_dim or D
+    freqs = (inv_freq if inv_freq is not None else rope_frequencies(R, theta)[0]).to(DEVICE)
+    kw = dict(causal=causal, layout=layout, rope_dim=rope_dim, softmax_scale=softmax_scale)
+    if positions == "mrope":
+        k_ang = _mrope(freqs, B, NK)
+        q_ang = _mrope(freqs, B, NQ) if q_positions else None
+        kw.update(angles=k_ang, q_angles=q_ang)
+        if q_ang is None:
+            q_ang = k_ang[:, NK - NQ :]
+    else:
+        pos = {
+            "default": None,
+            "shared": torch.randperm(4 * NK, device=DEVICE)[:NK],
+            "batch": torch.randint(0, 4 * NK, (B, NK), device=DEVICE),
+        }[positions]
+        qpos = torch.randint(0, 4 * NK, (B, NQ), device=DEVICE) if q_positions else None
+        kw.update(positions=pos, q_positions=qpos, theta=theta, inv_freq=inv_freq)
+        kpos = pos if pos is not None else torch.arange(NK, device=DEVICE)
+        if qpos is None:
+            qpos = kpos[..., NK - NQ :] if NQ <= NK else torch.arange(NK - NQ, NK, device=DEVICE)
+        k_ang, q_ang = rope_angles(kpos, freqs), rope_angles(qpos, freqs)
 
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
     with_lse = impl == "fused"
@@ -133,17 +150,11 @@ def _check_case(
     o64, lse64 = rope_attention_ref(*inputs64, **kw)
     grads64 = torch.autograd.grad(_loss(o64, lse64, do.double(), dlse.double()), inputs64)
 
-    R = rope_dim or D
-    freqs = inv_freq if inv_freq is not None else rope_frequencies(R, theta)[0]
-    kpos = pos if pos is not None else torch.arange(NK, device=DEVICE)
-    if qpos is None:
-        qpos = kpos[..., NK - NQ :] if NQ <= NK else torch.arange(NK - NQ, NK, device=DEVICE)
     inputs_b = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     o_b, lse_b, lse32_b = _torch_same_dtype(
         *inputs_b,
-        inv_freq=freqs.to(DEVICE),
-        positions=kpos,
-        q_positions=qpos,
+        q_angles=q_ang,
+        k_angles=k_ang,
         causal=causal,
         scale=softmax_scale or D**-0.5,
         layout=layout,
@@ -194,6 +205,17 @@ CPU_CASES = [
     pytest.param(
         1, 2, 1, 30, 500, 32, dict(causal=False, rope_dim=20), id="NQ30-NK500-noncausal-partial20"
     ),
+    pytest.param(2, 4, 2, 45, 70, 32, dict(positions="mrope"), id="GQA2-NQ45-NK70-mrope"),
+    pytest.param(
+        1,
+        2,
+        1,
+        40,
+        33,
+        64,
+        dict(positions="mrope", q_positions=True, layout="interleaved", rope_dim=40),
+        id="NQ40-NK33-mrope-qangles-inter-partial40",
+    ),
     pytest.param(
         1,
         2,
@@ -220,6 +242,28 @@ def test_inv_freq_theta_and_scale():
         1, 2, 1, 40, 40, 32, dtype=torch.float32, inv_freq=scaled.to(DEVICE), softmax_scale=0.3
     )
     _check_case(1, 2, 1, 40, 40, 32, dtype=torch.float32, theta=100.0, layout="interleaved")
+
+
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+@pytest.mark.parametrize("batch", [False, True])
+def test_angles_of_positions_give_the_positions_result(batch, impl):
+    """``angles = rope_angles(positions, inv_freq)`` rotates exactly as the positions do: the
+    fused kernels' tables load the angles where they would form the same fp32 products, and
+    the separate path rotates by them; outputs and gradients are bitwise equal."""
+    q = torch.randn(2, 4, 30, 32, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(2, 2, 45, 32, device=DEVICE, requires_grad=True) for _ in range(2))
+    inv_freq = rope_frequencies(24, 500000.0, device=DEVICE)[0]
+    pos = torch.randint(0, 1000, (2, 45) if batch else (45,), device=DEVICE)
+    q_pos = torch.randint(0, 1000, (2, 30) if batch else (30,), device=DEVICE)
+    common = dict(rope_dim=24, layout="interleaved", causal=False, impl=impl)
+    a = rope_attention(q, k, v, positions=pos, q_positions=q_pos, inv_freq=inv_freq, **common)
+    b = rope_attention(q, k, v, angles=rope_angles(pos, inv_freq),
+                       q_angles=rope_angles(q_pos, inv_freq), **common)  # fmt: skip
+    do = torch.randn_like(a)
+    grads_a = torch.autograd.grad((a * do).sum(), (q, k, v))
+    grads_b = torch.autograd.grad((b * do).sum(), (q, k, v))
+    for name, x, y in zip(("o", "dq", "dk", "dv"), (a, *grads_a), (b, *grads_b), strict=True):
+        assert torch.equal(x, y), name
 
 
 def test_inv_freq_overrides_theta():
@@ -307,6 +351,13 @@ SEPARATE_CASES = [  # (NQ, NK, options): square, prefill (bottom-right mask), qu
     pytest.param(20, 50, {"layout": "interleaved", "positions": "shared"}, id="prefill-positions"),
     pytest.param(50, 50, {"q_positions": True}, id="q-positions"),
     pytest.param(50, 20, {"causal": False, "rope_dim": 16}, id="nomask-nq-gt-nk"),
+    pytest.param(20, 50, {"positions": "mrope"}, id="prefill-mrope"),
+    pytest.param(
+        50,
+        20,
+        {"causal": False, "positions": "mrope", "q_positions": True},
+        id="nomask-nq-gt-nk-mrope-q-angles",
+    ),
 ]
 
 
@@ -319,12 +370,18 @@ def test_separate_path(NQ, NK, opts, hkv):
     q = torch.randn(2, 4, NQ, 32, device=DEVICE)
     k, v = (torch.randn(2, hkv, NK, 32, device=DEVICE) for _ in range(2))
     kw = dict(opts)
-    which = kw.pop("positions", None)
-    if which is not None:
-        shape = (2, NK) if which == "batch" else (NK,)
-        kw["positions"] = torch.randint(0, 200, shape, device=DEVICE)
-    if kw.pop("q_positions", False):
-        kw["q_positions"] = torch.randint(0, 200, (2, NQ), device=DEVICE)
+    which, q_positions = kw.pop("positions", None), kw.pop("q_positions", False)
+    if which == "mrope":
+        inv_freq = rope_frequencies(kw.get("rope_dim", 32), 10000.0, device=DEVICE)[0]
+        kw["angles"] = _mrope(inv_freq, 2, NK)
+        if q_positions:
+            kw["q_angles"] = _mrope(inv_freq, 2, NQ)
+    else:
+        if which is not None:
+            shape = (2, NK) if which == "batch" else (NK,)
+            kw["positions"] = torch.randint(0, 200, shape, device=DEVICE)
+        if q_positions:
+            kw["q_positions"] = torch.randint(0, 200, (2, NQ), device=DEVICE)
     o = rope_attention(q, k, v, impl="separate", **kw)
     ref, _ = rope_attention_ref(q.double(), k.double(), v.double(), **kw)
     assert_close("o", o, ref, atol=1e-5, rtol=1e-5)
@@ -437,10 +494,10 @@ def test_fp16_scale_above_the_fold_limit_keeps_the_query_finite(scale, magnitude
     o64, lse64 = rope_attention_ref(*inputs64, softmax_scale=scale, rope_dim=R)
     grads64 = torch.autograd.grad(_loss(o64, lse64, do.double(), dlse.double()), inputs64)
     inputs_b = [x.detach().clone().requires_grad_() for x in inputs]
-    positions = torch.arange(N, device=DEVICE)
+    angles = rope_angles(torch.arange(N, device=DEVICE), rope_frequencies(R, device=DEVICE)[0])
     o_b, lse_b, lse32_b = _torch_same_dtype(
-        *inputs_b, inv_freq=rope_frequencies(R)[0].to(DEVICE), positions=positions,
-        q_positions=positions, causal=True, scale=scale, layout="half", rope_dim=R,
+        *inputs_b, q_angles=angles, k_angles=angles, causal=True, scale=scale, layout="half",
+        rope_dim=R,
     )  # fmt: skip
     grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), inputs_b)
     assert all(torch.isfinite(x).all() for x in (o_b, lse_b, *grads_b))  # the baseline holds
@@ -466,6 +523,12 @@ def test_forward_mode_ad_is_refused(impl):
             given[name] = torch.autograd.forward_ad.make_dual(
                 given[name], torch.ones_like(given[name])
             )
+            with pytest.raises(NotImplementedError, match=f"{name} carries a forward-mode"):
+                rope_attention(q, k, v, impl=impl, **given)
+        angles = rope_angles(positions, inv_freq)
+        for name in ("angles", "q_angles"):
+            given = {"angles": angles, "q_angles": angles}
+            given[name] = torch.autograd.forward_ad.make_dual(angles, torch.ones_like(angles))
             with pytest.raises(NotImplementedError, match=f"{name} carries a forward-mode"):
                 rope_attention(q, k, v, impl=impl, **given)
 
@@ -505,7 +568,80 @@ def _qkv(dtype=torch.float32, hq=4, hkv=2, nq=8, nk=8, d=32, device=DEVICE):
     )
 
 
+def _angles(n=8, batch=None, half=16):
+    """Angles ``[n, half]`` (``[batch, n, half]``) for ``_qkv``'s inputs (``rope_dim`` 32)."""
+    pos = torch.arange(n, device=DEVICE)
+    inv_freq = rope_frequencies(32, device=DEVICE)[0]
+    angles = rope_angles(pos if batch is None else pos.expand(batch, n), inv_freq)
+    return angles[..., :half]
+
+
 BAD_INPUTS = [
+    (
+        "angles with positions",
+        lambda q, k, v: (
+            q,
+            k,
+            v,
+            {"angles": _angles(), "positions": torch.arange(8, device=DEVICE)},
+        ),
+        ValueError,
+        r"angles replace positions \* inv_freq: pass angles or positions, not both",
+    ),
+    (
+        "angles with inv_freq",
+        lambda q, k, v: (q, k, v, {"angles": _angles(), "inv_freq": _angles()[0] + 1.0}),
+        ValueError,
+        "pass angles or inv_freq, not both",
+    ),
+    (
+        "q_angles alone",
+        lambda q, k, v: (q, k, v, {"q_angles": _angles()}),
+        ValueError,
+        "q_angles needs angles",
+    ),
+    (
+        "angles width",
+        lambda q, k, v: (q, k, v, {"angles": _angles(half=8)}),
+        ValueError,
+        "angles has last dimension 8, expected rope_dim // 2 = 16",
+    ),
+    (
+        "angles length",
+        lambda q, k, v: (q, k, v, {"angles": _angles(n=5)}),
+        ValueError,
+        "angles has 5 positions but the input has N=8",
+    ),
+    (
+        "angles batch",
+        lambda q, k, v: (q, k, v, {"angles": _angles(batch=2)}),
+        ValueError,
+        "angles has batch 2 but the input has B=1",
+    ),
+    (
+        "q_angles length",
+        lambda q, k, v: (q, k, v, {"angles": _angles(), "q_angles": _angles(n=7)}),
+        ValueError,
+        "q_angles has 7 positions but the input has N=8",
+    ),
+    (
+        "angles NQ > NK",
+        lambda q, k, v: (q, k[:, :, :4], v[:, :, :4], {"angles": _angles(n=4)}),
+        ValueError,
+        "NQ=8 > NK=4: queries cannot take the last NQ rows of angles; pass q_angles",
+    ),
+    (
+        "angles with grad",
+        lambda q, k, v: (q, k, v, {"angles": _angles().requires_grad_()}),
+        ValueError,
+        "angles requires grad, but the Triton kernels treat it as a constant",
+    ),
+    (
+        "integer angles",
+        lambda q, k, v: (q, k, v, {"angles": _angles().long()}),
+        TypeError,
+        "angles must be a floating-point tensor",
+    ),
     ("q as list", lambda q, k, v: ([1.0], k, v, {}), TypeError, "q must be a torch.Tensor"),
     ("int k", lambda q, k, v: (q, k.long(), v, {}), TypeError, "k must be a floating-point"),
     (
@@ -1020,7 +1156,7 @@ def _random_case(rng: random.Random) -> tuple[tuple, dict, int]:
     HKV, group = rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4, 8])
     n_max = 1500 if ON_GPU else 80
     NQ, NK = rng.randint(1, n_max), rng.randint(1, n_max)
-    positions = rng.choice(["default", "shared", "batch"])
+    positions = rng.choice(["default", "shared", "batch", "mrope"])
     kw = dict(
         dtype=rng.choice(
             [torch.float16, torch.bfloat16, torch.float32]
@@ -1032,7 +1168,7 @@ def _random_case(rng: random.Random) -> tuple[tuple, dict, int]:
         rope_dim=rng.choice([None, 2 * rng.randint(1, D // 2)]),
         positions=positions,
         # the default query positions (the last NQ of the keys') need NQ <= NK
-        q_positions=positions == "batch" or NQ > NK,
+        q_positions=positions in ("batch", "mrope") and rng.random() < 0.5 or NQ > NK,
         theta=10.0 ** rng.uniform(2, 6),
         softmax_scale=rng.choice([None, rng.uniform(0.03, 0.5)]),
         transposed=rng.random() < 0.3,
@@ -1073,10 +1209,12 @@ def test_random_configurations(seed):
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch, dynamic):
     """Fake-tensor and autograd registrations: fullgraph tracing (aot_eager, any device) gives
-    the eager gradients, for default and for explicit positions; with dynamic=True too (the
-    sizes and the float defaults symbolic, which the input checks and dispatch must trace)."""
+    the eager gradients, for default and for explicit positions and angles; with dynamic=True
+    too (the sizes and the float defaults symbolic, which the input checks and dispatch must
+    trace)."""
     q, k, v = (torch.randn(1, 4, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
     pos = torch.arange(40, device=DEVICE) * 2
+    angles = _mrope(rope_frequencies(32, device=DEVICE)[0], 1, 40)
 
     def f(q, k, v):
         o, lse = rope_attention(q, k[:, :2], v[:, :2], return_lse=True, layout="interleaved")
@@ -1084,8 +1222,10 @@ def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch, dynamic):
         o3 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16)  # the RoPE op
         # a prefill: "auto" takes the fused kernel under compile (no bottom-right SDPA mask)
         o4 = rope_attention(q[:, :, :15], k[:, :2], v[:, :2])
+        o5 = rope_attention(q, k[:, :2], v[:, :2], angles=angles, impl="fused")
+        o6 = rope_attention(q, k[:, :2], v[:, :2], angles=angles)  # the RoPE op
         o = (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum() + o3.square().sum()
-        return o + o4.square().sum()
+        return o + o4.square().sum() + o5.square().sum() + o6.square().sum()
 
     # the prefill's eager dispatch as under compile (a GPU could take SDPA's kernel for it)
     monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
