@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 
+from fused_rope._angle_grads import chain_positions, pair_cross, rows_grad
 from fused_rope._attention_common import rotated_width
 from fused_rope._device import num_sms
 from fused_rope._validation import (
@@ -22,7 +23,6 @@ from fused_rope._validation import (
     MAX_GRID_AXIS1,
     check_angle_options,
     check_bool,
-    check_constant,
     check_float_tensor,
     check_inv_freq,
     check_kernel_device,
@@ -162,6 +162,22 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (causal, softmax_scale, interleaved, rope_dim)
 
 
+def _rotation_grads(need, q, k, dq, dk, inv_freq, q_pos, k_pos, interleaved, rope_dim):
+    """The gradients of ``inv_freq``, ``q_pos`` and ``k_pos`` (``need``: which) from q, k and
+    their gradients (``_angle_grads``): the rows are angles ``[1 | B, N, R/2]``, positions
+    ``[1 | B, N]`` or both None (positions ``0..NK-1``, queries at the last NQ)."""
+    layout = "interleaved" if interleaved else "half"
+    gq, gk = (pair_cross(x, dx, layout, rope_dim) for x, dx in ((q, dq), (k, dk)))
+    if q_pos is not None and q_pos.dim() == 3:
+        return None, rows_grad(gq, q_pos), rows_grad(gk, k_pos)
+    if q_pos is None:
+        NQ, NK = q.shape[2], k.shape[2]
+        q_pos, k_pos = (torch.arange(a, NK, device=q.device) for a in (NK - NQ, 0))
+    dq_pos, dq_freq = chain_positions(gq, q_pos, inv_freq, (need[1], need[0]))
+    dk_pos, dk_freq = chain_positions(gk, k_pos, inv_freq, (need[2], need[0]))
+    return dq_freq + dk_freq if need[0] else None, dq_pos, dk_pos
+
+
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, inv_freq, q_pos, k_pos = ctx.saved_tensors
     if do is None:
@@ -171,7 +187,13 @@ def _backward(ctx, do, dlse):
     if dlse is None:
         dlse = torch.zeros_like(lse)
     dq, dk, dv = _bwd_op(do, dlse, q, k, v, o, lse, inv_freq, q_pos, k_pos, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    need = ctx.needs_input_grad[3:6]  # inv_freq, q_pos, k_pos
+    rotation = (None, None, None)
+    if any(need):
+        _, _, interleaved, rope_dim = ctx.args
+        rotation = _rotation_grads(need, q, k, dq, dk, inv_freq, q_pos, k_pos, interleaved,
+                                   rope_dim)  # fmt: skip
+    return dq, dk, dv, *rotation, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -274,16 +296,15 @@ def _rope_then_sdpa(
     from fused_rope.rope import apply_rope, apply_rope_qk  # task B's kernel module, on use
 
     NQ, NK = q.shape[2], k.shape[2]
-    # As in the fused kernel: no gradient for angles, positions or frequencies, any strides.
-    # Default positions: the RoPE kernel forms the angles itself, where an angle table took
-    # three more small launches (arange, cast, product).
-    inv_freq = inv_freq.detach()
+    # Any strides; gradients for angles, positions and frequencies through the RoPE kernel's
+    # autograd (and rope_angles'). Default positions: the RoPE kernel forms the angles itself,
+    # where an angle table took three more small launches (arange, cast, product).
     rope = lambda pos: dict(inv_freq=inv_freq) if pos is None else dict(
-        angles=rope_angles(pos.detach(), inv_freq)
+        angles=rope_angles(pos, inv_freq)
     )  # fmt: skip
     if angles is not None:  # without q_angles, NQ <= NK (checked)
-        k_rope = dict(angles=angles.detach())
-        q_rope = None if q_angles is None else dict(angles=q_angles.detach())
+        k_rope = dict(angles=angles.float())  # the RoPE kernel takes fp32 angles
+        q_rope = None if q_angles is None else dict(angles=q_angles.float())
     else:
         k_rope = rope(positions)
         q_rope = None
@@ -342,12 +363,10 @@ def _check_inputs(
     if inv_freq is not None:  # theta is checked where its frequencies are made
         check_inv_freq(inv_freq, rope_dim)
         check_same_device(q=q, inv_freq=inv_freq)
-    constants = dict(
+    rotation = dict(
         inv_freq=inv_freq, positions=positions, q_positions=q_positions, angles=angles,
         q_angles=q_angles,
     )  # fmt: skip
-    for name, x in constants.items():
-        check_constant(x, name, "fused_rope.naive.rope_attention_ref")
     _check_positions(positions, "positions", B, NK, device)
     _check_positions(q_positions, "q_positions", B, NQ, device)
     check_angle_options(
@@ -355,7 +374,7 @@ def _check_inputs(
         batch=B, nq=NQ, nk=NK, rope_dim=rope_dim,
     )  # fmt: skip
     check_same_device(q=q, angles=angles, q_angles=q_angles)
-    check_no_tangent("fused_rope.naive.rope_attention_ref", q=q, k=k, v=v, **constants)
+    check_no_tangent("fused_rope.naive.rope_attention_ref", q=q, k=k, v=v, **rotation)
     if q_positions is None and positions is not None and NQ > NK:
         raise ValueError(
             f"NQ={NQ} > NK={NK}: queries cannot take the last NQ key positions; pass q_positions"
@@ -465,7 +484,9 @@ def rope_attention(
         k, v: ``[B, HKV, NK, D]``, same dtype; ``HQ`` a multiple of ``HKV`` (GQA, MQA).
         theta: RoPE base, used when ``inv_freq`` is None.
         inv_freq: ``[rope_dim // 2]`` fp32/fp64 inverse frequencies (scaled schedules);
-            overrides theta. A constant: refused where it requires grad, as are positions.
+            overrides theta. Differentiable (learned frequencies), as are floating-point
+            positions, ``angles`` and ``q_angles``: from q's and k's gradients, with no extra
+            kernel (``fused_rope._angle_grads``).
         positions: the keys' positions, ``[NK]`` or ``[B, NK]``, integer, fp32 or fp64
             (default ``0..NK-1``); the kernels take them in fp32, exact for integers below
             2**24 (larger ones round, as in ``rope_angles``).
@@ -475,7 +496,7 @@ def rope_attention(
             taken in fp32), for the schedules that are not one position times ``inv_freq``:
             M-RoPE (``frequencies.mrope_angles``, Qwen2-VL, Qwen3-VL), N-D RoPE
             (``nd_rope_angles``). Replaces ``positions * inv_freq``: not with ``inv_freq``,
-            ``positions`` or ``q_positions`` (theta is then unused). A constant, as positions.
+            ``positions`` or ``q_positions`` (theta is then unused).
         q_angles: the queries' ``[NQ, R/2]`` or ``[B, NQ, R/2]``, with ``angles`` only;
             default: the last NQ rows of ``angles`` (``NQ > NK`` needs them).
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right aligned,

@@ -13,16 +13,17 @@ import numbers
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fused_rope._angle_grads import chain_positions, pair_cross, rows_grad
 from fused_rope._device import num_sms
 from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin_of_angle, fast_trig
 from fused_rope._validation import (
     KERNEL_DTYPES,
     check_angles,
-    check_constant,
     check_float_tensor,
     check_inv_freq,
     check_kernel_device,
@@ -362,9 +363,50 @@ def rope_fwd(
 # --------------------------------------------------------------------------------------------
 # Autograd. Eager calls go through a plain autograd.Function: the custom-op dispatcher costs
 # about twice as much host time per call, as much as the whole kernel at small shapes. Under
-# torch.compile the custom ops below take over. Both save only the angles, and both backward
-# passes call their own forward with the conjugate rotation, so double backward works.
+# torch.compile the custom ops below take over. Both save the angles (and q, k when the angles
+# need a gradient: ``_angle_grads``), and both backward passes call their own forward with
+# the conjugate rotation, so double backward works.
 # --------------------------------------------------------------------------------------------
+
+
+def _angles_grad(q, k, dq, dk, angles, layout, rope_dim, conjugate, offset) -> torch.Tensor:
+    """The gradient of ``angles`` (an angle table ``[.., N, R/2]``, or ``inv_freq`` ``[R/2]``
+    for the positions ``offset..offset+N-1``) of a rotation of ``q`` (its rows k's last) and
+    ``k`` (or None) whose inputs' gradients are ``dq``, ``dk``: ``pair_cross`` summed over
+    every row a table row rotated, negated for the conjugate rotation."""
+    grad = pair_cross(q, dq, layout, rope_dim)  # [B, NQ, R/2]
+    if k is not None:  # q's rows share k's last rows of the table
+        grad = pair_cross(k, dk, layout, rope_dim) + F.pad(grad, (0, 0, k.shape[2] - q.shape[2], 0))
+    if conjugate:
+        grad = -grad
+    if angles.dim() > 1:
+        return rows_grad(grad, angles)
+    pos = torch.arange(offset, offset + grad.shape[1], device=grad.device)
+    return chain_positions(grad, pos, angles, (False, True))[1]
+
+
+def _saved_inputs(ctx, q, k, angles) -> None:
+    """Saves the angles, with q and k only where the angles need a gradient (``_angles_grad``
+    reads them)."""
+    ctx.angles_grad = angles.requires_grad
+    ctx.save_for_backward(angles, *((q, k) if ctx.angles_grad else ()))
+
+
+def _backward_rotation(ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate, offset):
+    """``(dq, dk, d_angles)`` from the saved tensors (``_saved_inputs``): ``rotate(dq_out,
+    dk_out, angles)`` rotates the cotangents back; ``conjugate`` is the forward's."""
+    angles, *inputs = ctx.saved_tensors
+    if not ctx.angles_grad:
+        return (*rotate(dq_out, dk_out, angles), None)
+    # The angles' gradient from the inputs' gradients before they are rounded to a half
+    # dtype: in fp16 that rounding alone would cost it ~2e-4 of relative error, where
+    # autograd of the fp32-computing reference has ~1e-7.
+    wide = lambda t: None if t is None else t.float()
+    dq, dk = rotate(wide(dq_out), wide(dk_out), angles)
+    q, k = inputs
+    d_angles = _angles_grad(q, k, dq, dk, angles, layout, rope_dim, conjugate, offset)
+    narrow = lambda t, like: None if t is None else t.to(like.dtype)
+    return narrow(dq, dq_out), narrow(dk, dk_out), d_angles
 
 
 class _RopeFunction(torch.autograd.Function):
@@ -378,15 +420,20 @@ class _RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, _, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset = inputs
-        ctx.save_for_backward(angles)
-        ctx.args = (layout, rope_dim, q_scale, k_scale, not conjugate, offset)
+        q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset = inputs
+        _saved_inputs(ctx, q, k, angles)
+        ctx.args = (layout, rope_dim, q_scale, k_scale, conjugate, offset)
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
-        (angles,) = ctx.saved_tensors
-        dq, dk = _RopeFunction.apply(dq_out, dk_out, angles, *ctx.args)
-        return dq, dk, None, None, None, None, None, None, None
+        layout, rope_dim, q_scale, k_scale, conjugate, offset = ctx.args
+        rotate = lambda dq, dk, angles: _RopeFunction.apply(
+            dq, dk, angles, layout, rope_dim, q_scale, k_scale, not conjugate, offset
+        )  # fmt: skip
+        dq, dk, d_angles = _backward_rotation(
+            ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate, offset
+        )
+        return dq, dk, d_angles, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,14 +463,19 @@ def _(x, angles, layout, rope_dim, scale, conjugate, offset):
 
 
 def _rope_setup(ctx, inputs, output):
-    _, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.conjugate, ctx.offset = inputs
-    ctx.save_for_backward(angles)
+    x, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.conjugate, ctx.offset = inputs
+    _saved_inputs(ctx, x, None, angles)
 
 
 def _rope_backward(ctx, grad):
-    (angles,) = ctx.saved_tensors
-    dx = _rope_op(grad, angles, ctx.layout, ctx.rope_dim, ctx.scale, not ctx.conjugate, ctx.offset)
-    return dx, None, None, None, None, None, None
+    rotate = lambda dx, _, angles: (
+        _rope_op(dx, angles, ctx.layout, ctx.rope_dim, ctx.scale, not ctx.conjugate, ctx.offset),
+        None,
+    )  # fmt: skip
+    dx, _, d_angles = _backward_rotation(
+        ctx, rotate, grad, None, ctx.layout, ctx.rope_dim, ctx.conjugate, ctx.offset
+    )
+    return dx, d_angles, None, None, None, None, None
 
 
 _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
@@ -455,16 +507,18 @@ def _(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset):
 def _rope_qk_setup(ctx, inputs, output):
     q, k, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale = inputs[:7]
     ctx.conjugate, ctx.offset = inputs[7:]
-    ctx.save_for_backward(angles)
+    _saved_inputs(ctx, q, k, angles)
 
 
 def _rope_qk_backward(ctx, dq_out, dk_out):
-    (angles,) = ctx.saved_tensors
-    dq, dk = _rope_qk_op(
-        dq_out, dk_out, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale,
-        not ctx.conjugate, ctx.offset,
+    rotate = lambda dq, dk, angles: _rope_qk_op(
+        dq, dk, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale, not ctx.conjugate,
+        ctx.offset,
     )  # fmt: skip
-    return dq, dk, None, None, None, None, None, None, None
+    dq, dk, d_angles = _backward_rotation(
+        ctx, rotate, dq_out, dk_out, ctx.layout, ctx.rope_dim, ctx.conjugate, ctx.offset
+    )
+    return dq, dk, d_angles, None, None, None, None, None, None
 
 
 _rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
@@ -543,7 +597,7 @@ def _dispatch_rotation(q, k, angles, layout: str, R: int, q_scale: float, k_scal
         if k is None:
             return _rope_op(q, angles, layout, R, q_scale, False, offset), None
         return _rope_qk_op(q, k, angles, layout, R, q_scale, k_scale, False, offset)
-    if _needs_autograd(*xs):
+    if _needs_autograd(*xs, angles):
         return _RopeFunction.apply(q, k, angles, layout, R, q_scale, k_scale, False, offset)
     return rope_fwd(q, k, angles, layout, R, q_scale, k_scale, position_offset=offset)
 
@@ -553,8 +607,8 @@ def _kernel_angles(
 ):
     """The kernels' angle argument: ``angles`` ``[.., N, R/2]``, or ``inv_freq`` ``[R/2]`` for
     the positions ``position_offset..position_offset+N-1`` (exactly one of them given), fp32,
-    not requiring grad, on the device of the named ``inputs`` (the first of which names a
-    kernel-capable device)."""
+    on the device of the named ``inputs`` (the first of which names a kernel-capable
+    device)."""
     if (angles is None) == (inv_freq is None):
         given = "both" if angles is not None else "neither"
         raise ValueError(f"pass exactly one of angles and inv_freq, got {given}")
@@ -569,11 +623,10 @@ def _kernel_angles(
             f"{name} must be float32 (in half precision, far positions are off by whole "
             f"radians), got {t.dtype}"
         )
-    # the reference differentiates angles; inv_freq reaches it through rope_angles
+    # the reference has forward-mode derivatives; inv_freq reaches it through rope_angles
     reference = "fused_rope.naive.apply_rope_ref" + (
         "" if angles is not None else "(x, fused_rope.rope_angles(positions, inv_freq))"
     )
-    check_constant(t, name, reference)
     check_no_tangent(reference, **{name: t})
     check_kernel_device(check_same_device(**inputs, **{name: t}), next(iter(inputs)))
     return t
@@ -595,14 +648,15 @@ def apply_rope(
     Args:
         x: ``[B, H, N, D]`` fp32/fp16/bf16, any strides with a contiguous last dimension.
         angles: fp32 ``[N, R/2]`` (shared by the batch) or ``[B, N, R/2]``, ``R = rope_dim``
-            (even, at most ``D``; default ``D``). No gradient flows to ``angles``: angles that
-            require grad (in grad mode) raise ``ValueError``; detach them explicitly.
+            (even, at most ``D``; default ``D``). Differentiable (learned frequencies, e.g.
+            RoPE-Mixed's ``nd_rope_angles``): its gradient is ``x1 dx2 - x2 dx1`` summed over
+            the heads (and the batch for a shared table) from the backward's ``dx``.
             For fp16/bf16 ``x`` on a GPU, ``|angles| < 2**24`` (16.7M radians: position
             times the fastest frequency), the range of the kernel's exact reduction.
         inv_freq: fp32 ``[R/2]``, instead of ``angles``, for the positions ``0..N-1`` (or
             from ``position_offset``): the kernel forms ``rope_angles(arange(position_offset,
             position_offset + N), inv_freq)`` itself (bitwise the same angles, without the
-            kernels that would build the table). No gradient, as ``angles``.
+            kernels that would build the table). Differentiable, as ``angles``.
         layout: ``"half"`` pairs channel ``d`` with ``d + R/2``; ``"interleaved"`` pairs
             ``2d`` with ``2d + 1``.
         output_scale: multiplies the whole output (rotated and pass-through channels);
@@ -620,8 +674,9 @@ def apply_rope(
     Returns:
         ``[B, H, N, D]`` in ``x``'s dtype, laid out as ``torch.empty_like(x)`` lays it out:
         ``x``'s strides when ``x`` is dense, else dense in ``x``'s order of dimensions (a slice
-        of a ``[B, N, 3 H, D]`` qkv buffer gives a ``[B, N, H, D]``-ordered output). Differentiable in ``x`` (backward:
-        the same kernel rotating by ``-angles``), unless ``inplace``.
+        of a ``[B, N, 3 H, D]`` qkv buffer gives a ``[B, N, H, D]``-ordered output).
+        Differentiable in ``x`` (backward: the same kernel rotating by ``-angles``) and in
+        ``angles`` or ``inv_freq``, unless ``inplace``.
     """
     _check_kernel_tensor(x, "x")
     check_layout(layout)
@@ -640,6 +695,12 @@ def apply_rope(
             "inplace=True overwrites x, but x requires grad and grad mode is on "
             f"(x is {'a leaf' if x.is_leaf else 'part of a graph'}); use inplace=False, "
             "or run under torch.no_grad() / torch.inference_mode()"
+        )
+    if torch.is_grad_enabled() and angles.requires_grad:
+        raise ValueError(
+            f"inplace=True has no backward, but {'angles' if angles.dim() > 1 else 'inv_freq'}"
+            " requires grad and grad mode is on; use inplace=False to differentiate it, or "
+            "pass it detached"
         )
     if may_overlap(x):
         raise ValueError(
@@ -685,8 +746,8 @@ def apply_rope_qk(
             or decoding step continuing a KV cache, aligned bottom-right as causal attention
             aligns it).
         k: ``[B, HK, N, D]``, same B, D and dtype as ``q``; ``HK`` may differ (GQA, MQA).
-        angles: fp32 ``[N, R/2]`` or ``[B, N, R/2]``, k's positions' angles; no gradient (see
-            ``apply_rope``).
+        angles: fp32 ``[N, R/2]`` or ``[B, N, R/2]``, k's positions' angles; differentiable
+            (see ``apply_rope``): q's and k's rows add up in the rows they share.
         inv_freq: fp32 ``[R/2]`` instead of ``angles``, for the positions ``0..N-1`` (see
             ``apply_rope``), or ``position_offset..position_offset+N-1``.
         layout, rope_dim: as ``apply_rope``.
@@ -697,7 +758,7 @@ def apply_rope_qk(
 
     Returns:
         ``(q_out [B, HQ, NQ, D], k_out [B, HK, N, D])``, dtypes and strides as ``apply_rope``;
-        differentiable in q and k.
+        differentiable in q, k and ``angles`` or ``inv_freq``.
     """
     _check_kernel_tensor(q, "q")
     _check_kernel_tensor(k, "k")

@@ -98,6 +98,7 @@ def _check_case(
     softmax_scale=None,
     transposed=False,
     impl="fused",
+    learn=False,
 ):
     """Runs one configuration and checks o, lse, dq, dk, dv with the flash-attention rule.
 
@@ -106,6 +107,8 @@ def _check_case(
     q_positions: pass explicit (random) query positions (with "mrope": ``q_angles``).
     transposed: q, k, v are [B, N, H, D] tensors seen through .transpose(1, 2).
     impl: rope_attention's; the fused kernel returns lse (checked), "separate" and "auto" not.
+    learn: the rotation's inputs require grad and their gradients are checked too: the angles
+        (with "mrope"), else ``inv_freq`` and the explicit positions as fp32.
     """
 
     def make(h, n):
@@ -117,12 +120,13 @@ def _check_case(
     R = rope_dim or D
     freqs = (inv_freq if inv_freq is not None else rope_frequencies(R, theta)[0]).to(DEVICE)
     kw = dict(causal=causal, layout=layout, rope_dim=rope_dim, softmax_scale=softmax_scale)
+    leaf = lambda x: x if x is None or not learn else x.float().requires_grad_()
     if positions == "mrope":
-        k_ang = _mrope(freqs, B, NK)
-        q_ang = _mrope(freqs, B, NQ) if q_positions else None
-        kw.update(angles=k_ang, q_angles=q_ang)
-        if q_ang is None:
-            q_ang = k_ang[:, NK - NQ :]
+        kw.update(angles=leaf(_mrope(freqs, B, NK)))
+        kw.update(q_angles=leaf(_mrope(freqs, B, NQ)) if q_positions else None)
+        rotation = {name: kw[name] for name in ("angles", "q_angles") if kw[name] is not None}
+        q_last = lambda: kw["angles"][:, NK - NQ :] if kw["q_angles"] is None else kw["q_angles"]
+        angles = lambda: (q_last(), kw["angles"])
     else:
         pos = {
             "default": None,
@@ -130,11 +134,18 @@ def _check_case(
             "batch": torch.randint(0, 4 * NK, (B, NK), device=DEVICE),
         }[positions]
         qpos = torch.randint(0, 4 * NK, (B, NQ), device=DEVICE) if q_positions else None
+        if learn:  # theta's frequencies, made a tensor to differentiate
+            freqs, pos, qpos = leaf(freqs), leaf(pos), leaf(qpos)
+            inv_freq = freqs
         kw.update(positions=pos, q_positions=qpos, theta=theta, inv_freq=inv_freq)
+        rotation = dict(inv_freq=freqs, positions=pos, q_positions=qpos)
+        rotation = {name: x for name, x in rotation.items() if x is not None and learn}
         kpos = pos if pos is not None else torch.arange(NK, device=DEVICE)
         if qpos is None:
             qpos = kpos[..., NK - NQ :] if NQ <= NK else torch.arange(NK - NQ, NK, device=DEVICE)
-        k_ang, q_ang = rope_angles(kpos, freqs), rope_angles(qpos, freqs)
+        angles = lambda: (rope_angles(qpos, freqs), rope_angles(kpos, freqs))
+    if not learn:
+        rotation = {}
 
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
     with_lse = impl == "fused"
@@ -144,13 +155,16 @@ def _check_case(
     assert lse.shape == (B, HQ, NQ) and lse.dtype == torch.float32
     do = torch.randn(o.shape, device=DEVICE)
     dlse = torch.randn(lse.shape, device=DEVICE) if with_lse else torch.zeros_like(lse)
-    grads = torch.autograd.grad(_loss(o, lse, do, dlse), inputs)
+    leaves = [*inputs, *rotation.values()]
+    grads = torch.autograd.grad(_loss(o, lse, do, dlse), leaves)
 
     inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     o64, lse64 = rope_attention_ref(*inputs64, **kw)
-    grads64 = torch.autograd.grad(_loss(o64, lse64, do.double(), dlse.double()), inputs64)
+    leaves = [*inputs64, *rotation.values()]
+    grads64 = torch.autograd.grad(_loss(o64, lse64, do.double(), dlse.double()), leaves)
 
     inputs_b = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    q_ang, k_ang = angles()
     o_b, lse_b, lse32_b = _torch_same_dtype(
         *inputs_b,
         q_angles=q_ang,
@@ -160,7 +174,8 @@ def _check_case(
         layout=layout,
         rope_dim=R,
     )
-    grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), inputs_b)
+    leaves = [*inputs_b, *rotation.values()]
+    grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), leaves)
 
     empty = torch.isneginf(lse64)
     assert torch.all(o[empty] == 0), "rows without a visible key must output 0"
@@ -169,8 +184,10 @@ def _check_case(
         assert torch.equal(torch.isneginf(lse), empty), "rows without a key must have lse=-inf"
         finite = lambda t: t.masked_fill(empty, 0.0)
         assert_close_to_baseline("lse", finite(lse), finite(lse64), finite(lse32_b))
-    for name, g, g64, gb in zip(("dq", "dk", "dv"), grads, grads64, grads_b, strict=True):
-        assert g.shape == g64.shape and g.dtype == dtype, name
+    names = ("dq", "dk", "dv", *(f"d{name}" for name in rotation))
+    for name, g, g64, gb in zip(names, grads, grads64, grads_b, strict=True):
+        expected_dtype = dtype if name in ("dq", "dk", "dv") else g64.dtype  # rotation: fp32
+        assert g.shape == g64.shape and g.dtype == expected_dtype, name
         assert_close_to_baseline(name, g, g64, gb)
 
 
@@ -180,7 +197,9 @@ CPU_CASES = [
     # (B, HQ, HKV, NQ, NK, D, options)
     pytest.param(2, 2, 2, 63, 63, 64, dict(), id="B2-H2-N63-D64-causal"),
     pytest.param(1, 4, 1, 40, 100, 32, dict(layout="interleaved"), id="MQA4-NQ40-NK100-inter"),
-    pytest.param(1, 8, 2, 100, 40, 32, dict(rope_dim=16), id="GQA4-NQ100-NK40-partial16"),
+    pytest.param(
+        1, 8, 2, 100, 40, 32, dict(rope_dim=16, learn=True), id="GQA4-NQ100-NK40-partial16-learn"
+    ),
     pytest.param(
         2,
         8,
@@ -188,8 +207,8 @@ CPU_CASES = [
         33,
         33,
         32,
-        dict(causal=False, positions="batch", q_positions=True),
-        id="B2-MQA8-N33-noncausal-batchpos-qpos",
+        dict(causal=False, positions="batch", q_positions=True, learn=True),
+        id="B2-MQA8-N33-noncausal-batchpos-qpos-learn",
     ),
     pytest.param(
         2,
@@ -205,7 +224,9 @@ CPU_CASES = [
     pytest.param(
         1, 2, 1, 30, 500, 32, dict(causal=False, rope_dim=20), id="NQ30-NK500-noncausal-partial20"
     ),
-    pytest.param(2, 4, 2, 45, 70, 32, dict(positions="mrope"), id="GQA2-NQ45-NK70-mrope"),
+    pytest.param(
+        2, 4, 2, 45, 70, 32, dict(positions="mrope", learn=True), id="GQA2-NQ45-NK70-mrope-learn"
+    ),
     pytest.param(
         1,
         2,
@@ -213,8 +234,8 @@ CPU_CASES = [
         40,
         33,
         64,
-        dict(positions="mrope", q_positions=True, layout="interleaved", rope_dim=40),
-        id="NQ40-NK33-mrope-qangles-inter-partial40",
+        dict(positions="mrope", q_positions=True, layout="interleaved", rope_dim=40, learn=True),
+        id="NQ40-NK33-mrope-qangles-inter-partial40-learn",
     ),
     pytest.param(
         1,
@@ -446,24 +467,24 @@ def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opt
         assert_close(name, a, c, atol=2e-5, rtol=1e-5)
 
 
-def test_separate_path_strided_inputs_and_frequencies_with_grad():
-    """The separate path takes what the fused kernel takes: a strided last dimension; and both
-    refuse frequencies or positions that require grad (no kernel differentiates them) rather
-    than leave their gradient silently None, except under no_grad."""
+def test_separate_path_strided_inputs_and_learned_frequencies():
+    """The separate path takes what the fused kernel takes: a strided last dimension, and
+    frequencies and positions that require grad, whose gradients the two paths agree on (and
+    none is recorded under no_grad)."""
     q = torch.randn(1, 2, 30, 64, device=DEVICE, requires_grad=True)[..., ::2]  # stride 2
     k, v = (torch.randn(1, 1, 30, 32, device=DEVICE) for _ in range(2))
-    kw = dict(
-        inv_freq=rope_frequencies(32)[0].to(DEVICE), positions=torch.arange(30.0, device=DEVICE)
-    )
-    o = {impl: rope_attention(q, k, v, impl=impl, **kw) for impl in ("separate", "fused")}
-    assert_close("o", o["separate"], o["fused"], atol=2e-5, rtol=1e-5)
-    for name in ("inv_freq", "positions"):
-        learned = {**kw, name: kw[name].clone().requires_grad_()}
-        for impl in ("separate", "fused"):
-            with pytest.raises(ValueError, match=f"{name} requires grad"):
-                rope_attention(q, k, v, impl=impl, **learned)
-            with torch.no_grad():
-                assert torch.equal(rope_attention(q, k, v, impl=impl, **learned), o[impl])
+    inv_freq = rope_frequencies(32, device=DEVICE)[0].requires_grad_()
+    positions = torch.arange(30.0, device=DEVICE).requires_grad_()
+    do = torch.randn(1, 2, 30, 32, device=DEVICE)
+    out = {}
+    for impl in ("separate", "fused"):
+        o = rope_attention(q, k, v, impl=impl, inv_freq=inv_freq, positions=positions)
+        out[impl] = (o, *torch.autograd.grad((o * do).sum(), (q, inv_freq, positions)))
+        with torch.no_grad():
+            assert not rope_attention(q, k, v, impl=impl, inv_freq=inv_freq).requires_grad
+    for name, a, b in zip(("o", "dq", "dinv_freq", "dpositions"), *out.values(), strict=True):
+        # sums over every position: relative to their size
+        assert_close(name, a, b, atol=1e-5 * max(1.0, b.abs().max().item()), rtol=1e-5)
 
 
 def test_size_limits_bind_only_the_fused_kernel():
@@ -631,12 +652,6 @@ BAD_INPUTS = [
         "NQ=8 > NK=4: queries cannot take the last NQ rows of angles; pass q_angles",
     ),
     (
-        "angles with grad",
-        lambda q, k, v: (q, k, v, {"angles": _angles().requires_grad_()}),
-        ValueError,
-        "angles requires grad, but the Triton kernels treat it as a constant",
-    ),
-    (
         "integer angles",
         lambda q, k, v: (q, k, v, {"angles": _angles().long()}),
         TypeError,
@@ -700,23 +715,6 @@ BAD_INPUTS = [
         lambda q, k, v: (q, k, v, {"inv_freq": torch.ones(16, device=q.device).half()}),
         TypeError,
         "inv_freq must have dtype",
-    ),
-    (
-        "inv_freq with grad",
-        lambda q, k, v: (q, k, v, {"inv_freq": torch.ones(16, device=q.device).requires_grad_()}),
-        ValueError,
-        r"inv_freq requires grad.*rope_attention_ref",
-    ),
-    (
-        "positions with grad",
-        lambda q, k, v: (
-            q,
-            k,
-            v,
-            {"positions": torch.arange(8.0, device=q.device).requires_grad_()},
-        ),
-        ValueError,
-        "positions requires grad",
     ),
     (
         "inv_freq len",
@@ -1173,6 +1171,7 @@ def _random_case(rng: random.Random) -> tuple[tuple, dict, int]:
         softmax_scale=rng.choice([None, rng.uniform(0.03, 0.5)]),
         transposed=rng.random() < 0.3,
         impl=rng.choice(["fused", "fused", "auto", "separate"]),
+        learn=rng.random() < 0.3,
     )
     if kw["impl"] == "separate" and kw["causal"] and NQ > NK:
         kw["impl"] = "auto"  # SDPA has no kernel for causal queries that see no key

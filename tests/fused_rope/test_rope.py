@@ -387,19 +387,61 @@ def test_inplace_write_is_seen_by_autograd_of_other_ops():
         y.backward()
 
 
-def test_angles_that_require_grad_are_refused_in_grad_mode():
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("source", ["shared", "batch", "inv_freq"])
+@pytest.mark.parametrize("with_k", [False, True], ids=["q", "qk"])
+def test_gradients_of_angles_and_frequencies(with_k, source, layout, dtype):
+    """``angles`` (shared by the batch or per batch) and ``inv_freq`` (positions from an
+    offset) get the reference's gradients: ``pair_cross`` of the inputs and the backward's
+    gradients, summed over the heads, q's rows into k's last ones, and the batch for a shared
+    table; the flash-attention rule against the reference in the inputs' dtype."""
+    B, HQ, HK, NQ, N, D, R, offset = 2, 3, 2, 7, 12, 32, 24, 5
+    q = torch.randn(B, HQ, NQ if with_k else N, D, device=DEVICE, dtype=dtype)
+    k = torch.randn(B, HK, N, D, device=DEVICE, dtype=dtype) if with_k else None
+    inv_freq = rope_frequencies(R, 500.0, device=DEVICE)[0]
+    if source == "inv_freq":
+        leaf = inv_freq.requires_grad_()
+        table = lambda: rope_angles(torch.arange(offset, offset + N, device=DEVICE), leaf)
+        kw = dict(inv_freq=leaf, position_offset=offset)
+    else:
+        leaf = _angles(B, N, R, per_batch=source == "batch").requires_grad_()
+        table, kw = lambda: leaf, dict(angles=leaf)
+    dq_out = torch.randn(q.shape, device=DEVICE, dtype=dtype)
+    dk_out = None if k is None else torch.randn(k.shape, device=DEVICE, dtype=dtype)
+    common = dict(layout=layout, rope_dim=R)
+
+    def loss(q_out, k_out):
+        k_term = 0.0 if k is None else (k_out.float() * dk_out).sum()
+        return (q_out.float() * dq_out).sum() + k_term
+
+    def reference(cast):
+        angles = table()
+        q_out = apply_rope_ref(cast(q), cast(angles)[..., N - q.shape[2] :, :], output_scale=0.5,
+                               **common)  # fmt: skip
+        k_out = None if k is None else apply_rope_ref(cast(k), cast(angles), **common)
+        return torch.autograd.grad(loss(q_out, k_out), leaf)[0]
+
+    if k is None:
+        out = apply_rope(q, output_scale=0.5, **common, **kw), None
+    else:
+        out = apply_rope_qk(q, k, q_scale=0.5, **common, **kw)
+    grad = torch.autograd.grad(loss(*out), leaf)[0]
+    assert grad.shape == leaf.shape and grad.dtype == torch.float32
+    ref = reference(lambda x: x.double())
+    assert_close_to_baseline(f"d{source}", grad, ref, reference(lambda x: x))
+
+
+def test_inplace_rotation_refuses_angles_that_require_grad():
     x = torch.randn(1, 2, 9, 16, device=DEVICE)
     angles = _angles(1, 9, 16, per_batch=False).requires_grad_()
-    with pytest.raises(ValueError, match="angles requires grad"):
-        apply_rope(x, angles)
-    with pytest.raises(ValueError, match="angles requires grad"):
-        apply_rope_qk(x, x, angles)
-    out = apply_rope(x, angles.detach())
+    with pytest.raises(ValueError, match="inplace=True has no backward, but angles requires"):
+        apply_rope(x, angles, inplace=True)
+    inv_freq = rope_frequencies(16, device=DEVICE)[0].requires_grad_()
+    with pytest.raises(ValueError, match="inplace=True has no backward, but inv_freq requires"):
+        apply_rope(x, inv_freq=inv_freq, inplace=True)
     with torch.no_grad():
-        assert torch.equal(apply_rope(x, angles), out)
-    inv_freq = rope_frequencies(16)[0].to(DEVICE).requires_grad_()
-    with pytest.raises(ValueError, match="inv_freq requires grad"):
-        apply_rope(x, inv_freq=inv_freq)
+        assert torch.equal(apply_rope(x.clone(), angles, inplace=True), apply_rope(x, angles))
 
 
 def test_angle_tables_of_any_strides_are_read_as_such():
@@ -432,6 +474,11 @@ def test_custom_ops_pass_torch_library_opcheck():
     inv_freq = rope_frequencies(16)[0].to(DEVICE)
     torch.library.opcheck(ops.rope_qk, (x, k, inv_freq, "half", 16, 2.0, 1.0, False, 7))
     torch.library.opcheck(ops.rope, (x, inv_freq, "interleaved", 16, 0.5, False, 7))
+    # angles and frequencies that need a gradient: q and k are saved for it
+    torch.library.opcheck(
+        ops.rope_qk, (x, k, angles.requires_grad_(), "half", 16, 2.0, 1.0, False, 0)
+    )
+    torch.library.opcheck(ops.rope, (x, inv_freq.requires_grad_(), "half", 16, 0.5, True, 7))
 
 
 def _compile_case(dtype):
