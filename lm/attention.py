@@ -146,16 +146,36 @@ class RotaryFrequencies(nn.Module):
     recomputed for each sequence length (the schedule depends on it). A buffer that follows
     the model's device but stays fp32 when the model is cast to half precision (fp64 with an
     fp64 model): bf16 frequencies would be off by up to 2^-9 of each, phase errors that grow
-    with the position."""
+    with the position.
 
-    def __init__(self, rope_dim: int, theta: float, scaling: dict | None) -> None:
+    ``learn=True``: the frequencies are a parameter, ``log_inv_freq`` (R/2,), initialised from
+    the schedule and learned in log space, so that AdamW's steps change each frequency by a
+    like fraction (in linear space a step of the learning rate's size would swamp the lowest
+    frequencies, 1e-4 at theta = 10^4); fp32 whatever the model is cast to. Not with dynamic
+    NTK, whose frequencies follow the sequence length."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling: dict | None, learn: bool = False):
         super().__init__()
         self.rope_dim, self.theta, self.scaling = rope_dim, theta, scaling
         self.dynamic = scaling is not None and scaling.get("type") == "dynamic"
         inv_freq, self.attention_factor = rope_frequencies(rope_dim, theta, scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (R/2,)
+        self.learn = learn
+        if not learn:
+            self.register_buffer("inv_freq", inv_freq, persistent=False)  # (R/2,)
+            return
+        if self.dynamic:
+            raise ValueError(
+                "attention.learn_freq=true cannot learn dynamic NTK's frequencies, which are "
+                "recomputed for each sequence length; pick another attention.scaling.type"
+            )
+        self.log_inv_freq = nn.Parameter(inv_freq.log())
 
     def _apply(self, fn, recurse=True):
+        if self.learn:  # .to(), .cuda(): the device; a half dtype would round what was learned
+            kept = self.log_inv_freq.data
+            super()._apply(fn, recurse)
+            self.log_inv_freq.data = kept.to(self.log_inv_freq.device)
+            return self
         super()._apply(fn, recurse)  # .to(), .cuda(), .bfloat16(), ...: device and dtype
         if self.inv_freq.dtype not in (torch.float32, torch.float64):  # recomputed, not upcast
             inv_freq = rope_frequencies(self.rope_dim, self.theta, self.scaling)[0]
@@ -164,6 +184,8 @@ class RotaryFrequencies(nn.Module):
 
     def for_length(self, seq_len: int) -> tuple[torch.Tensor, float]:
         """``(inv_freq (R/2,), attention_factor)`` for sequences of ``seq_len`` tokens."""
+        if self.learn:
+            return self.log_inv_freq.exp(), self.attention_factor
         if not self.dynamic:
             return self.inv_freq, self.attention_factor
         inv_freq, factor = rope_frequencies(
@@ -203,7 +225,8 @@ class RopeAttention(Attention):
         # Plain values, not the config: torch.compile traces them without a graph break
         self.impl, self.layout = cfg.impl, cfg.layout
         self.rope_dim = _rope_dim(cfg, self.head_dim)
-        self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
+        scaling = scaling_dict(cfg.scaling)
+        self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling, cfg.learn_freq)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         inv_freq, factor = self.freqs.for_length(k.shape[2])

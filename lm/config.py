@@ -105,6 +105,8 @@ class RopeAttentionConfig(AttentionConfig):
     rope_dim: int | None = None  # rotated channels per head; null = the head dim
     layout: str = "half"  # half (GPT-NeoX, Llama) | interleaved (GPT-J)
     scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # Learn the frequencies (in log space, from the schedule's), one set per layer
+    learn_freq: bool = False
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import lm.distributed
 import lm.training
+from fused_rope.frequencies import rope_frequencies
 from lm.checkpoint import load_checkpoint, read_jsonl, save_checkpoint, write_json
 from lm.data.base import IGNORE_INDEX, LMDataset
 from lm.loggers import NullLogger
@@ -208,6 +209,27 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, log_every):
     assert len(train_losses(tmp_path / "full")) == 8 // log_every
     for key in ("test/loss", "ood_long/loss", "best_val_loss"):
         assert resumed[key] == full[key], key
+
+
+def test_learned_rope_frequencies_train_and_resume(tmp_path):
+    """``attention.learn_freq=true``: every layer's frequencies move from the schedule's, the
+    checkpoint holds them, and a resumed run ends where the uninterrupted one does."""
+    cfg = compose_cfg(
+        *SMALL, "attention=rope", "attention.learn_freq=true", "train.device=cpu",
+        "train.steps=6", "train.ckpt_every=3", "train.eval_every=0",
+    )  # fmt: skip
+    full = train(cfg, output_dir=str(tmp_path / "full"))
+    state = load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"]
+    learned = [v for k, v in state.items() if k.endswith("attn.freqs.log_inv_freq")]
+    assert len(learned) == cfg.model.n_layer
+    head_dim = cfg.model.d_model // cfg.model.n_head
+    start = rope_frequencies(head_dim, cfg.attention.theta)[0].log()
+    assert all(x.dtype == torch.float32 and not torch.equal(x, start) for x in learned)
+    train_killed_at_step(cfg, tmp_path / "cut", 5)
+    cfg.train.resume = True
+    resumed = train(cfg, output_dir=str(tmp_path / "cut"))
+    assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
+    assert resumed["test/loss"] == full["test/loss"]
 
 
 class RecordingLogger:

@@ -1208,14 +1208,16 @@ def test_random_configurations(seed):
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch, dynamic):
     """Fake-tensor and autograd registrations: fullgraph tracing (aot_eager, any device) gives
-    the eager gradients, for default and for explicit positions and angles; with dynamic=True
-    too (the sizes and the float defaults symbolic, which the input checks and dispatch must
-    trace)."""
+    the eager gradients, for default and for explicit positions, angles and learned
+    frequencies; with dynamic=True too (the sizes and the float defaults symbolic, which the
+    input checks and dispatch must trace)."""
     q, k, v = (torch.randn(1, 4, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
     pos = torch.arange(40, device=DEVICE) * 2
-    angles = _mrope(rope_frequencies(32, device=DEVICE)[0], 1, 40)
+    angles = _mrope(rope_frequencies(32, device=DEVICE)[0], 1, 40).requires_grad_()
+    freqs = rope_frequencies(32, 500.0, device=DEVICE)[0].requires_grad_()
+    leaves = (q, k, v, angles, freqs)
 
-    def f(q, k, v):
+    def f(q, k, v, angles, freqs):
         o, lse = rope_attention(q, k[:, :2], v[:, :2], return_lse=True, layout="interleaved")
         o2 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16, impl="fused")
         o3 = rope_attention(q, k[:, :1], v[:, :1], positions=pos, rope_dim=16)  # the RoPE op
@@ -1223,16 +1225,18 @@ def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch, dynamic):
         o4 = rope_attention(q[:, :, :15], k[:, :2], v[:, :2])
         o5 = rope_attention(q, k[:, :2], v[:, :2], angles=angles, impl="fused")
         o6 = rope_attention(q, k[:, :2], v[:, :2], angles=angles)  # the RoPE op
+        o7 = rope_attention(q, k[:, :1], v[:, :1], inv_freq=freqs, impl="fused")
+        o8 = rope_attention(q, k[:, :1], v[:, :1], inv_freq=freqs)  # the RoPE op
         o = (o.float() ** 2).sum() + lse.sum() + (o2 * o2).sum() + o3.square().sum()
-        return o + o4.square().sum() + o5.square().sum() + o6.square().sum()
+        o = o + o4.square().sum() + o5.square().sum() + o6.square().sum()
+        return o + o7.square().sum() + o8.square().sum()
 
     # the prefill's eager dispatch as under compile (a GPU could take SDPA's kernel for it)
     monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: False)
-    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
-    traced = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)(q, k, v)
-    for name, a, b in zip(
-        ("dq", "dk", "dv"), eager, torch.autograd.grad(traced, (q, k, v)), strict=True
-    ):
+    eager = torch.autograd.grad(f(*leaves), leaves)
+    traced = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)(*leaves)
+    names = ("dq", "dk", "dv", "dangles", "dinv_freq")
+    for name, a, b in zip(names, eager, torch.autograd.grad(traced, leaves), strict=True):
         assert torch.equal(a, b), name
 
 

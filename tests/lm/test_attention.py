@@ -216,6 +216,48 @@ def test_casting_the_module_keeps_the_frequencies_exact(name):
     assert torch.equal(attn.freqs.inv_freq, expected.double())
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_learned_rope_frequencies(impl):
+    """``learn_freq=true``: the schedule's frequencies as a parameter in log space, the same
+    attention at initialisation, a gradient that both paths agree on (the Triton one from
+    q's and k's gradients), and fp32 values whatever the module is cast to."""
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
+    fixed = build_attention(attn_cfg("rope", impl="torch", scaling=scaling), 64, 4, 2)
+    learned = build_attention(
+        attn_cfg("rope", impl=impl, scaling=scaling, learn_freq=True), 64, 4, 2
+    )
+    expected = rope_frequencies(16, 10000.0, scaling)[0]
+    log_freq = learned.freqs.log_inv_freq
+    assert isinstance(log_freq, torch.nn.Parameter) and log_freq.dtype == torch.float32
+    assert torch.equal(log_freq, expected.log())
+    assert [n for n, _ in learned.named_parameters()].count("freqs.log_inv_freq") == 1
+    fixed, learned = fixed.to(DEVICE), learned.to(DEVICE)
+    q, k, v = qkv()
+    do = torch.randn_like(q)
+    out = learned.attend(q, k, v)
+    assert_close("o", out, fixed.attend(q, k, v), atol=1e-5, rtol=1e-5)
+    (grad,) = torch.autograd.grad((out * do).sum(), log_freq)
+    ref = build_attention(attn_cfg("rope", impl="torch", scaling=scaling, learn_freq=True),
+                          64, 4, 2).to(DEVICE)  # fmt: skip
+    (ref_grad,) = torch.autograd.grad((ref.attend(q, k, v) * do).sum(), ref.freqs.log_inv_freq)
+    assert grad.abs().max() > 0
+    assert_close("dlog_inv_freq", grad, ref_grad, atol=1e-5 * ref_grad.abs().max().item(),
+                 rtol=1e-5)  # fmt: skip
+    with torch.no_grad():
+        log_freq.add_(0.01)
+    learned.bfloat16()
+    assert learned.wq.weight.dtype == torch.bfloat16
+    assert learned.freqs.log_inv_freq.dtype == torch.float32
+    assert torch.equal(learned.freqs.log_inv_freq, expected.log().to(DEVICE) + 0.01)
+
+
+def test_learned_rope_frequencies_refuse_dynamic_ntk():
+    dynamic = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    with pytest.raises(ValueError, match="cannot learn dynamic NTK's frequencies"):
+        build_attention(attn_cfg("rope", scaling=dynamic, learn_freq=True), 64, 4, 2)
+
+
 def test_unknown_attention_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown attention.name 'alibi'.*corope"):
         build_attention(OmegaConf.create({"name": "alibi"}), 64, 4, 2)
