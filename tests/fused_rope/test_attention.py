@@ -188,7 +188,7 @@ def _check_case(
     for name, g, g64, gb in zip(names, grads, grads64, grads_b, strict=True):
         expected_dtype = dtype if name in ("dq", "dk", "dv") else g64.dtype  # rotation: fp32
         assert g.shape == g64.shape and g.dtype == expected_dtype, name
-        assert_close_to_baseline(name, g, g64, gb)
+        assert_close_to_baseline(name, g, g64, gb, compute_dtype=dtype)
 
 
 # ------------------------------------------------------------- interpreter-sized subset
