@@ -6,6 +6,12 @@ Providers (causal, fp16 and bf16, forward and forward+backward):
 * ``fused``: the fused Triton kernel alone (``impl="fused"``, default positions).
 * ``fused_pos_tensor``: the fused kernel given ``positions`` as a tensor (the same kernels;
   their cos/sin tables then come from the tensor and hold a row per batch row if it has one).
+* ``rope_attention_mrope``: ``rope_attention`` given ``angles`` (M-RoPE: ``mrope_angles`` of
+  three position axes, here all equal to the token index, so the same rotation; Qwen2-VL's
+  sections scaled to the head): the cost of reading an angle table instead of forming
+  ``position * inv_freq``.
+* ``rope_attention_learned_freq``: ``rope_attention`` given an ``inv_freq`` that requires grad
+  (learned frequencies): forward+backward includes their gradient (``fused_rope._angle_grads``).
 * ``triton_rope+sdpa``: ``impl="separate"``, this project's Triton RoPE over q and k
   (``fused_rope.rope.apply_rope_qk``) then PyTorch's SDPA.
 * ``sdpa_no_rope``: ``scaled_dot_product_attention`` without RoPE, the floor.
@@ -64,7 +70,7 @@ from experiments.results_io import (  # noqa: E402
 )
 from experiments.timing import input_sets, peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
-from fused_rope.frequencies import rope_angles, rope_frequencies  # noqa: E402
+from fused_rope.frequencies import mrope_angles, rope_angles, rope_frequencies  # noqa: E402
 
 OP = "rope_attention"
 # name -> (B, HQ, HKV, NQ, NK, D)
@@ -127,11 +133,18 @@ def eager_rope_sdpa(q, k, v, cos, sin):
 
 def providers(cos, sin, device, square: bool) -> dict:
     """name -> fn(q, k, v) -> o, or a string saying why the provider cannot run."""
-    N = cos.shape[-2]
+    N, D = cos.shape[-2:]
     positions = torch.arange(N, device=device)
     cos4, sin4 = cos[None, None], sin[None, None]
+    inv_freq = rope_frequencies(D, device=device)[0]
+    half = D // 2  # Qwen2-VL's sections [16, 24, 24] of 64 frequencies, scaled to the head
+    sections = [half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8]
+    mrope = mrope_angles(positions.expand(3, N), inv_freq, sections)
+    learned = inv_freq.clone().requires_grad_()  # its .grad accumulates over the timed calls
     out = {
         MAIN: lambda q, k, v: rope_attention(q, k, v),
+        "rope_attention_mrope": lambda q, k, v: rope_attention(q, k, v, angles=mrope),
+        "rope_attention_learned_freq": lambda q, k, v: rope_attention(q, k, v, inv_freq=learned),
         "fused": lambda q, k, v: rope_attention(q, k, v, impl="fused"),
         "fused_pos_tensor": lambda q, k, v: rope_attention(
             q, k, v, positions=positions, impl="fused"
