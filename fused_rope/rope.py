@@ -43,13 +43,38 @@ from fused_rope._validation import (
 
 
 @triton.jit
+def _load_pairs(
+    row, mask_row, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
+    HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """The rotary pairs ``(x1, x2)`` (fp32 ``[BLOCK_H, BLOCK_N, HALF_P]``) of the rows ``row``
+    ``[BLOCK_H, BLOCK_N, 1]``, and the mask of their channels. Interleaved: one contiguous
+    load of the R rotated channels, then split into (even, odd) pairs in registers (strided
+    loads of every other channel would not vectorize)."""
+    offs_d = tl.arange(0, HALF_P)[None, None, :]
+    if INTERLEAVED:
+        offs_c = tl.arange(0, 2 * HALF_P)[None, None, :]
+        mask = mask_row & (offs_c < R)
+        x = tl.load(row + offs_c, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_N, HALF_P, 2)))
+    else:
+        mask = mask_row & (offs_d < R // 2)
+        x1 = tl.load(row + offs_d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + R // 2 + offs_d, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2, mask
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     y_ptr,
+    a_ptr,
     stride_xh,
     stride_xn,
     stride_yh,
     stride_yn,
+    stride_ah,
+    stride_an,
     offs_n,
     mask_n,
     cos,
@@ -65,50 +90,52 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     COPY_PASS: tl.constexpr,
+    ANGLE_GRAD: tl.constexpr,
 ):
     """Rotates the ``[BLOCK_N]`` positions ``offs_n`` of heads ``[h_lo, h_hi)`` of one batch
-    element (an empty range does nothing).
+    element (an empty range does nothing). Returns ``[BLOCK_N, HALF_P]`` fp32: with
+    ``ANGLE_GRAD``, ``sum_heads a1 y2 - a2 y1`` over the rows of ``a_ptr`` (the rotation's
+    input when this launch is its backward: ``y`` is then its gradient, so the sum is the
+    angles' gradient, ``fused_rope/_angle_grads.py``), from ``y`` in fp32, before its rounding
+    to the output's dtype; zeros otherwise.
 
-    ``x_ptr``/``y_ptr`` point at the batch element; ``cos``/``sin`` are ``[1, BLOCK_N, HALF_P]``
-    fp32. ``BLOCK_H`` heads are loaded per iteration so every thread has several independent
-    16-byte loads in flight (the kernel is bound by memory latency, not arithmetic).
+    ``x_ptr``/``y_ptr``/``a_ptr`` point at the batch element; ``cos``/``sin`` are
+    ``[1, BLOCK_N, HALF_P]`` fp32. ``BLOCK_H`` heads are loaded per iteration so every thread
+    has several independent 16-byte loads in flight (the kernel is bound by memory latency,
+    not arithmetic).
     """
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF_P)
     # int64 rows: one batch element of a long sequence can exceed 2**31 elements.
     n64 = offs_n.to(tl.int64)[None, :, None]
+    cross = tl.zeros([BLOCK_N, HALF_P], tl.float32)
     for h0 in tl.range(h_lo, h_hi, BLOCK_H):
         h = (h0 + offs_h).to(tl.int64)[:, None, None]
         mask_row = (h < h_hi) & mask_n[None, :, None]
         x_row = x_ptr + h * stride_xh + n64 * stride_xn  # [BLOCK_H, BLOCK_N, 1]
         y_row = y_ptr + h * stride_yh + n64 * stride_yn
+        x1, x2, mask = _load_pairs(x_row, mask_row, BLOCK_H, BLOCK_N, R, HALF_P, INTERLEAVED)
+        y1 = (x1 * cos - x2 * sin) * scale
+        y2 = (x2 * cos + x1 * sin) * scale
         if INTERLEAVED:
-            # One contiguous load of the R rotated channels, then split into (even, odd) pairs
-            # in registers: strided loads of every other channel would not vectorize.
-            offs_c = tl.arange(0, 2 * HALF_P)[None, None, :]
-            mask = mask_row & (offs_c < R)
-            x = tl.load(x_row + offs_c, mask=mask, other=0.0).to(tl.float32)
-            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_N, HALF_P, 2)))
-            y1 = (x1 * cos - x2 * sin) * scale
-            y2 = (x2 * cos + x1 * sin) * scale
             y = tl.reshape(tl.join(y1, y2), (BLOCK_H, BLOCK_N, 2 * HALF_P))
-            tl.store(y_row + offs_c, y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_row + tl.arange(0, 2 * HALF_P)[None, None, :],
+                     y.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
         else:
-            mask = mask_row & (offs_d < R // 2)[None, None, :]
-            x1 = tl.load(x_row + offs_d[None, None, :], mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row + (R // 2 + offs_d)[None, None, :], mask=mask, other=0.0)
-            x2 = x2.to(tl.float32)
-            y1 = (x1 * cos - x2 * sin) * scale
-            y2 = (x2 * cos + x1 * sin) * scale
             tl.store(y_row + offs_d[None, None, :], y1.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(
                 y_row + (R // 2 + offs_d)[None, None, :], y2.to(y_ptr.dtype.element_ty), mask=mask
             )
+        if ANGLE_GRAD:
+            a_row = a_ptr + h * stride_ah + n64 * stride_an
+            a1, a2, _ = _load_pairs(a_row, mask_row, BLOCK_H, BLOCK_N, R, HALF_P, INTERLEAVED)
+            cross += tl.sum(a1 * y2 - a2 * y1, axis=0)
         if COPY_PASS:
             offs_p = R + tl.arange(0, PASS_P)[None, None, :]
             mask = mask_row & (offs_p < D)
             xp = tl.load(x_row + offs_p, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_row + offs_p, (xp * scale).to(y_ptr.dtype.element_ty), mask=mask)
+    return cross
 
 
 # pos0 changes at every decoding step: one compiled kernel for all of its values
@@ -119,6 +146,15 @@ def _rope_kernel(
     q_out_ptr,
     k_out_ptr,
     angles_ptr,
+    aq_ptr,
+    ak_ptr,
+    d_angles_ptr,
+    stride_aqb,
+    stride_aqh,
+    stride_aqn,
+    stride_akb,
+    stride_akh,
+    stride_akn,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -153,6 +189,7 @@ def _rope_kernel(
     COPY_PASS: tl.constexpr,
     FAST_TRIG: tl.constexpr,
     FROM_INV_FREQ: tl.constexpr,
+    ANGLE_GRAD: tl.constexpr,
 ):
     """Program (n-tile, head chunk, b): positions ``[n0, n0 + BLOCK_N)`` of batch ``b`` in
     ``HEADS_PER_PROGRAM`` heads of the list "q's ``H_Q`` heads, then k's ``H_K``" (a chunk may
@@ -165,6 +202,9 @@ def _rope_kernel(
     ``FROM_INV_FREQ``: ``angles_ptr`` holds ``inv_freq`` ``[R/2]`` and the angles of the
     positions ``pos0..pos0+N-1`` are formed here, as the fp32 product ``rope_angles`` forms (no
     table, and no kernels to build one, which cost as much as this one at short sequences).
+    ``ANGLE_GRAD`` (a backward: q, k hold the cotangents, ``aq``, ``ak`` the forward's inputs):
+    also stores ``sum_heads a1 y2 - a2 y1`` of the program's heads (``_rotate_heads``) into
+    ``d_angles`` ``[head chunks, B, N, R/2]`` fp32 at ``(pid_h, b)``.
     """
     pid_n = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -192,18 +232,22 @@ def _rope_kernel(
         h_hi = h_lo + HEADS_PER_PROGRAM
         q_lo, q_hi = tl.minimum(h_lo, H_Q), tl.minimum(h_hi, H_Q)
         k_lo, k_hi = tl.maximum(h_lo - H_Q, 0), tl.minimum(h_hi - H_Q, H_K)
-    _rotate_heads(
-        q_ptr + pid_b * stride_qb, q_out_ptr + pid_b * stride_qob,
-        stride_qh, stride_qn, stride_qoh, stride_qon, offs_n - q_shift,
+    cross = _rotate_heads(
+        q_ptr + pid_b * stride_qb, q_out_ptr + pid_b * stride_qob, aq_ptr + pid_b * stride_aqb,
+        stride_qh, stride_qn, stride_qoh, stride_qon, stride_aqh, stride_aqn, offs_n - q_shift,
         mask_n & (offs_n >= q_shift), cos, sin, q_scale, q_lo, q_hi,
-        D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HQ, INTERLEAVED, COPY_PASS,
+        D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HQ, INTERLEAVED, COPY_PASS, ANGLE_GRAD,
     )  # fmt: skip
-    _rotate_heads(
-        k_ptr + pid_b * stride_kb, k_out_ptr + pid_b * stride_kob,
-        stride_kh, stride_kn, stride_koh, stride_kon, offs_n, mask_n, cos, sin, k_scale,
-        k_lo, k_hi,
-        D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HK, INTERLEAVED, COPY_PASS,
+    cross += _rotate_heads(
+        k_ptr + pid_b * stride_kb, k_out_ptr + pid_b * stride_kob, ak_ptr + pid_b * stride_akb,
+        stride_kh, stride_kn, stride_koh, stride_kon, stride_akh, stride_akn, offs_n, mask_n,
+        cos, sin, k_scale, k_lo, k_hi,
+        D, R, HALF_P, PASS_P, BLOCK_N, BLOCK_HK, INTERLEAVED, COPY_PASS, ANGLE_GRAD,
     )  # fmt: skip
+    if ANGLE_GRAD:  # q's rows are k's last ones: both heads' sums land in the row's slot
+        chunk = tl.program_id(1) * tl.num_programs(2) + pid_b
+        out = d_angles_ptr + (chunk * N + offs_n.to(tl.int64))[:, None] * (R // 2) + offs_d[None, :]
+        tl.store(out, cross, mask=mask_n[:, None] & (offs_d < R // 2)[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,14 +323,17 @@ def _launch(
     conjugate: bool,
     config: TileConfig | None,
     position_offset: int = 0,
-) -> None:
+    inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> torch.Tensor | None:
+    """Rotates ``q`` (and ``k``) into ``q_out`` (``k_out``). ``inputs``: a backward's launch
+    (q, k the cotangents) that also forms the angles' gradient from the forward's inputs
+    ``(q, k)``, returned as ``[head chunks, B, N, R/2]`` fp32 (sum it over the chunks)."""
     B, H_Q, NQ, D = q.shape
     H_K = 0 if k is None else k.shape[1]
     N = NQ if k is None else k.shape[2]  # the positions: k's, with q's rows the last NQ
-    if B == 0 or N == 0 or H_Q + H_K == 0:
-        return  # a grid with a zero dimension is not a valid launch
+    a_q, a_k = (q, k) if inputs is None else inputs
     if k is None:  # the k loop runs zero times; any valid pointer and strides do
-        k, k_out = q, q_out
+        k, k_out, a_k = q, q_out, a_q
     if angles.stride(-1) != 1:
         angles = angles.contiguous()  # [.., N, R/2] fp32 (or inv_freq): small next to q and k
     stride_ab = angles.stride(0) if angles.dim() == 3 else 0
@@ -294,9 +341,15 @@ def _launch(
     # In place with unit scale, the pass-through channels already hold the result.
     copy_pass = rope_dim < D and not (q_out is q and q_scale == 1.0 and k_scale == 1.0)
     heads = cfg.heads_per_program or H_Q + H_K
-    grid = (cdiv(N, cfg.block_n), cdiv(H_Q + H_K, heads), B)
+    grid = (cdiv(N, cfg.block_n), cdiv(H_Q + H_K, max(heads, 1)), B)
+    d_angles = None
+    if inputs is not None:
+        d_angles = torch.zeros(grid[1], B, N, rope_dim // 2, device=q.device, dtype=torch.float32)
+    if B == 0 or N == 0 or H_Q + H_K == 0:
+        return d_angles  # a grid with a zero dimension is not a valid launch
     _rope_kernel[grid](
-        q, k, q_out, k_out, angles,
+        q, k, q_out, k_out, angles, a_q, a_k, q_out if d_angles is None else d_angles,
+        a_q.stride(0), a_q.stride(1), a_q.stride(2), a_k.stride(0), a_k.stride(1), a_k.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
@@ -311,8 +364,10 @@ def _launch(
         INTERLEAVED=layout == "interleaved", CONJUGATE=conjugate, COPY_PASS=copy_pass,
         FAST_TRIG=fast_trig(q),
         FROM_INV_FREQ=angles.dim() == 1,
+        ANGLE_GRAD=inputs is not None,
         num_warps=cfg.num_warps,
     )  # fmt: skip
+    return d_angles
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
@@ -369,44 +424,63 @@ def rope_fwd(
 # --------------------------------------------------------------------------------------------
 
 
-def _angles_grad(q, k, dq, dk, angles, layout, rope_dim, conjugate, offset) -> torch.Tensor:
-    """The gradient of ``angles`` (an angle table ``[.., N, R/2]``, or ``inv_freq`` ``[R/2]``
-    for the positions ``offset..offset+N-1``) of a rotation of ``q`` (its rows k's last) and
-    ``k`` (or None) whose inputs' gradients are ``dq``, ``dk``: ``pair_cross`` summed over
-    every row a table row rotated, negated for the conjugate rotation."""
+def _rows_cross(q, k, dq, dk, layout, rope_dim) -> torch.Tensor:
+    """``pair_cross`` of q and k with their gradients, ``[B, N, R/2]``: q's rows add into
+    k's last ones, the table rows that rotated them (``k`` None: q's alone)."""
     grad = pair_cross(q, dq, layout, rope_dim)  # [B, NQ, R/2]
-    if k is not None:  # q's rows share k's last rows of the table
-        grad = pair_cross(k, dk, layout, rope_dim) + F.pad(grad, (0, 0, k.shape[2] - q.shape[2], 0))
+    if k is None:
+        return grad
+    return pair_cross(k, dk, layout, rope_dim) + F.pad(grad, (0, 0, k.shape[2] - q.shape[2], 0))
+
+
+def _angles_grad(cross, angles, conjugate, offset) -> torch.Tensor:
+    """The gradient of ``angles`` (an angle table ``[.., N, R/2]``, or ``inv_freq`` ``[R/2]``
+    for the positions ``offset..offset+N-1``) from ``cross`` ``[B, N, R/2]``, the table rows'
+    ``x1 dx2 - x2 dx1`` summed over what they rotated; negated for the conjugate rotation."""
     if conjugate:
-        grad = -grad
+        cross = -cross
     if angles.dim() > 1:
-        return rows_grad(grad, angles)
-    pos = torch.arange(offset, offset + grad.shape[1], device=grad.device)
-    return chain_positions(grad, pos, angles, (False, True))[1]
+        return rows_grad(cross, angles)
+    pos = torch.arange(offset, offset + cross.shape[1], device=cross.device)
+    return chain_positions(cross, pos, angles, (False, True))[1]
 
 
-def _saved_inputs(ctx, q, k, angles) -> None:
+def _saved_inputs(ctx, q, k, angles, q_scale, k_scale) -> None:
     """Saves the angles, with q and k only where the angles need a gradient (``_angles_grad``
-    reads them)."""
+    reads them), and the rotation's scales."""
+    ctx.scales = (q_scale, k_scale)
     ctx.angles_grad = angles.requires_grad
     ctx.save_for_backward(angles, *((q, k) if ctx.angles_grad else ()))
 
 
 def _backward_rotation(ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate, offset):
     """``(dq, dk, d_angles)`` from the saved tensors (``_saved_inputs``): ``rotate(dq_out,
-    dk_out, angles)`` rotates the cotangents back; ``conjugate`` is the forward's."""
+    dk_out, angles)`` rotates the cotangents back; ``conjugate`` is the forward's.
+
+    The angles' gradient: in an eager backward that is not itself recorded (no double
+    backward), the RoPE kernel forms it while it rotates the cotangents (one more read of q
+    and k; ``_launch``'s ``inputs``). Otherwise, where the backward must be differentiable or
+    traced, PyTorch does (``_rows_cross``), from gradients rotated in fp32: their rounding to a
+    half dtype would cost it ~2e-4 of relative error in fp16, where autograd of the
+    fp32-computing reference has ~1e-7 (the kernel sums before rounding too)."""
     angles, *inputs = ctx.saved_tensors
     if not ctx.angles_grad:
         return (*rotate(dq_out, dk_out, angles), None)
-    # The angles' gradient from the inputs' gradients before they are rounded to a half
-    # dtype: in fp16 that rounding alone would cost it ~2e-4 of relative error, where
-    # autograd of the fp32-computing reference has ~1e-7.
+    q, k = inputs
+    if runs_eagerly(dq_out) and not torch.is_grad_enabled():
+        dq_out, dk_out = (None if t is None else _unit_last_stride(t) for t in (dq_out, dk_out))
+        dq = torch.empty_like(dq_out)
+        dk = None if dk_out is None else torch.empty_like(dk_out)
+        cross = _launch(
+            dq_out, dq, dk_out, dk, angles, layout, rope_dim, *ctx.scales, not conjugate, None,
+            offset, inputs=(q, k),
+        ).sum(0)  # fmt: skip
+        return dq, dk, _angles_grad(cross, angles, conjugate, offset)
     wide = lambda t: None if t is None else t.float()
     dq, dk = rotate(wide(dq_out), wide(dk_out), angles)
-    q, k = inputs
-    d_angles = _angles_grad(q, k, dq, dk, angles, layout, rope_dim, conjugate, offset)
+    cross = _rows_cross(q, k, dq, dk, layout, rope_dim)
     narrow = lambda t, like: None if t is None else t.to(like.dtype)
-    return narrow(dq, dq_out), narrow(dk, dk_out), d_angles
+    return narrow(dq, dq_out), narrow(dk, dk_out), _angles_grad(cross, angles, conjugate, offset)
 
 
 class _RopeFunction(torch.autograd.Function):
@@ -421,7 +495,7 @@ class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset = inputs
-        _saved_inputs(ctx, q, k, angles)
+        _saved_inputs(ctx, q, k, angles, q_scale, k_scale)
         ctx.args = (layout, rope_dim, q_scale, k_scale, conjugate, offset)
 
     @staticmethod
@@ -464,7 +538,7 @@ def _(x, angles, layout, rope_dim, scale, conjugate, offset):
 
 def _rope_setup(ctx, inputs, output):
     x, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.conjugate, ctx.offset = inputs
-    _saved_inputs(ctx, x, None, angles)
+    _saved_inputs(ctx, x, None, angles, ctx.scale, 1.0)
 
 
 def _rope_backward(ctx, grad):
@@ -507,7 +581,7 @@ def _(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset):
 def _rope_qk_setup(ctx, inputs, output):
     q, k, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale = inputs[:7]
     ctx.conjugate, ctx.offset = inputs[7:]
-    _saved_inputs(ctx, q, k, angles)
+    _saved_inputs(ctx, q, k, angles, ctx.q_scale, ctx.k_scale)
 
 
 def _rope_qk_backward(ctx, dq_out, dk_out):
