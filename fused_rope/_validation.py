@@ -296,10 +296,13 @@ def check_angle_options(
         raise ValueError(
             f"angles replace positions * inv_freq: pass angles or {', '.join(given)}, not both"
         )
-    check_angles(angles, batch, nk, rope_dim, "angles")
-    if q_angles is not None:
-        check_angles(q_angles, batch, nq, rope_dim, "q_angles")
-    elif nq > nk:
+    # fp32 or fp64, as inv_freq and positions: in half precision, angles of far positions
+    # are off by whole radians
+    for name, x, n in (("angles", angles, nk), ("q_angles", q_angles, nq)):
+        if x is not None:
+            check_float_tensor(x, name, dtypes=FREQ_DTYPES)
+            check_angles(x, batch, n, rope_dim, name)
+    if q_angles is None and nq > nk:
         raise ValueError(
             f"NQ={nq} > NK={nk}: queries cannot take the last NQ rows of angles; pass q_angles"
         )

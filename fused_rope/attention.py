@@ -492,8 +492,8 @@ def rope_attention(
             2**24 (larger ones round, as in ``rope_angles``).
         q_positions: ``[NQ]`` or ``[B, NQ]``; default: the last NQ entries of ``positions``
             (for the default positions and ``NQ > NK``: ``NK-NQ..NK-1``).
-        angles: the keys' rotation angles ``[NK, R/2]`` or ``[B, NK, R/2]`` (any float dtype,
-            taken in fp32), for the schedules that are not one position times ``inv_freq``:
+        angles: the keys' rotation angles ``[NK, R/2]`` or ``[B, NK, R/2]``, fp32 or fp64
+            (taken in fp32), for the schedules that are not one position times ``inv_freq``:
             M-RoPE (``frequencies.mrope_angles``, Qwen2-VL, Qwen3-VL), N-D RoPE
             (``nd_rope_angles``). Replaces ``positions * inv_freq``: not with ``inv_freq``,
             ``positions`` or ``q_positions`` (theta is then unused).

@@ -696,8 +696,8 @@ def _kernel_angles(
         check_inv_freq(inv_freq, rope_dim)
     if t.dtype != torch.float32:
         raise TypeError(
-            f"{name} must be float32 (in half precision, far positions are off by whole "
-            f"radians), got {t.dtype}"
+            f"{name} must be float32 (the kernel's; in half precision, far positions are off by "
+            f"whole radians), got {t.dtype}: pass {name}.float()"
         )
     # the reference has forward-mode derivatives; inv_freq reaches it through rope_angles
     reference = "fused_rope.naive.apply_rope_ref" + (

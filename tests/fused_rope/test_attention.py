@@ -652,6 +652,12 @@ BAD_INPUTS = [
         "NQ=8 > NK=4: queries cannot take the last NQ rows of angles; pass q_angles",
     ),
     (
+        "bf16 angles",
+        lambda q, k, v: (q, k, v, {"angles": _angles().bfloat16()}),
+        TypeError,
+        r"angles must have dtype in \['torch.float32', 'torch.float64'\], got torch.bfloat16",
+    ),
+    (
         "integer angles",
         lambda q, k, v: (q, k, v, {"angles": _angles().long()}),
         TypeError,
