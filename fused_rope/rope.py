@@ -738,9 +738,9 @@ def apply_rope(
         output_scale: multiplies the whole output (rotated and pass-through channels);
             the backward uses the same scale.
         inplace: write the result into ``x``'s storage and return ``x``. Forward only:
-            refused (``ValueError``) when grad mode is on and ``x`` requires grad, when
-            elements of ``x`` may share memory, and for an inference tensor outside
-            ``torch.inference_mode()``.
+            refused (``ValueError``) when grad mode is on and ``x`` (or ``angles``, or
+            ``inv_freq``) requires grad, when elements of ``x`` may share memory, and for an
+            inference tensor outside ``torch.inference_mode()``.
         position_offset: with ``inv_freq``, the positions are ``position_offset ..
             position_offset + N - 1`` (new tokens after a KV cache of that many), with no
             position tensor or angle table built per call. An int >= 0, with

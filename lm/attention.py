@@ -172,9 +172,18 @@ class RotaryFrequencies(nn.Module):
 
     def _apply(self, fn, recurse=True):
         if self.learn:  # .to(), .cuda(): the device; a half dtype would round what was learned
-            kept = self.log_inv_freq.data
+            param = self.log_inv_freq
+            # .data: Module._apply swaps the data of the parameter and of its gradient in place
+            kept, kept_grad = param.data, None if param.grad is None else param.grad.data
             super()._apply(fn, recurse)
-            self.log_inv_freq.data = kept.to(self.log_inv_freq.device)
+            param = self.log_inv_freq
+            if param.dtype != kept.dtype:  # the values (and gradient) as they were, moved
+                if kept.is_meta:  # to_empty(): no values to keep, only the dtype
+                    param.data = param.data.to(kept.dtype)
+                else:
+                    param.data = kept.to(param.device)
+                if kept_grad is not None:
+                    param.grad = kept_grad.to(param.device)
             return self
         super()._apply(fn, recurse)  # .to(), .cuda(), .bfloat16(), ...: device and dtype
         if self.inv_freq.dtype not in (torch.float32, torch.float64):  # recomputed, not upcast

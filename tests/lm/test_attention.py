@@ -219,8 +219,9 @@ def test_casting_the_module_keeps_the_frequencies_exact(name):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_learned_rope_frequencies(impl):
     """``learn_freq=true``: the schedule's frequencies as a parameter in log space, the same
-    attention at initialisation, a gradient that both paths agree on (the Triton one from
-    q's and k's gradients), and fp32 values whatever the module is cast to."""
+    attention at initialisation, the float64 reference's gradient on both paths (the Triton
+    one from q's and k's gradients), and fp32 values (and gradients) whatever the module is
+    cast to."""
     scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}  # fmt: skip
     fixed = build_attention(attn_cfg("rope", impl="torch", scaling=scaling), 64, 4, 2)
@@ -238,18 +239,23 @@ def test_learned_rope_frequencies(impl):
     out = learned.attend(q, k, v)
     assert_close("o", out, fixed.attend(q, k, v), atol=1e-5, rtol=1e-5)
     (grad,) = torch.autograd.grad((out * do).sum(), log_freq)
-    ref = build_attention(attn_cfg("rope", impl="torch", scaling=scaling, learn_freq=True),
-                          64, 4, 2).to(DEVICE)  # fmt: skip
-    (ref_grad,) = torch.autograd.grad((ref.attend(q, k, v) * do).sum(), ref.freqs.log_inv_freq)
+    # the float64 truth: attention of the reference's rotation by the learned frequencies
+    leaf = log_freq.detach().clone().requires_grad_()
+    angles = rope_angles(torch.arange(q.shape[2], device=DEVICE), leaf.exp()).double()
+    rotate = lambda x: apply_rope_ref(x.double(), angles, "half", 16)
+    ref = causal_attention64(rotate(q), rotate(k), v)
+    (ref_grad,) = torch.autograd.grad((ref * do.double()).sum(), leaf)
     assert grad.abs().max() > 0
     assert_close("dlog_inv_freq", grad, ref_grad, atol=1e-5 * ref_grad.abs().max().item(),
                  rtol=1e-5)  # fmt: skip
     with torch.no_grad():
         log_freq.add_(0.01)
+    log_freq.grad = grad.clone()  # Module._apply casts a gradient's data in place
     learned.bfloat16()
     assert learned.wq.weight.dtype == torch.bfloat16
     assert learned.freqs.log_inv_freq.dtype == torch.float32
     assert torch.equal(learned.freqs.log_inv_freq, expected.log().to(DEVICE) + 0.01)
+    assert torch.equal(learned.freqs.log_inv_freq.grad, grad)  # an optimizer step still runs
 
 
 def test_learned_rope_frequencies_refuse_dynamic_ntk():
