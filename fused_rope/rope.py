@@ -344,7 +344,8 @@ def _launch(
     grid = (cdiv(N, cfg.block_n), cdiv(H_Q + H_K, max(heads, 1)), B)
     d_angles = None
     if inputs is not None:
-        d_angles = torch.zeros(grid[1], B, N, rope_dim // 2, device=q.device, dtype=torch.float32)
+        # every program stores all of its rows (zeros where no head of it reaches them)
+        d_angles = torch.empty(grid[1], B, N, rope_dim // 2, device=q.device, dtype=torch.float32)
     if B == 0 or N == 0 or H_Q + H_K == 0:
         return d_angles  # a grid with a zero dimension is not a valid launch
     _rope_kernel[grid](
@@ -406,15 +407,23 @@ def rope_fwd(
     input's strides when it is dense (e.g. a ``[B, N, H, D]`` buffer viewed as
     ``[B, H, N, D]``), contiguous otherwise.
     """
+    return _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, config,
+                    position_offset)[:2]  # fmt: skip
+
+
+def _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, config, offset,
+             inputs=None):  # fmt: skip
+    """``rope_fwd``'s outputs and ``_launch``'s angles' gradient: ``(q_out, k_out,
+    d_angles)`` (``d_angles`` None without ``inputs``)."""
     q = _unit_last_stride(q)
     k = None if k is None else _unit_last_stride(k)
     q_out = torch.empty_like(q)
     k_out = None if k is None else torch.empty_like(k)
-    _launch(
+    d_angles = _launch(
         q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale, conjugate, config,
-        position_offset,
+        offset, inputs,
     )  # fmt: skip
-    return q_out, k_out
+    return q_out, k_out, d_angles
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,14 +479,11 @@ def _backward_rotation(ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate,
         return (*rotate(dq_out, dk_out, angles), None)
     q, k = inputs
     if runs_eagerly(dq_out) and not torch.is_grad_enabled():
-        dq_out, dk_out = (None if t is None else _unit_last_stride(t) for t in (dq_out, dk_out))
-        dq = torch.empty_like(dq_out)
-        dk = None if dk_out is None else torch.empty_like(dk_out)
-        cross = _launch(
-            dq_out, dq, dk_out, dk, angles, layout, rope_dim, *ctx.scales, not conjugate, None,
-            offset, inputs=(q, k),
-        ).sum(0)  # fmt: skip
-        return dq, dk, _angles_grad(cross, angles, conjugate, offset)
+        dq, dk, cross = _rotated(
+            dq_out, dk_out, angles, layout, rope_dim, *ctx.scales, not conjugate, None, offset,
+            (q, k),
+        )  # fmt: skip
+        return dq, dk, _angles_grad(cross.sum(0), angles, conjugate, offset)
     wide = lambda t: None if t is None else t.float()
     dq, dk = rotate(wide(dq_out), wide(dk_out), angles)
     cross = _rows_cross(q, k, dq, dk, layout, rope_dim)
