@@ -1245,7 +1245,13 @@ def test_torch_compile_fullgraph_traces_the_custom_ops(monkeypatch, dynamic):
     traced = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)(*leaves)
     names = ("dq", "dk", "dv", "dangles", "dinv_freq")
     for name, a, b in zip(names, eager, torch.autograd.grad(traced, leaves), strict=True):
-        assert torch.equal(a, b), name
+        if name in ("dangles", "dinv_freq"):
+            # Sums over rows: an eager backward forms the RoPE op's share in its kernel, a
+            # traced one in PyTorch (fused_rope.rope._backward_rotation), in another order
+            # (seen on an H200: equal to print precision, not bitwise)
+            assert_close(name, b, a, atol=1e-5 * a.abs().max().item(), rtol=1e-6)
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_separate_prefill_under_compile_is_refused():
