@@ -29,8 +29,10 @@ iff ``j <= i + NK - NQ`` (by index, whatever the positions). A query that sees n
 (possible when ``NQ > NK``) gets ``o = 0``, ``lse = -inf`` and zero gradients.
 
 Tried and not kept: V read through a TMA descriptor (forward, H200: 1-4% slower at 2K to
-16K tokens). Triton 3.6's Hopper warp specialization aborts on the forward's key loop
-(``fused_rope/README.md``).
+16K tokens). One tile for the rotated Q and K, so one dot for the scores, with K and V through
+TMA descriptors (session 36: up to 11% slower; a Q tile computed in registers feeds the
+tensor cores from registers, re-read every key tile). Triton 3.6's Hopper warp specialization
+aborts on the forward's key loop (``fused_rope/README.md``).
 """
 
 from __future__ import annotations
