@@ -1,6 +1,7 @@
 """The public Co-RoPE-GQA attention: input checks, torch custom ops, autograd.
 
-``corope::attention`` (forward: ``o, lse``) and ``corope::attention_backward`` (``dq, dk, dv``)
+``corope::attention`` (forward: ``o, lse``) and ``corope::attention_backward`` (``dq, dk, dv``
+and, for learned frequencies, ``dinv_freq``)
 are ``torch.library`` custom ops with fake (meta) implementations, so
 ``torch.compile(fullgraph=True)`` traces through them; ``register_autograd`` ties the
 backward op to the forward. The same ops run the kernels in the Triton interpreter on the
@@ -19,7 +20,6 @@ from fused_rope._validation import (
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
     check_bool,
-    check_constant,
     check_kernel_device,
     check_no_functorch,
     check_no_tangent,
@@ -83,29 +83,24 @@ def _attention_backward_op(
     leader: str,
     detach_mileage: bool,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return corope_bwd(
-        do,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        inv_freq,
-        softmax_scale,
-        rope_dim,
-        leader,
-        detach_mileage,
-        deterministic,
-    )
+    freq_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dw = corope_bwd(
+        do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage,
+        deterministic, freq_grad=freq_grad,
+    )  # fmt: skip
+    # an op returns tensors: an empty one where the frequencies need no gradient
+    return dq, dk, dv, inv_freq.new_empty(0) if dw is None else dw
 
 
 @_attention_backward_op.register_fake
 def _(
-    do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic
-):
+    do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage,
+    deterministic, freq_grad,
+):  # fmt: skip
     # corope_bwd returns contiguous gradients, whatever the inputs' strides.
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    return *grads, inv_freq.new_empty(rope_dim // 2 if freq_grad else 0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -118,8 +113,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     # lse is an auxiliary output for the backward; gradients through it are not supported.
     q, k, v, o, lse, inv_freq = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do, q, k, v, o, lse, inv_freq, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    freq_grad = ctx.needs_input_grad[3]
+    dq, dk, dv, dw = _attention_backward_op(do, q, k, v, o, lse, inv_freq, *ctx.args, freq_grad)
+    return dq, dk, dv, dw if freq_grad else None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -138,7 +134,8 @@ def corope_attention(
     detach_mileage: bool = False,
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """Causal Co-RoPE-GQA attention with fused Triton kernels, differentiable in q, k, v.
+    """Causal Co-RoPE-GQA attention with fused Triton kernels, differentiable in q, k, v and
+    ``inv_freq``.
 
     Same function as ``corope.corope_attention_ref`` (the math is in ``corope/README.md``).
 
@@ -153,7 +150,8 @@ def corope_attention(
             ``D`` in ``SUPPORTED_HEAD_DIMS`` (32, 64, 128, 256). Any strides.
         theta: RoPE base; ``w[d] = theta ** (-2d / R)``.
         inv_freq: ``[R/2]`` fp32/fp64 frequencies overriding ``theta``
-            (``fused_rope.rope_frequencies``); a constant: refused where it requires grad.
+            (``fused_rope.rope_frequencies``); learned where it requires grad (the backward
+            kernel then forms its gradient, in fp32).
         softmax_scale: ``s`` (default ``1 / sqrt(D)``), scaling both gates and scores.
         rope_dim: ``R``, even, at most ``D`` (default ``D``); channels ``R:`` are a plain dot.
         leader: ``"first"`` or ``"mean"``: which query computes the group's gates.
@@ -177,14 +175,13 @@ def corope_attention(
     check_bool(detach_mileage, "detach_mileage")
     check_bool(deterministic, "deterministic")
     w = corope_inv_freq(R, theta, inv_freq, q.device)  # checks inv_freq first
-    check_constant(inv_freq, "inv_freq", "corope.corope_attention_ref")
     check_no_tangent("corope.corope_attention_ref", q=q, k=k, v=v, inv_freq=inv_freq)
     check_no_functorch("corope.corope_attention_ref")
     check_kernel_device(q.device, "q", dot_dtype=q.dtype)
     D = q.shape[-1]
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
-    differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, w))
     if differentiable and q.shape[0] * k.shape[1] > MAX_GRID_AXIS1:  # the backward's B x HKV
         raise ValueError(
             f"the backward kernels take at most {MAX_GRID_AXIS1} (batch, KV head) groups, got "

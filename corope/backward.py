@@ -8,7 +8,10 @@ phases ``phi = delta * w`` and the rotated keys ``Kr = Rot(-phi) k``,
 * phase path: ``g[i, j] = s sum_h dS[h, i, j] sum_d w_d (q1 kr2 - q2 kr1)`` (because
   ``d kr1 / d phi = kr2`` and ``d kr2 / d phi = -kr1``);
 * mileage path: ``dz[i, t] = sum_{j < t} g[i, j]``, an exclusive prefix sum along the keys;
-* gate path: ``du = dz z (1 - z)``, ``dqL[i] = s sum_t du k[t]``, ``dk[t] += s sum_i du qL[i]``.
+* gate path: ``du = dz z (1 - z)``, ``dqL[i] = s sum_t du k[t]``, ``dk[t] += s sum_i du qL[i]``;
+* frequency path (learned frequencies, ``freq_grad``): ``dw[d] = sum_{i, j} delta[i, j]
+  s sum_h dS (q1 kr2 - q2 kr1)_d``, the phase path's per-frequency terms weighted by the
+  mileage instead of summed with ``w``; each program stores its share, the launcher sums them.
 
 One program owns ``BLOCK_M`` query rows of one KV group and all ``G`` heads of the
 group (or a slice of them, one launch a slice, where shared memory is short), and
@@ -222,7 +225,7 @@ def _program_range(N, key_tiles, n_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def _corope_bwd_kernel(
     Q, K, V, O, DO, LSE, QL, W, QP, KP,
-    DQ, DQL, DK_S, DK_G, DV, TG, LOCK,
+    DQ, DQL, DK_S, DK_G, DV, TG, LOCK, DW,
     softmax_scale, N, HKV, group, key_tiles, n_splits,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -237,11 +240,14 @@ def _corope_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_tgb, stride_tgs,  # TG: [B * HKV, n_splits, N] fp32
     stride_lock,
+    stride_dwb,  # DW: [B * HKV, programs of axis 0, R/2] fp64
+
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, DN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MILEAGE: tl.constexpr, DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
     FAST_TRIG: tl.constexpr, DK_PARTS: tl.constexpr, PASS1_STAGES: tl.constexpr,
+    FREQ_GRAD: tl.constexpr, HALF_P: tl.constexpr,
 ):  # fmt: skip
     m, split, lo, hi, n_tiles = _program_range(
         N, key_tiles, n_splits, BLOCK_M, BLOCK_N, DETERMINISTIC
@@ -274,6 +280,7 @@ def _corope_bwd_kernel(
     DV += kv_off
     TG += bg.to(tl.int64) * stride_tgb + split.to(tl.int64) * stride_tgs
     LOCK += bg * stride_lock
+    DW += bg.to(tl.int64) * stride_dwb + tl.program_id(0) * HALF
 
     # The per-pair tiles are [BLOCK_M queries, GP heads, BLOCK_N keys] (layout: `_gates`);
     # the queries' (row, head) grid is [BLOCK_M, GP].
@@ -330,6 +337,10 @@ def _corope_bwd_kernel(
         )  # fmt: skip
         carry_z += tl.sum(z, axis=1).to(tl.float64)
     carry_g = tl.zeros([BLOCK_M], dtype=tl.float32)  # phase gradient of the split's later keys
+    freq = tl.arange(0, HALF_P)
+    # FREQ_GRAD: the program's share of dL/dw, summed in fp64 over its key tiles (a long
+    # serial sum; each tile's own sum is a tree in fp32)
+    dw = tl.zeros([HALF_P], dtype=tl.float64)
     for step in range(0, hi - lo):
         n = hi - 1 - step
         # Row operands are reloaded per key tile (cache hits) rather than held: with
@@ -408,6 +419,8 @@ def _corope_bwd_kernel(
             [DK_PARTS, BLOCK_N, 2],
         )
         dk_mask = tl.broadcast_to(n_ok[None, :, None], [DK_PARTS, BLOCK_N, 2])
+        if FREQ_GRAD:
+            mileage = carry_z.to(tl.float32)[:, None] + local  # delta of the tile's pairs
         for d in range(HALF):
             w, q1, q2, cs, sn, kr1, kr2 = _frequency(
                 QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry_z, local, two_pi, inv_two_pi,
@@ -433,8 +446,12 @@ def _corope_bwd_kernel(
                 axis=1,
             )
             tl.atomic_add(dk_ptr + d * stride_dkd, dk, mask=dk_mask, sem="relaxed")
+            # s dS dphi / dphi summed over the heads; phi = delta w
+            dphase = a1 * kr2 - a2 * kr1
             if MILEAGE:
-                g_acc += w * (a1 * kr2 - a2 * kr1)
+                g_acc += w * dphase
+            if FREQ_GRAD:
+                dw += tl.where(freq == d, tl.sum(dphase * mileage).to(tl.float64), 0.0)
         ds2 = tl.reshape(tl.permute(ds3, (1, 0, 2)), [GP * BLOCK_M, BLOCK_N])
         if DN_PAD > 0:
             tl.atomic_add(
@@ -493,6 +510,8 @@ def _corope_bwd_kernel(
     if MILEAGE:
         # The split's total phase gradient per row (summed over head slices: one launch each).
         tl.atomic_add(TG + offs_m, carry_g, mask=m_ok, sem="relaxed")
+    if FREQ_GRAD:
+        tl.store(DW + freq, dw, mask=freq < HALF)  # summed over programs by the launcher
 
 
 @triton.jit
@@ -738,8 +757,9 @@ def corope_bwd(
     detach_mileage: bool,
     deterministic: bool = False,
     key_tiles_per_program: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of causal Co-RoPE-GQA attention with respect to q, k and v.
+    freq_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of causal Co-RoPE-GQA attention with respect to q, k, v and the frequencies.
 
     Args:
         do: ``[B, HQ, N, D]`` cotangent of the output.
@@ -759,9 +779,12 @@ def corope_bwd(
             Not with ``deterministic``, whose order needs one program per query tile. The
             splits' row sums take ``B * HKV * cdiv(N / BLOCK_N, this) * N * 4`` bytes: small
             by default, 8 GiB at N = 64K, B * HKV = 16 and 1 tile a program.
+        freq_grad: also form the gradient with respect to ``inv_freq`` (learned
+            frequencies); it holds with ``detach_mileage`` too (the phase is ``delta * w``).
 
     Returns:
-        ``(dq [B, HQ, N, D], dk [B, HKV, N, D], dv [B, HKV, N, D])`` in the inputs' dtype.
+        ``(dq [B, HQ, N, D], dk [B, HKV, N, D], dv [B, HKV, N, D])`` in the inputs' dtype, and
+        ``dinv_freq [R/2]`` fp32 (None without ``freq_grad``).
     """
     for name, t in (("do", do), ("o", o)):
         check_float_tensor(t, name, ndim=4)
@@ -782,6 +805,7 @@ def corope_bwd(
     device = check_same_device(q=q, k=k, v=v, do=do, o=o, lse=lse, inv_freq=inv_freq)
     check_kernel_device(device, "q", dot_dtype=q.dtype)
     check_bool(deterministic, "deterministic")
+    check_bool(freq_grad, "freq_grad")
     if key_tiles_per_program is not None:
         if type(key_tiles_per_program) is not int:
             raise TypeError(
@@ -794,8 +818,9 @@ def corope_bwd(
             raise ValueError("key_tiles_per_program cannot be set with deterministic=True")
     check_index_span(G, dict(q=q, o=o, do=do), dict(k=k, v=v))
 
-    if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)  # no launch to make
+    if q.numel() == 0 or k.numel() == 0:  # no launch to make
+        dw = torch.zeros(R // 2, dtype=torch.float32, device=device) if freq_grad else None
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dw
     if leader == "first":
         qL = q[:, ::G]  # a strided view: the kernel reads the leader head in place
     else:
@@ -858,6 +883,11 @@ def corope_bwd(
         # one set for the sweep, one for the gate tail), zeroed for each launch.
         locks = torch.zeros(2, B * HKV, key_tiles if deterministic else 1, dtype=torch.int32,
                             device=device)  # fmt: skip
+        # With freq_grad, each program's share of dinv_freq, one set per head slice; the
+        # programs of an empty split leave zeros.
+        slices = cdiv(G, heads) if freq_grad else 1
+        dw_parts = torch.zeros(slices, B * HKV, num_m * n_splits if freq_grad else 1, half,
+                               dtype=torch.float64, device=device)  # fmt: skip
         for h in range(0, G, heads):
             if h:
                 locks.zero_()
@@ -865,11 +895,11 @@ def corope_bwd(
             n = min(heads, G - h)
             _corope_bwd_kernel[(num_m * n_splits, B * HKV)](
                 q[:, sl], k, v, o[:, sl], do[:, sl], lse[:, sl], qL, inv_freq, qp[:, sl], kp,
-                dq[:, sl], dql, dk, dk_g, dv, tg, locks[0],
+                dq[:, sl], dql, dk, dk_g, dv, tg, locks[0], dw_parts[h // heads if freq_grad else 0],
                 s, N, HKV, G, per_program, n_splits,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
-                *dk.stride(), *tg.stride()[:2], locks.stride(1),
+                *dk.stride(), *tg.stride()[:2], locks.stride(1), dw_parts.stride(1),
                 G=n, GP=next_power_of_2(n), D=D,
                 D_PAD=d_pad, HALF=half,
                 DN_PAD=padded_channels(dn) if dn else 0,
@@ -878,15 +908,16 @@ def corope_bwd(
                 FAST_TRIG=fast_trig(q),
                 DK_PARTS=_dk_parts(block_m, num_warps, deterministic),
                 PASS1_STAGES=_pass1_stages(half),
+                FREQ_GRAD=freq_grad, HALF_P=next_power_of_2(half),
                 num_warps=num_warps, num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip
-        return tg, locks[1], per_program, n_splits
+        return tg, locks[1], per_program, n_splits, dw_parts
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
     d_pad = padded_channels(D)
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic)
-    config, (tg, locks_t, per_program, n_splits) = _first_fitting(
+    key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic, freq_grad)
+    config, (tg, locks_t, per_program, n_splits, dw_parts) = _first_fitting(
         ("sweep", *key), _launch_configs(G, D, q.dtype), sweep
     )
     if not detach_mileage:
@@ -915,7 +946,8 @@ def corope_bwd(
             dq.unflatten(1, (HKV, G)).add_(dql.unsqueeze(2) / G)
     # Row-major copies in the inputs' dtype (one pass each; `.to` would keep the accumulators'
     # strides, and return them as they are for fp32 inputs).
-    return tuple(
+    dq, dk, dv = (
         torch.empty(x.shape, dtype=x.dtype, device=device).copy_(t)
         for t, x in ((dq, q), (dk, k), (dv, v))
     )
+    return dq, dk, dv, dw_parts.sum((0, 1, 2)).float() if freq_grad else None

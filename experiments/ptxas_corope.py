@@ -49,6 +49,7 @@ POINTERS = {
         ("KC", "ANG", "W", "LSE", "DQ", "DQL", "DK_S", "DK_G", "DK_T", "DV", "TG"),
         "*fp32",
     ),
+    "DW": "*fp64",
     **dict.fromkeys(("QP", "KP"), "*i64"),
     **dict.fromkeys(("LOCK", "LOCK_T"), "*i32"),
 }
@@ -239,7 +240,8 @@ def backward_rows(loops: bool, tail: bool, leader: str):
                           BLOCK_M=block_m, BLOCK_N=block_n, MILEAGE=True, DETERMINISTIC=False,
                           PREC="tf32x3", FAST_TRIG=True,
                           DK_PARTS=backward._dk_parts(block_m, warps, False),
-                          PASS1_STAGES=backward._pass1_stages(r // 2))  # fmt: skip
+                          PASS1_STAGES=backward._pass1_stages(r // 2),
+                          FREQ_GRAD=False, HALF_P=triton.next_power_of_2(r // 2))  # fmt: skip
             kernel = compile_sm90(
                 backward._corope_bwd_kernel, consts, warps, backward.SWEEP_NUM_STAGES, leader
             )

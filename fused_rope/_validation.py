@@ -139,17 +139,6 @@ def check_bool(value, name: str) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def check_constant(x: torch.Tensor | None, name: str, reference: str) -> None:
-    """The kernels give no gradient for ``x`` (frequencies, angles, positions): refuse one that
-    autograd would expect a gradient for, rather than return none. ``reference``: the PyTorch
-    function that does differentiate it."""
-    if x is not None and x.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            f"{name} requires grad, but the Triton kernels treat it as a constant (no "
-            f"gradient); pass {name}.detach() to train the rest, or use {reference}"
-        )
-
-
 def may_overlap(x: torch.Tensor) -> bool:
     """Whether two elements of ``x`` may share memory: False when, with the dimensions sorted
     by stride, each stride passes the furthest offset the smaller ones reach (a sufficient

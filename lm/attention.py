@@ -303,7 +303,8 @@ class RopeAttention(Attention):
 
 
 class CoRopeAttention(Attention):
-    """Co-RoPE-GQA. The frequencies follow the same scaling options as RoPE, but not their
+    """Co-RoPE-GQA. The frequencies follow the same scaling options as RoPE (and, with
+    ``learn_freq``, are learned as RoPE's are: ``RotaryFrequencies``), but not their
     attention factor (Co-RoPE's softmax scale also sets the gates' temperature, so the two
     cannot be read the same way): a schedule whose factor is not 1 (YaRN's mscale) is refused
     rather than dropped; ``attention.scaling.attention_factor=1.0`` takes its frequencies
@@ -317,7 +318,8 @@ class CoRopeAttention(Attention):
         self.impl, self.leader, self.chunk_size = cfg.impl, cfg.leader, cfg.chunk_size
         self.detach_mileage = cfg.detach_mileage
         self.rope_dim = _rope_dim(cfg, self.head_dim)
-        self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling_dict(cfg.scaling))
+        scaling = scaling_dict(cfg.scaling)
+        self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling, cfg.learn_freq)
         if self.freqs.attention_factor != 1.0:
             raise ValueError(
                 f"attention.scaling of type {cfg.scaling.type!r} gives an attention factor of "

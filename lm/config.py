@@ -119,6 +119,8 @@ class CoRopeAttentionConfig(AttentionConfig):
     detach_mileage: bool = False
     chunk_size: int | None = None  # query rows per chunk of the PyTorch path (null = automatic)
     scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # Learn the frequencies (in log space, from the schedule's), one set per layer
+    learn_freq: bool = False
 
 
 ATTENTION_SCHEMAS: dict[str, type] = {

@@ -211,11 +211,12 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, log_every):
         assert resumed[key] == full[key], key
 
 
-def test_learned_rope_frequencies_train_and_resume(tmp_path):
+@pytest.mark.parametrize("attention", ["rope", "corope"])
+def test_learned_frequencies_train_and_resume(attention, tmp_path):
     """``attention.learn_freq=true``: every layer's frequencies move from the schedule's, the
     checkpoint holds them, and a resumed run ends where the uninterrupted one does."""
     cfg = compose_cfg(
-        *SMALL, "attention=rope", "attention.learn_freq=true", "train.device=cpu",
+        *SMALL, f"attention={attention}", "attention.learn_freq=true", "train.device=cpu",
         "train.steps=6", "train.ckpt_every=3", "train.eval_every=0",
     )  # fmt: skip
     full = train(cfg, output_dir=str(tmp_path / "full"))

@@ -37,27 +37,39 @@ def _inputs(B, HQ, HKV, N, D, dtype):
     return q, k, v, do
 
 
-def _ref_grads(q, k, v, do, dtype, **kw):
-    """(o, lse, dq, dk, dv) of autograd through the reference with inputs cast to ``dtype``."""
-    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
-    o, lse = corope_attention_ref(q, k, v, return_lse=True, **kw)
-    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do.to(dtype))
-    return o.detach(), lse.detach(), dq, dk, dv
+def _ref_grads(q, k, v, do, dtype, learn=False, **kw):
+    """(o, lse, dq, dk, dv) of autograd through the reference with inputs cast to ``dtype``;
+    ``learn``: the default frequencies as a leaf too (fp32, fp64 for fp64), and their
+    gradient last."""
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    if learn:
+        R = kw.get("rope_dim") or q.shape[-1]
+        wd = torch.float64 if dtype == torch.float64 else torch.float32
+        w = corope_inv_freq(R, 10000.0, None, q.device, wd).clone().requires_grad_()
+        kw = dict(kw, inv_freq=w)
+        leaves.append(w)
+    o, lse = corope_attention_ref(*leaves[:3], return_lse=True, **kw)
+    return o.detach(), lse.detach(), *torch.autograd.grad(o, leaves, do.to(dtype))
 
 
 def _check(B, HQ, HKV, N, D, rope_dim=None, leader="first", detach_mileage=False,
-           dtype=torch.float32, deterministic=False):  # fmt: skip
+           dtype=torch.float32, deterministic=False, learn=False, **bwd_kw):  # fmt: skip
+    """Checks the kernel's dq, dk, dv (and with ``learn`` dinv_freq) against the reference's;
+    returns the inputs, the forward's o and lse, the frequencies and (dq, dk, dv)."""
     q, k, v, do = _inputs(B, HQ, HKV, N, D, dtype)
-    kw = dict(rope_dim=rope_dim, leader=leader, detach_mileage=detach_mileage)
+    kw = dict(rope_dim=rope_dim, leader=leader, detach_mileage=detach_mileage, learn=learn)
     truth = _ref_grads(q, k, v, do, torch.float64, **kw)
     o, lse, *baseline = _ref_grads(q, k, v, do, dtype, **kw)
     R = D if rope_dim is None else rope_dim
     w = corope_inv_freq(R, 10000.0, None, q.device)
     grads = corope_bwd(
-        do, q, k, v, o, lse.float(), w, D**-0.5, R, leader, detach_mileage, deterministic
-    )
+        do, q, k, v, o, lse.float(), w, D**-0.5, R, leader, detach_mileage, deterministic,
+        freq_grad=learn, **bwd_kw,
+    )  # fmt: skip
+    assert (grads[3] is None) != learn
+    names = ("dq", "dk", "dv", "dinv_freq")[: 3 + learn]
     for name, out, ref, base, like in zip(
-        ("dq", "dk", "dv"), grads, truth[2:], baseline, (q, k, v), strict=True
+        names, grads, truth[2:], baseline, (q, k, v, w), strict=False
     ):
         assert out.dtype == like.dtype and out.shape == like.shape, name
         # row-major, whatever layout the kernel accumulated in (what autograd and the
@@ -68,8 +80,16 @@ def _check(B, HQ, HKV, N, D, rope_dim=None, leader="first", detach_mileage=False
             # is a difference of two fp32 dot products and leaves rounding residue.
             assert out.abs().max() <= 1e-5, f"{name}: {out.abs().max():.3e} where 0 is exact"
             continue
+        if name == "dinv_freq":
+            if dtype != torch.float32:  # the baseline's gradients are rounded to the dtype
+                base = base.to(dtype).float()
+            # A sum of B HQ N^2 / 2 terms a frequency: its fp32 noise is many roundings, and
+            # the largest of R/2 such errors passed twice the baseline's by chance (2.3x, the
+            # RMSE at 1.5-1.8x, fp32): a margin of 1e-6 of its largest value (~16 roundings).
+            assert_close_to_baseline(name, out, ref, base, atol_floor=1e-6 * ref.abs().max())
+            continue
         assert_close_to_baseline(name, out, ref, base)
-    return q, k, v, do, o, lse, w, grads
+    return q, k, v, do, o, lse, w, grads[:3]
 
 
 # (B, HQ, HKV, N, D, rope_dim, leader): group sizes 1, 2, 3, 4, 8, 16; N not a multiple of
@@ -124,9 +144,9 @@ def test_backward_strided_inputs():
     o, lse, *_ = _ref_grads(q, k, v, do, torch.float32)
     w = corope_inv_freq(D, 10000.0, None, q.device)
     args = (w, D**-0.5, D, "first", False, True)  # deterministic: on the GPU atomics reorder
-    strided = corope_bwd(do, q, k, v, o, lse, *args)
+    strided = corope_bwd(do, q, k, v, o, lse, *args)[:3]
     dense = (x.contiguous() for x in (do, q, k, v, o))
-    for a, b in zip(strided, corope_bwd(*dense, lse, *args), strict=True):
+    for a, b in zip(strided, corope_bwd(*dense, lse, *args)[:3], strict=True):
         assert torch.equal(a, b)
 
 
@@ -141,8 +161,8 @@ def test_backward_mixed_strides():
     o = o.flip(-1).contiguous().flip(-1)
     w = corope_inv_freq(D, 10000.0, None, q.device)
     args = (w, D**-0.5, D, "first", False, True)  # deterministic: on the GPU atomics reorder
-    mixed = corope_bwd(do, q, k, v, o, lse, *args)
-    dense = corope_bwd(do, q.contiguous(), k, v, o.contiguous(), lse, *args)
+    mixed = corope_bwd(do, q, k, v, o, lse, *args)[:3]
+    dense = corope_bwd(do, q.contiguous(), k, v, o.contiguous(), lse, *args)[:3]
     for a, b in zip(mixed, dense, strict=True):
         assert torch.equal(a, b)
 
@@ -167,7 +187,7 @@ def test_backward_deterministic(dtype):
     q, k, v, do, o, lse, w, first = _check(
         1, 6, 2, 100, 64, None, "mean", dtype=dtype, deterministic=True
     )
-    again = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False, True)
+    again = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False, True)[:3]
     for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
@@ -200,9 +220,56 @@ def test_backward_split_key_sweep(key_tiles, leader, dtype, heads, detach, monke
     o, lse, *baseline = _ref_grads(q, k, v, do, dtype, **kw)
     w = corope_inv_freq(D, 10000.0, None, q.device)
     grads = corope_bwd(do, q, k, v, o, lse.float(), w, D**-0.5, D, leader, detach,
-                       key_tiles_per_program=key_tiles)  # fmt: skip
+                       key_tiles_per_program=key_tiles)[:3]  # fmt: skip
     for name, out, ref, base in zip(("dq", "dk", "dv"), grads, truth[2:], baseline, strict=True):
         assert_close_to_baseline(name, out, ref, base)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(B=1, HQ=4, HKV=2, N=64, D=128, id="G2-N64-D128"),
+        dict(B=1, HQ=4, HKV=2, N=40, D=128, rope_dim=96, leader="mean", id="G2-R96-mean"),
+        dict(B=2, HQ=4, HKV=1, N=63, D=64, rope_dim=32, id="B2-G4-N63-R32"),
+        dict(B=1, HQ=4, HKV=2, N=50, D=64, detach_mileage=True, id="detach-mileage"),
+        dict(B=1, HQ=6, HKV=2, N=100, D=64, leader="mean", deterministic=True, id="determ"),
+        dict(B=1, HQ=4, HKV=2, N=200, D=64, key_tiles_per_program=2, id="split"),
+        dict(B=1, HQ=4, HKV=2, N=200, D=64, key_tiles_per_program=3, heads=1, id="split-slices"),
+        dict(B=1, HQ=4, HKV=1, N=64, D=64, dtype=torch.float16, id="fp16"),
+    ],
+    ids=lambda c: c["id"],
+)
+def test_backward_learned_frequencies(case, monkeypatch):
+    """dinv_freq (``freq_grad``, learned frequencies) against float64 autograd through the
+    reference, by flash-attention's rule: one share a program (split sweeps, one launch per
+    head slice where ``heads = 1``), summed by the launcher; with the mileage held constant
+    it is still the phase's ``delta * dphi``."""
+    import corope.backward as backward
+
+    case = dict(case)
+    case.pop("id")
+    if (heads := case.pop("heads", None)) is not None:
+        monkeypatch.setattr(backward, "_launch_configs", lambda *a: iter([(64, 32, 4, heads)]))
+        monkeypatch.setattr(backward, "_FITTED", {})
+    _check(**case, learn=True)
+
+
+def test_corope_attention_learns_its_frequencies():
+    """Through the public op: autograd reaches inv_freq (an fp64 leaf too, through the fp32
+    copy the kernels take) and agrees with the reference's gradient; without a gradient to
+    give, the backward forms none."""
+    q, k, v, do = _inputs(1, 4, 2, 40, 64, torch.float32)
+    for dtype in (torch.float32, torch.float64):
+        w = corope_inv_freq(64, 500.0, None, q.device, dtype).clone().requires_grad_()
+        ref_w = w.detach().clone().requires_grad_()
+        (got,) = torch.autograd.grad(corope_attention(q, k, v, inv_freq=w), w, do)
+        (want,) = torch.autograd.grad(corope_attention_ref(q, k, v, inv_freq=ref_w), ref_w, do)
+        assert got.dtype == dtype
+        assert_close("dinv_freq", got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    w = corope_inv_freq(64, 500.0, None, q.device).clone()
+    grads = torch.autograd.grad(corope_attention(*leaves, inv_freq=w), leaves, do)
+    assert len(grads) == 3 and w.grad is None
 
 
 def test_key_tiles_per_program_splits_only_short_sequences(monkeypatch):
@@ -322,7 +389,7 @@ def test_backward_falls_back_to_a_tile_that_fits(monkeypatch, deterministic):
         heads = configs[1][3]
         assert fake.configs == [(16, 16, 6)] + [(16, 16, heads)] * (6 // heads)
         again = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False,
-                           deterministic)  # fmt: skip
+                           deterministic)[:3]  # fmt: skip
         assert fake.configs[1 + 6 // heads :] == [(16, 16, heads)] * (6 // heads)
         if deterministic:
             for name, a, b in zip(("dq", "dk", "dv"), grads, again, strict=True):

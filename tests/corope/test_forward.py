@@ -254,20 +254,25 @@ def test_autograd_through_public_function(detach_mileage):
 
 def test_backward_options_reach_the_kernel(monkeypatch):
     """``leader``, ``detach_mileage`` and ``deterministic`` arrive at ``corope_bwd`` as given
-    (on the CPU both backward modes give the same numbers, so only the call can tell)."""
+    (on the CPU both backward modes give the same numbers, so only the call can tell), and
+    ``freq_grad`` where ``inv_freq`` requires grad."""
     import corope.attention as attention_module
 
     calls, real = [], attention_module.corope_bwd
 
-    def spy(*args):
-        calls.append(args[-3:])
-        return real(*args)
+    def spy(*args, **kwargs):
+        calls.append((*args[-3:], kwargs["freq_grad"]))
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(attention_module, "corope_bwd", spy)
     q, k, v = (x.requires_grad_() for x in _inputs(1, 2, 1, 16, 32, torch.float32))
-    for kw in ({}, dict(leader="mean", detach_mileage=True, deterministic=True)):
+    learned = corope_inv_freq(32, 10000.0, None, q.device).clone().requires_grad_()
+    for kw in ({}, dict(leader="mean", detach_mileage=True, deterministic=True),
+               dict(inv_freq=learned)):  # fmt: skip
         corope_attention(q, k, v, **kw).sum().backward()
-    assert calls == [("first", False, False), ("mean", True, True)]
+    expected = [("first", False, False, False), ("mean", True, True, False)]
+    assert calls == [*expected, ("first", False, False, True)]
+    assert learned.grad is not None and learned.grad.abs().max() > 0
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
@@ -276,12 +281,19 @@ def test_compile_fullgraph_traces_custom_op(dynamic):
     # compiler's tracing without generating code, so it also works in the interpreter. The
     # deterministic backward makes bitwise equality the right check (on a GPU the default
     # one's atomic adds may land in another order). dynamic=True makes the head dim and the
-    # float defaults (theta) symbolic, which the input checks must trace.
+    # float defaults (theta) symbolic, which the input checks must trace. Learned frequencies
+    # too: the backward op's fourth output.
     q, k, v = (x.requires_grad_() for x in _inputs(1, 2, 1, 17, 64, torch.float32))
-    fn = lambda q, k, v: corope_attention(q, k, v, deterministic=True).square().sum()
+    w = corope_inv_freq(64, 500.0, None, q.device).clone().requires_grad_()
+    leaves = (q, k, v, w)
+
+    def fn(q, k, v, w):
+        o = corope_attention(q, k, v, deterministic=True)
+        return o.square().sum() + corope_attention(q, k, v, inv_freq=w, deterministic=True).sum()
+
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
-    g_eager = torch.autograd.grad(fn(q, k, v), (q, k, v))
-    g_comp = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    g_eager = torch.autograd.grad(fn(*leaves), leaves)
+    g_comp = torch.autograd.grad(compiled(*leaves), leaves)
     for a, b in zip(g_comp, g_eager, strict=True):
         assert torch.equal(a, b)
 
@@ -340,11 +352,11 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
             TypeError,
             "inv_freq must have",
         ),
-        (
-            lambda: _small(),
+        (  # learned frequencies make the call differentiable: a cache's chunk has no backward
+            lambda: (_small(N=3)[0], *_small()[1:]),
             {"inv_freq": torch.ones(32, device=DEVICE).requires_grad_()},
             ValueError,
-            r"inv_freq requires grad.*corope_attention_ref",
+            r"\(NQ=3 < NK=8\) have no backward kernel",
         ),
         (lambda: _small(), {"inv_freq": [1.0] * 32}, TypeError, "inv_freq must be a torch.Tensor"),
         (
@@ -373,7 +385,7 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         "negative-scale",
         "inv-freq-length",
         "inv-freq-fp16",
-        "inv-freq-with-grad",
+        "learned-inv-freq-continuing-a-cache",
         "inv-freq-list",
         "inv-freq-other-device",
         "detach-mileage-str",
@@ -427,7 +439,10 @@ def test_backward_op_fake_matches_real_strides_for_transposed_inputs():
     w = corope_inv_freq(D, 10000.0, None, q.device)
     o, lse = corope_fwd(q, k, v, w, D**-0.5, D, "first")
     args = (torch.randn_like(o), q, k, v, o, lse, w, D**-0.5, D, "first", False, False)
-    torch.library.opcheck(_attention_backward_op, args, test_utils=("test_faketensor",))
+    for freq_grad in (False, True):  # dinv_freq: [R/2], or empty where none is asked for
+        torch.library.opcheck(
+            _attention_backward_op, (*args, freq_grad), test_utils=("test_faketensor",)
+        )
 
 
 def test_index_span_past_int32_is_refused():

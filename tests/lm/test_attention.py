@@ -258,6 +258,31 @@ def test_learned_rope_frequencies(impl):
     assert torch.equal(learned.freqs.log_inv_freq.grad, grad)  # an optimizer step still runs
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_learned_corope_frequencies(impl):
+    """Co-RoPE's ``learn_freq=true``: the same attention at initialisation, and the float64
+    reference's gradient of ``log_inv_freq`` on both paths (the Triton one from the backward
+    kernel's frequency path)."""
+    from corope.naive import corope_attention_ref
+
+    fixed = build_attention(attn_cfg("corope", impl="torch"), 128, 4, 2).to(DEVICE)
+    learned = build_attention(attn_cfg("corope", impl=impl, learn_freq=True), 128, 4, 2)
+    learned = learned.to(DEVICE)
+    log_freq = learned.freqs.log_inv_freq
+    assert isinstance(log_freq, torch.nn.Parameter) and log_freq.shape == (16,)
+    q, k, v = qkv(D=32)
+    do = torch.randn_like(q)
+    out = learned.attend(q, k, v)
+    assert_close("o", out, fixed.attend(q, k, v), atol=1e-5, rtol=1e-5)
+    (grad,) = torch.autograd.grad((out * do).sum(), log_freq)
+    leaf = log_freq.detach().double().requires_grad_()
+    ref = corope_attention_ref(q.double(), k.double(), v.double(), inv_freq=leaf.exp())
+    (ref_grad,) = torch.autograd.grad((ref * do.double()).sum(), leaf)
+    assert grad.abs().max() > 0
+    assert_close("dlog_inv_freq", grad, ref_grad, atol=1e-4 * ref_grad.abs().max().item(),
+                 rtol=1e-5)  # fmt: skip
+
+
 def test_learned_rope_frequencies_refuse_dynamic_ntk():
     dynamic = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
     with pytest.raises(ValueError, match="cannot learn dynamic NTK's frequencies"):
