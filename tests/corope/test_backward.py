@@ -544,6 +544,18 @@ def test_backward_gpu_narrow_tiles(B, HQ, HKV, N, D, rope_dim, leader, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "B, HQ, HKV, N, D, rope_dim, leader",
+    [GPU_CASES[0], GPU_CASES[2], GPU_CASES[4], NARROW_GPU_CASES[1]],  # G6: head slices
+)
+def test_backward_learned_frequencies_gpu(B, HQ, HKV, N, D, rope_dim, leader, dtype):
+    """dinv_freq on the compiled kernels (the hardware sin/cos for fp16/bf16; split sweeps at
+    N = 1000 and below; head slices at G = 6), as test_backward_learned_frequencies."""
+    _check(B, HQ, HKV, N, D, rope_dim, leader, dtype=dtype, learn=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("detach_mileage", [False, True])
 @pytest.mark.parametrize(
     "N, D",
