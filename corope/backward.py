@@ -241,7 +241,6 @@ def _corope_bwd_kernel(
     stride_tgb, stride_tgs,  # TG: [B * HKV, n_splits, N] fp32
     stride_lock,
     stride_dwb,  # DW: [B * HKV, programs of axis 0, R/2] fp64
-
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, DN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -3,8 +3,9 @@
 The speed-work companion of ``bench_corope.py`` (which times every provider and writes the
 shared CSV): this one launches the two kernels directly, with ``triton.testing.do_bench``
 medians, for the shapes of issue 3, and prints one markdown table with the sin/cos floor
-(``shared/docs/corope.md``). ``--out DIR`` also writes the table to
-``DIR/time_corope_<label>.md``.
+(``shared/docs/corope.md``), and the backward that also forms the frequencies' gradient
+(``bwd_learned_freq_ms``: learned frequencies, ``freq_grad=True``). ``--out DIR`` also writes
+the table to ``DIR/time_corope_<label>.md``.
 
 To compare versions of the kernels, copy the repository (or just its ``corope`` folder) once
 per version, edit the copies, and pass them with ``--versions``: their ``corope/forward.py``
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -124,15 +126,24 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
 
         o, lse = fwd()
 
-        def bwd(tiles=None, bwd_mod=bwd_mod, o=o, lse=lse):
+        def bwd(tiles=None, learn=False, bwd_mod=bwd_mod, o=o, lse=lse):
+            learned = {"freq_grad": True} if learn else {}  # versions before session 36 lack it
             return bwd_mod.corope_bwd(do, q, k, v, o, lse, w, s, D, "first", False,
-                                      key_tiles_per_program=tiles)  # fmt: skip
+                                      key_tiles_per_program=tiles, **learned)  # fmt: skip
 
         outputs = (o, lse, *bwd()[:3])  # dq, dk, dv (session 36 added dinv_freq, None here)
         if reference is None:
             reference = outputs
         t_f = triton.testing.do_bench(fwd, warmup=25, rep=rep_ms, return_mode="median")
         t_b = triton.testing.do_bench(bwd, warmup=25, rep=rep_ms, return_mode="median")
+        # the backward that also forms dinv_freq (learned frequencies), where the version has it
+        learns = "freq_grad" in inspect.signature(bwd_mod.corope_bwd).parameters
+        t_learn = "-"
+        if learns:
+            t_learn = "{:.3f}".format(
+                triton.testing.do_bench(lambda: bwd(learn=True), warmup=25, rep=rep_ms,
+                                        return_mode="median")
+            )  # fmt: skip
         best = getattr(fwd_mod._corope_fwd_kernel, "best_config", None)
         # The backward with the key sweep split into programs of `tiles` key tiles (the
         # default is the backward's _key_tiles_per_program choice; a large number: no split).
@@ -146,7 +157,13 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
         # the tile the launcher fitted (its first choice unless shared memory was short)
         fitted = (torch.cuda.get_device_name(dev), HQ // HKV, D, D, q.dtype, "first", False,
                   False)  # fmt: skip
-        block_m, block_n, *_ = bwd_mod._FITTED[("sweep", *fitted)]
+        # (the keys of versions from session 36 on end with freq_grad)
+        sweep = ("sweep", *fitted)
+        block_m, block_n, *_ = next(
+            tile
+            for key, tile in bwd_mod._FITTED.items()
+            if key[: len(sweep)] == sweep and key[len(sweep) :] in ((), (False,))
+        )
         tiles_default = bwd_mod._key_tiles_per_program(B * HKV, N, block_m, block_n, dev)
         config = "-" if best is None else describe_config(best)
         rows.append(
@@ -156,6 +173,7 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
                 "N": N,
                 "fwd_ms": f"{t_f:.3f}",
                 "bwd_ms": f"{t_b:.3f}",
+                "bwd_learned_freq_ms": t_learn,
                 "bwd_key_tiles": tiles_default,
                 "fwd+bwd_ms": f"{t_f + t_b:.3f}",
                 "floor_fwd_ms": f"{fl:.3f}",
