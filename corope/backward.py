@@ -719,7 +719,8 @@ def _launch_configs(group: int, head_dim: int, dtype: torch.dtype):
         heads //= 2
 
 
-# (kernel, device kind, G, D, rope_dim, dtype, leader, detach_mileage, deterministic[, tile])
+# (kernel, device kind, G, D, rope_dim, dtype, leader, detach_mileage, deterministic,
+# freq_grad[, tile])
 # -> the first launch configuration that fitted, so that a failing one is compiled once per
 # process. The device kind is part of the key: shared memory per block differs between GPU
 # models.
@@ -882,23 +883,26 @@ def corope_bwd(
         # one set for the sweep, one for the gate tail), zeroed for each launch.
         locks = torch.zeros(2, B * HKV, key_tiles if deterministic else 1, dtype=torch.int32,
                             device=device)  # fmt: skip
-        # With freq_grad, each program's share of dinv_freq, one set per head slice; the
-        # programs of an empty split leave zeros.
-        slices = cdiv(G, heads) if freq_grad else 1
-        dw_parts = torch.zeros(slices, B * HKV, num_m * n_splits if freq_grad else 1, half,
-                               dtype=torch.float64, device=device)  # fmt: skip
+        # With freq_grad, each program's share of dinv_freq, one set per head slice (the
+        # programs of an empty split leave zeros); without, the kernel gets tg in its place
+        # and does not touch it.
+        dw_parts = None
+        if freq_grad:
+            dw_parts = torch.zeros(cdiv(G, heads), B * HKV, num_m * n_splits, half,
+                                   dtype=torch.float64, device=device)  # fmt: skip
         for h in range(0, G, heads):
             if h:
                 locks.zero_()
             sl = slice(h, None)  # the kernel reads heads h .. h + n - 1 of each group
             n = min(heads, G - h)
+            dw = tg if dw_parts is None else dw_parts[h // heads]
             _corope_bwd_kernel[(num_m * n_splits, B * HKV)](
                 q[:, sl], k, v, o[:, sl], do[:, sl], lse[:, sl], qL, inv_freq, qp[:, sl], kp,
-                dq[:, sl], dql, dk, dk_g, dv, tg, locks[0], dw_parts[h // heads if freq_grad else 0],
+                dq[:, sl], dql, dk, dk_g, dv, tg, locks[0], dw,
                 s, N, HKV, G, per_program, n_splits,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
-                *dk.stride(), *tg.stride()[:2], locks.stride(1), dw_parts.stride(1),
+                *dk.stride(), *tg.stride()[:2], locks.stride(1), dw.stride(-3),
                 G=n, GP=next_power_of_2(n), D=D,
                 D_PAD=d_pad, HALF=half,
                 DN_PAD=padded_channels(dn) if dn else 0,
@@ -949,4 +953,4 @@ def corope_bwd(
         torch.empty(x.shape, dtype=x.dtype, device=device).copy_(t)
         for t, x in ((dq, q), (dk, k), (dv, v))
     )
-    return dq, dk, dv, dw_parts.sum((0, 1, 2)).float() if freq_grad else None
+    return dq, dk, dv, None if dw_parts is None else dw_parts.sum((0, 1, 2)).float()

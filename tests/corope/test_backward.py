@@ -256,8 +256,8 @@ def test_backward_learned_frequencies(case, monkeypatch):
 
 def test_corope_attention_learns_its_frequencies():
     """Through the public op: autograd reaches inv_freq (an fp64 leaf too, through the fp32
-    copy the kernels take) and agrees with the reference's gradient; without a gradient to
-    give, the backward forms none."""
+    copy the kernels take) and agrees with the reference's gradient (that the backward forms
+    none unless asked: test_forward.py's test_backward_options_reach_the_kernel)."""
     q, k, v, do = _inputs(1, 4, 2, 40, 64, torch.float32)
     for dtype in (torch.float32, torch.float64):
         w = corope_inv_freq(64, 500.0, None, q.device, dtype).clone().requires_grad_()
@@ -266,10 +266,6 @@ def test_corope_attention_learns_its_frequencies():
         (want,) = torch.autograd.grad(corope_attention_ref(q, k, v, inv_freq=ref_w), ref_w, do)
         assert got.dtype == dtype
         assert_close("dinv_freq", got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    w = corope_inv_freq(64, 500.0, None, q.device).clone()
-    grads = torch.autograd.grad(corope_attention(*leaves, inv_freq=w), leaves, do)
-    assert len(grads) == 3 and w.grad is None
 
 
 def test_key_tiles_per_program_splits_only_short_sequences(monkeypatch):
@@ -569,12 +565,14 @@ def test_backward_deterministic_gpu(N, D, detach_mileage):
     q, k, v, do, o, lse, w, first = _check(
         1, 8, 2, N, D, None, "first", detach_mileage, torch.bfloat16, deterministic=True
     )
-    for _ in range(3):
-        again = corope_bwd(
-            do, q, k, v, o, lse.float(), w, D**-0.5, D, "first", detach_mileage, True
-        )[:3]
-        for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
-            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    args = (do, q, k, v, o, lse.float(), w, D**-0.5, D, "first", detach_mileage, True)
+    for learn in (False, True):  # and with the learned frequencies' gradient (another variant)
+        names = ("dq", "dk", "dv", "dinv_freq")[: 3 + learn]
+        reference = corope_bwd(*args, freq_grad=True) if learn else first
+        for _ in range(3):
+            again = corope_bwd(*args, freq_grad=learn)[: len(names)]
+            for name, a, b in zip(names, reference, again, strict=True):
+                assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
 def _check_end_to_end(B, HQ, HKV, N, D, dtype, leader, **kw):
