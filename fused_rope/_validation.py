@@ -170,8 +170,8 @@ def runs_eagerly(*tensors: torch.Tensor) -> bool:
 def check_no_tangent(reference: str, **tensors: torch.Tensor | None) -> None:
     """The kernels' custom ops have a backward but no forward-mode derivative, and PyTorch
     drops the tangents of such an op's inputs (a silent zero): refuse inputs that carry one
-    (``torch.func.jvp``, ``torch.autograd.forward_ad``), the constant ones (frequencies,
-    positions, angles; None: not given) as the differentiable ones. ``reference``: the PyTorch
+    (``torch.func.jvp``, ``torch.autograd.forward_ad``): q, k, v and the frequencies,
+    positions or angles alike (None: not given). ``reference``: the PyTorch
     function that does have one. Not under ``torch.compile``, which has no forward mode."""
     if torch.compiler.is_compiling():
         return
