@@ -132,7 +132,7 @@ def corope_attention(
     rope_dim: int | None = None,
     leader: str = "first",
     detach_mileage: bool = False,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Causal Co-RoPE-GQA attention with fused Triton kernels, differentiable in q, k, v and
     ``inv_freq``.
@@ -158,6 +158,8 @@ def corope_attention(
         detach_mileage: hold the mileage constant in the backward (an ablation).
         deterministic: ask the backward kernel for its deterministic mode (its atomic adds
             in one fixed order, kept by per-key-tile counters: bitwise-repeatable gradients).
+            ``None`` (the default) follows ``torch.are_deterministic_algorithms_enabled()``,
+            as PyTorch's own operators do under ``torch.use_deterministic_algorithms(True)``.
 
     Returns:
         ``o`` ``[B, HQ, NQ, D]`` in q's dtype (contiguous).
@@ -173,6 +175,8 @@ def corope_attention(
             f"{q.dtype} (corope_attention_ref runs float64)"
         )
     check_bool(detach_mileage, "detach_mileage")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     check_bool(deterministic, "deterministic")
     w = corope_inv_freq(R, theta, inv_freq, q.device)  # checks inv_freq first
     check_no_tangent("corope.corope_attention_ref", q=q, k=k, v=v, inv_freq=inv_freq)

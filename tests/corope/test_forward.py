@@ -254,7 +254,8 @@ def test_autograd_through_public_function(detach_mileage):
 
 def test_backward_options_reach_the_kernel(monkeypatch):
     """``leader``, ``detach_mileage`` and ``deterministic`` arrive at ``corope_bwd`` as given
-    (on the CPU both backward modes give the same numbers, so only the call can tell), and
+    (on the CPU both backward modes give the same numbers, so only the call can tell),
+    ``deterministic`` by default as ``torch.use_deterministic_algorithms`` sets it, and
     ``freq_grad`` where ``inv_freq`` requires grad."""
     import corope.attention as attention_module
 
@@ -273,6 +274,18 @@ def test_backward_options_reach_the_kernel(monkeypatch):
     expected = [("first", False, False, False), ("mean", True, True, False)]
     assert calls == [*expected, ("first", False, False, True)]
     assert learned.grad is not None and learned.grad.abs().max() > 0
+
+    calls.clear()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for kw in ({}, dict(deterministic=False)):  # an explicit choice wins over the switch
+            corope_attention(q, k, v, **kw).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert calls == [("first", False, True, False), ("first", False, False, False)]
+    with pytest.raises(TypeError, match="deterministic"):
+        corope_attention(q, k, v, deterministic=1)
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
