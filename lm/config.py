@@ -44,6 +44,7 @@ RUN_CONDUCT_KEYS = (
     "train.time_attention",
     "train.compile",
     "train.ckpt_path",
+    "train.deterministic",
 )
 
 
@@ -190,6 +191,10 @@ class LoopConfig:
     # model up to rounding (and dropout's masks), so a run-conduct key. Attention is not timed.
     compile: bool = False
     progress: bool = True  # tqdm progress bar on rank 0
+    # torch.use_deterministic_algorithms(True) for the run: bitwise-repeatable steps on the GPU
+    # too (Co-RoPE's backward takes its deterministic mode), or a RuntimeError naming the
+    # operator that has no deterministic implementation. Slower; the same model up to rounding.
+    deterministic: bool = False
 
 
 @dataclass

@@ -35,6 +35,7 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -296,6 +297,23 @@ def _check_options(cfg: DictConfig) -> None:
         check_int("attention.chunk_size", cfg.attention.chunk_size, 1)
 
 
+def _set_determinism(deterministic: bool) -> tuple[bool, bool]:
+    """``train.deterministic``: turns PyTorch's deterministic algorithms on for the run (strict:
+    an operator without a deterministic implementation raises, naming itself; Co-RoPE's
+    backward follows the switch). Returns the previous ``(mode, warn_only)`` to restore: the
+    switch is process-wide, and ``train`` may run again in the same process."""
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if deterministic:
+        # cuBLAS repeats its results only with a fixed workspace (without this, PyTorch raises
+        # at the first CUDA matmul); set before any, as in train.py's own process.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    return previous
+
+
 def _check_below_one(name: str, value: float) -> None:
     """ValueError (TypeError) naming ``name`` unless ``value`` is a number in [0, 1)."""
     if check_fraction(name, value, 0.0, 1.0) == 1.0:
@@ -385,6 +403,7 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     """
     _check_options(cfg)
     info = distributed.setup(cfg.train.device)
+    determinism, warn_only = _set_determinism(cfg.train.deterministic)
     finished = False
     run = None
     try:
@@ -410,6 +429,7 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
                 run.logger.abort()
             raise
     finally:
+        torch.use_deterministic_algorithms(determinism, warn_only=warn_only)
         if info.world_size > 1:
             # The DDP wrapper holds the process group. Freed on this function's return, after
             # the group's destruction, it hung at times in gloo's teardown on a rank whose
