@@ -297,21 +297,29 @@ def _check_options(cfg: DictConfig) -> None:
         check_int("attention.chunk_size", cfg.attention.chunk_size, 1)
 
 
-def _set_determinism(deterministic: bool) -> tuple[bool, bool]:
-    """``train.deterministic``: turns PyTorch's deterministic algorithms on for the run (strict:
-    an operator without a deterministic implementation raises, naming itself; Co-RoPE's
-    backward follows the switch). Returns the previous ``(mode, warn_only)`` to restore: the
-    switch is process-wide, and ``train`` may run again in the same process."""
+@contextlib.contextmanager
+def _determinism(deterministic: bool):
+    """``train.deterministic``: PyTorch's deterministic algorithms for the run (strict: an
+    operator without a deterministic implementation raises, naming itself; Co-RoPE's backward
+    follows the switch). The switch and ``CUBLAS_WORKSPACE_CONFIG`` are the process's, and
+    ``train`` may run again in the same process (a multirun, the tests): both are restored."""
     previous = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     )
     if deterministic:
-        # cuBLAS repeats its results only with a fixed workspace (without this, PyTorch raises
-        # at the first CUDA matmul); set before any, as in train.py's own process.
+        # cuBLAS repeats its results only with a fixed workspace (without the setting PyTorch
+        # raises at a CUDA matmul). PyTorch sizes its workspace at its first cuBLAS call, so
+        # a process's later runs keep that size (Hopper's default is this one).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    return previous
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        if previous[2] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 def _check_below_one(name: str, value: float) -> None:
@@ -402,8 +410,13 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
             ``failed.json``; a start removes an earlier run's ``summary.json`` and ``failed.json``.
     """
     _check_options(cfg)
+    with _determinism(cfg.train.deterministic):
+        return _train(cfg, output_dir)
+
+
+def _train(cfg: DictConfig, output_dir: str | None) -> dict[str, Any]:
+    """``train``'s run, its options checked."""
     info = distributed.setup(cfg.train.device)
-    determinism, warn_only = _set_determinism(cfg.train.deterministic)
     finished = False
     run = None
     try:
@@ -429,7 +442,6 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
                 run.logger.abort()
             raise
     finally:
-        torch.use_deterministic_algorithms(determinism, warn_only=warn_only)
         if info.world_size > 1:
             # The DDP wrapper holds the process group. Freed on this function's return, after
             # the group's destruction, it hung at times in gloo's teardown on a rank whose

@@ -1105,7 +1105,7 @@ def test_gpu_triton_path_trains_like_the_torch_path(attention, tmp_path):
 def test_deterministic_algorithms_hold_for_the_run_only(tmp_path, monkeypatch, killed):
     """``train.deterministic=true`` turns ``torch.use_deterministic_algorithms`` on while the
     run trains (Co-RoPE's backward follows that switch), and the process's own setting is back
-    once the run returns, or is killed."""
+    once the run returns, or is killed, as is ``CUBLAS_WORKSPACE_CONFIG``."""
     seen, original = [], LMDataset.train_batch
 
     def spy(self, at, *args, **kwargs):
@@ -1115,20 +1115,25 @@ def test_deterministic_algorithms_hold_for_the_run_only(tmp_path, monkeypatch, k
         return original(self, at, *args, **kwargs)
 
     monkeypatch.setattr(LMDataset, "train_batch", spy)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     cfg = compose_cfg(*SMALL, "train.deterministic=true", "train.steps=3", "train.eval_every=0")
-    with pytest.raises(KeyboardInterrupt) if killed else contextlib.nullcontext():
-        train(cfg, output_dir=str(tmp_path))
-    assert seen and all(seen)
-    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        with pytest.raises(KeyboardInterrupt) if killed else contextlib.nullcontext():
+            train(cfg, output_dir=str(tmp_path))
+        assert seen and all(seen)
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    finally:  # a regression here must not leave the switch on for the tests that follow
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["rope", "corope"])
-def test_gpu_deterministic_runs_repeat_bitwise(attention, tmp_path):
+def test_gpu_deterministic_mode_refused_by_no_operator(attention, tmp_path):
     """``train.deterministic=true`` on CUDA: no operator of either path refuses the strict
-    mode (an operator without a deterministic implementation would raise), and two runs of one
-    config give bitwise-equal losses and weights. This small run repeats without the switch
-    too; Co-RoPE's kernels alone do not at 512 tokens (B = 4, 4/2 heads, D = 64, bf16: dq, dk,
+    mode (one without a deterministic implementation would raise), and two runs of one config
+    give bitwise-equal losses and weights. What the switch changes does not show here: this
+    small run repeats without it too; Co-RoPE's kernels alone do not at 512 tokens (B = 4, 4/2 heads, D = 64, bf16: dq, dk,
     dv differ run to run by default and repeat in the deterministic mode, H200, session 37),
     which ``tests/corope/test_backward.py::test_backward_deterministic_gpu`` holds."""
     common = [*SMALL, f"attention={attention}", "train.deterministic=true", "train.steps=8",

@@ -276,13 +276,16 @@ def test_backward_options_reach_the_kernel(monkeypatch):
     assert learned.grad is not None and learned.grad.abs().max() > 0
 
     calls.clear()
-    previous = torch.are_deterministic_algorithms_enabled()
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True)
     try:
         for kw in ({}, dict(deterministic=False)):  # an explicit choice wins over the switch
             corope_attention(q, k, v, **kw).sum().backward()
     finally:
-        torch.use_deterministic_algorithms(previous)
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
     assert calls == [("first", False, True, False), ("first", False, False, False)]
     with pytest.raises(TypeError, match="deterministic"):
         corope_attention(q, k, v, deterministic=1)
