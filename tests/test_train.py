@@ -1133,9 +1133,10 @@ def test_gpu_deterministic_mode_refused_by_no_operator(attention, tmp_path):
     """``train.deterministic=true`` on CUDA: no operator of either path refuses the strict
     mode (one without a deterministic implementation would raise), and two runs of one config
     give bitwise-equal losses and weights. What the switch changes does not show here: this
-    small run repeats without it too; Co-RoPE's kernels alone do not at 512 tokens (B = 4, 4/2 heads, D = 64, bf16: dq, dk,
-    dv differ run to run by default and repeat in the deterministic mode, H200, session 37),
-    which ``tests/corope/test_backward.py::test_backward_deterministic_gpu`` holds."""
+    small run repeats without it too; Co-RoPE's kernels alone do not at 512 tokens (B = 4,
+    4/2 heads, D = 64, bf16: dq, dk, dv differ run to run by default and repeat in the
+    deterministic mode, H200, session 37), which
+    ``tests/corope/test_backward.py::test_backward_deterministic_gpu`` holds."""
     common = [*SMALL, f"attention={attention}", "train.deterministic=true", "train.steps=8",
               "train.log_every=1", "train.eval_every=0"]  # fmt: skip
     for name in ("a", "b"):
