@@ -4,8 +4,10 @@ The speed-work companion of ``bench_corope.py`` (which times every provider and 
 shared CSV): this one launches the two kernels directly, with ``triton.testing.do_bench``
 medians, for the shapes of issue 3, and prints one markdown table with the sin/cos floor
 (``shared/docs/corope.md``), and the backward that also forms the frequencies' gradient
-(``bwd_learned_freq_ms``: learned frequencies, ``freq_grad=True``). ``--out DIR`` also writes
-the table to ``DIR/time_corope_<label>.md``.
+(``bwd_learned_freq_ms``: learned frequencies, ``freq_grad=True``) and the backward in its
+deterministic mode (``bwd_deterministic_ms``: dk and dv added in a fixed order, what
+``torch.use_deterministic_algorithms(True)`` selects). ``--out DIR`` also writes the table to
+``DIR/time_corope_<label>.md``.
 
 To compare versions of the kernels, copy the repository (or just its ``corope`` folder) once
 per version, edit the copies, and pass them with ``--versions``: their ``corope/forward.py``
@@ -126,9 +128,9 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
 
         o, lse = fwd()
 
-        def bwd(tiles=None, learn=False, bwd_mod=bwd_mod, o=o, lse=lse):
+        def bwd(tiles=None, learn=False, ordered=False, bwd_mod=bwd_mod, o=o, lse=lse):
             learned = {"freq_grad": True} if learn else {}  # versions before session 36 lack it
-            return bwd_mod.corope_bwd(do, q, k, v, o, lse, w, s, D, "first", False,
+            return bwd_mod.corope_bwd(do, q, k, v, o, lse, w, s, D, "first", False, ordered,
                                       key_tiles_per_program=tiles, **learned)  # fmt: skip
 
         outputs = (o, lse, *bwd()[:3])  # dq, dk, dv (session 36 added dinv_freq, None here)
@@ -144,6 +146,8 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
                 triton.testing.do_bench(lambda: bwd(learn=True), warmup=25, rep=rep_ms,
                                         return_mode="median")
             )  # fmt: skip
+        t_ordered = triton.testing.do_bench(lambda: bwd(ordered=True), warmup=25, rep=rep_ms,
+                                            return_mode="median")  # fmt: skip
         best = getattr(fwd_mod._corope_fwd_kernel, "best_config", None)
         # The backward with the key sweep split into programs of `tiles` key tiles (the
         # default is the backward's _key_tiles_per_program choice; a large number: no split).
@@ -174,6 +178,7 @@ def time_case(B: int, HQ: int, HKV: int, D: int, N: int, rep_ms: int, key_tiles=
                 "fwd_ms": f"{t_f:.3f}",
                 "bwd_ms": f"{t_b:.3f}",
                 "bwd_learned_freq_ms": t_learn,
+                "bwd_deterministic_ms": f"{t_ordered:.3f}",
                 "bwd_key_tiles": tiles_default,
                 "fwd+bwd_ms": f"{t_f + t_b:.3f}",
                 "floor_fwd_ms": f"{fl:.3f}",
