@@ -55,13 +55,13 @@ high and a low half (two tensor-core products), which keeps them at fp32 accurac
 
 dq, dk and dv are accumulated in fp32 with atomic adds: dk and dv receive
 contributions from every query tile that sees them, dq from every split of its query
-tile; so by default two runs may differ in the last bits. ``deterministic=True`` does not
-split (dq's rows then belong to one program, which adds to them in a fixed order) and
-orders the dk and dv adds: per key tile an int32 counter says how many query tiles
-have added to it, and query tile ``m`` waits until every earlier one that sees the key
-tile has (query tiles run in ascending order; since each sweeps downwards from its
-diagonal, tile ``m`` trails tile ``m - 1`` by about one query tile's worth of keys and
-the waits are short). Each fp32 buffer element then receives its adds in one fixed order, so two
+tile; so by default two runs may differ in the last bits. ``deterministic=True`` gives
+each split its own copy of dq (its rows then get one program's adds, in a fixed order;
+the copies are summed in split order afterwards) and orders the dk and dv adds: per key
+tile an int32 counter says how many query tiles have added to it, and query tile ``m``
+waits until every earlier one that sees the key tile has (query tiles run in ascending
+order; a split of tile ``m`` sweeps the key tiles that the same split of tile ``m - 1``
+swept, downwards, trailing it, so the waits are short). Each fp32 buffer element then receives its adds in one fixed order, so two
 runs give bitwise equal dk and dv. This relies on the GPU starting programs in grid
 order (a program only waits on lower-numbered ones), as the interpreter does and as
 ordered split-K reductions also assume.
@@ -211,9 +211,8 @@ def _program_range(N, key_tiles, n_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
                    DETERMINISTIC: tl.constexpr):  # fmt: skip
     """Program ``(m, split)`` of axis 0 and its key tiles ``[lo, hi)``: query tile ``m``, key
     tiles ``[split * key_tiles, (split + 1) * key_tiles)`` of its causal range (empty for the
-    splits past it). Longest sweeps first for load balance; the ordered (deterministic) mode,
-    which does not split, needs ascending query tiles so that a program only ever waits on
-    earlier programs."""
+    splits past it). Longest sweeps first for load balance; the ordered (deterministic) mode
+    needs ascending query tiles so that a program only ever waits on earlier programs."""
     split = tl.program_id(0) % n_splits
     m = tl.program_id(0) // n_splits
     m = m if DETERMINISTIC else tl.cdiv(N, BLOCK_M) - 1 - m
@@ -241,6 +240,7 @@ def _corope_bwd_kernel(
     stride_tgb, stride_tgs,  # TG: [B * HKV, n_splits, N] fp32
     stride_lock,
     stride_dwb,  # DW: [B * HKV, programs of axis 0, R/2] fp64
+    stride_dq_split, stride_dql_split,  # DQ's and DQL's copies a split (0: one, shared)
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, DN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -266,14 +266,14 @@ def _corope_bwd_kernel(
     O += b * stride_ob + h0 * stride_oh
     DO += b * stride_dob + h0 * stride_doh
     LSE += b * stride_lb + h0 * stride_lh
-    DQ += b * stride_dqb + h0 * stride_dqh
+    DQ += b * stride_dqb + h0 * stride_dqh + split.to(tl.int64) * stride_dq_split
     K += b * stride_kb + grp * stride_kh
     V += b * stride_vb + grp * stride_vh
     QL += b * stride_qlb + grp * stride_qlh
     QP += b * stride_pqb + h0 * stride_pqh
     KP += b * stride_pkb + grp * stride_pkh
     kv_off = b * stride_dkb + grp * stride_dkh
-    DQL += kv_off
+    DQL += kv_off + split.to(tl.int64) * stride_dql_split
     DK_S += kv_off
     DK_G += kv_off
     DV += kv_off
@@ -521,7 +521,7 @@ def _gate_tail_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_tgb, stride_tgs,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_lock,
+    stride_lock, stride_dql_split,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
@@ -544,7 +544,7 @@ def _gate_tail_kernel(
     K += b * stride_kb + grp * stride_kh
     TG += bg.to(tl.int64) * stride_tgb
     kv_off = b * stride_dkb + grp * stride_dkh
-    DQL += kv_off
+    DQL += kv_off + split.to(tl.int64) * stride_dql_split
     DK_T += kv_off
     LOCK_T += bg * stride_lock
     scale = softmax_scale
@@ -688,6 +688,20 @@ def _key_tiles_per_program(
     return min(key_tiles, max(2, cdiv(work, target)))
 
 
+# The deterministic mode's copies of dq and dqL (one a split of the key sweep) take at most this
+# many bytes: fewer splits where they would take more. Splits serve short sequences, whose
+# copies are small: 84 MB a copy at B = 16, (8/2, 64), N = 2K, which splits in two.
+DETERMINISTIC_SPLIT_BYTES = 1 << 28
+
+
+def _ordered_key_tiles(key_tiles: int, per_program: int, copy_bytes: int) -> int:
+    """Key tiles a program sweeps in the deterministic mode: ``per_program``, or more where
+    the splits' copies of dq and dqL (``copy_bytes`` a split) would take more than
+    DETERMINISTIC_SPLIT_BYTES (one split at least)."""
+    copies = max(1, DETERMINISTIC_SPLIT_BYTES // copy_bytes)
+    return max(per_program, cdiv(key_tiles, copies))
+
+
 # The most heads of a group that one program takes; wider groups are swept in slices of this
 # many heads, one launch a slice. A program holding every head of a wider group needs a
 # narrower tile (dO, [GP * BLOCK_M, D], sits in shared memory): with the (32, 16) tile of G = 8
@@ -772,13 +786,16 @@ def corope_bwd(
         rope_dim: ``R``, even, at most D; channels ``R:`` are a plain dot product.
         leader: ``"first"`` or ``"mean"``, as in the forward.
         detach_mileage: drop the phase, mileage and gate paths (delta held constant).
-        deterministic: order the fp32 accumulation of dk and dv so that two runs give
-            bitwise equal results (slightly slower: programs wait on earlier ones).
+        deterministic: order the fp32 accumulation of dk and dv, and give each split of a
+            query tile's sweep its own copy of dq, so that two runs give bitwise equal
+            results (slower: programs wait on earlier ones; the copies, summed afterwards,
+            take at most DETERMINISTIC_SPLIT_BYTES by default).
         key_tiles_per_program: split each query tile's key sweep into programs of this many
             key tiles (``None``: ``_key_tiles_per_program``'s choice; tests and tuning set it).
-            Not with ``deterministic``, whose order needs one program per query tile. The
-            splits' row sums take ``B * HKV * cdiv(N / BLOCK_N, this) * N * 4`` bytes: small
-            by default, 8 GiB at N = 64K, B * HKV = 16 and 1 tile a program.
+            The splits' row sums take ``B * HKV * cdiv(N / BLOCK_N, this) * N * 4`` bytes:
+            small by default, 8 GiB at N = 64K, B * HKV = 16 and 1 tile a program; with
+            ``deterministic``, each split also takes a copy of dq and dqL, ``4 * B * (HQ +
+            HKV) * N * D`` bytes.
         freq_grad: also form the gradient with respect to ``inv_freq`` (learned
             frequencies); it holds with ``detach_mileage`` too (the phase is ``delta * w``).
 
@@ -814,8 +831,6 @@ def corope_bwd(
             )
         if key_tiles_per_program < 1:
             raise ValueError(f"key_tiles_per_program must be >= 1, got {key_tiles_per_program}")
-        if deterministic:
-            raise ValueError("key_tiles_per_program cannot be set with deterministic=True")
     check_index_span(G, dict(q=q, o=o, do=do), dict(k=k, v=v))
 
     if q.numel() == 0 or k.numel() == 0:  # no launch to make
@@ -829,29 +844,25 @@ def corope_bwd(
     half = R // 2
     f32 = dict(dtype=torch.float32, device=device)
 
-    def accumulator(heads: int) -> torch.Tensor:
-        """``[B, heads, N, D]`` fp32, stored positions-fastest (``[B, heads, D, N]`` in memory).
+    def accumulator(heads: int, copies: int | None = None) -> torch.Tensor:
+        """``[B, heads, N, D]`` fp32 (``[copies, B, heads, N, D]`` given ``copies``), stored
+        positions-fastest (``[..., B, heads, D, N]`` in memory).
         The sweep adds to dq and dk once a frequency, one channel of many rows or keys at a
         time: with the positions contiguous a warp's add is a few 16-byte vector adds into
         whole sectors (when N is a multiple of 16, which the launcher specialises on; else
         scalar adds into the same sectors), where the row-major layout sent each of
         its 32 elements to a cache line of its own (sm_90, G = 4, D = 128: 24 sector
         writes a warp and frequency instead of 192, offline)."""
-        return torch.empty(B, heads, D, N, **f32).transpose(-1, -2)
+        lead = () if copies is None else (copies,)
+        return torch.empty(*lead, B, heads, D, N, **f32).transpose(-1, -2)
 
     # Accumulated with atomic adds, so zeroed, by each attempt of the sweep: a launch that does
     # not fit fails before it writes, but a later slice's failure (a fallback) comes after the
-    # earlier slices' adds. Every other output is fully written.
-    dq = accumulator(HQ)
+    # earlier slices' adds. Every other output is fully written. dq and the leader's dqL are
+    # the sweep's own (their copies depend on its tile).
     dk = accumulator(HKV)
     dv = accumulator(HKV)
-    accumulators = [dq, dk, dv]
-    # The leader rows' gate gradient dqL: its -Sg part added per key tile during the sweep,
-    # its Gtot part after it (unused without the mileage).
-    dql = dv
-    if not detach_mileage:
-        dql = accumulator(HKV)
-        accumulators.append(dql)
+    accumulators = [dk, dv]
     dk_g = dk_t = dk
     if deterministic:
         # One buffer per kind of add, so that each element gets one add per (query
@@ -869,13 +880,22 @@ def corope_bwd(
         for t in accumulators:
             t.zero_()
         num_m, key_tiles = cdiv(N, block_m), cdiv(N, block_n)
-        if deterministic:
-            per_program = key_tiles
-        elif key_tiles_per_program is not None:
+        if key_tiles_per_program is not None:
             per_program = key_tiles_per_program
         else:
             per_program = _key_tiles_per_program(B * HKV, N, block_m, block_n, device)
+            if deterministic:
+                per_program = _ordered_key_tiles(key_tiles, per_program, 4 * B * (HQ + HKV) * N * D)
         n_splits = cdiv(key_tiles, per_program)
+        # dq, and the leader rows' gate gradient dqL (its -Sg part added per key tile during
+        # the sweep, its C part by the gate tail; untouched without the mileage). The splits
+        # of a query tile add to the same rows: atomically into one copy, or, deterministic,
+        # each into a copy of its own (one program's adds, in its order), summed in split
+        # order afterwards.
+        copies = n_splits if deterministic else 1
+        dq = accumulator(HQ, copies).zero_()
+        dql = dv[None] if detach_mileage else accumulator(HKV, copies).zero_()
+        split_strides = (dq.stride(0), dql.stride(0)) if copies > 1 else (0, 0)
         # Each split's phase gradient per row, for the gate tail; summed over head slices.
         # (Without the mileage the kernel does not touch it.)
         tg = torch.zeros(B * HKV, n_splits if not detach_mileage else 1, N, **f32)
@@ -898,11 +918,12 @@ def corope_bwd(
             dw = tg if dw_parts is None else dw_parts[h // heads]
             _corope_bwd_kernel[(num_m * n_splits, B * HKV)](
                 q[:, sl], k, v, o[:, sl], do[:, sl], lse[:, sl], qL, inv_freq, qp[:, sl], kp,
-                dq[:, sl], dql, dk, dk_g, dv, tg, locks[0], dw,
+                dq[0, :, sl], dql[0], dk, dk_g, dv, tg, locks[0], dw,
                 s, N, HKV, G, per_program, n_splits,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-                *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3], *dq.stride(),
-                *dk.stride(), *tg.stride()[:2], locks.stride(1), dw.stride(-3),
+                *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3],
+                *dq.stride()[1:], *dk.stride(), *tg.stride()[:2], locks.stride(1),
+                dw.stride(-3), *split_strides,
                 G=n, GP=next_power_of_2(n), D=D,
                 D_PAD=d_pad, HALF=half,
                 DN_PAD=padded_channels(dn) if dn else 0,
@@ -914,13 +935,13 @@ def corope_bwd(
                 FREQ_GRAD=freq_grad, HALF_P=next_power_of_2(half),
                 num_warps=num_warps, num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip
-        return tg, locks[1], per_program, n_splits, dw_parts
+        return tg, locks[1], per_program, n_splits, dw_parts, dq, dql
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
     d_pad = padded_channels(D)
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic, freq_grad)
-    config, (tg, locks_t, per_program, n_splits, dw_parts) = _first_fitting(
+    config, (tg, locks_t, per_program, n_splits, dw_parts, dq, dql) = _first_fitting(
         ("sweep", *key), _launch_configs(G, D, q.dtype), sweep
     )
     if not detach_mileage:
@@ -929,8 +950,9 @@ def corope_bwd(
         def tail(block_m):
             # Any row count works: the splits are key-tile ranges and TG is per row.
             _gate_tail_kernel[(cdiv(N, block_m) * n_splits, B * HKV)](
-                qL, k, tg, dql, dk_t, locks_t, s, N, HKV, per_program, n_splits,
+                qL, k, tg, dql[0], dk_t, locks_t, s, N, HKV, per_program, n_splits,
                 *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
+                dql.stride(0) if dql.shape[0] > 1 else 0,
                 D=D, D_PAD=d_pad, BLOCK_M=block_m,
                 BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
                 num_stages=SWEEP_NUM_STAGES,
@@ -942,6 +964,7 @@ def corope_bwd(
         _first_fitting(("tail", *key, config), rows, tail)
     if deterministic:
         dk = dk + dk_g + dk_t
+    dq, dql = (x[0] if x.shape[0] == 1 else x.sum(0) for x in (dq, dql))
     if not detach_mileage:
         if leader == "first":
             dq[:, ::G] += dql

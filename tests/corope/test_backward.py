@@ -193,21 +193,26 @@ def test_backward_deterministic(dtype):
 
 
 @pytest.mark.parametrize(
-    "key_tiles, leader, dtype, heads, detach",
+    "key_tiles, leader, dtype, heads, detach, ordered",
     [
-        (1, "first", torch.float32, None, False),
-        (2, "mean", torch.float32, None, False),
-        (3, "first", torch.float16, None, False),
-        (2, "first", torch.float32, 1, False),
-        (2, "first", torch.float32, None, True),
+        (1, "first", torch.float32, None, False, False),
+        (2, "mean", torch.float32, None, False, False),
+        (3, "first", torch.float16, None, False, False),
+        (2, "first", torch.float32, 1, False, False),
+        (2, "first", torch.float32, None, True, False),
+        (2, "mean", torch.float32, None, False, True),
+        (3, "first", torch.float16, 1, False, True),
+        (1, "first", torch.float32, None, True, True),
     ],
 )
-def test_backward_split_key_sweep(key_tiles, leader, dtype, heads, detach, monkeypatch):
+def test_backward_split_key_sweep(key_tiles, leader, dtype, heads, detach, ordered, monkeypatch):
     """Each query tile's key sweep split over programs of ``key_tiles`` key tiles (what short
     sequences get on the GPU): the mileage carry enters a split from its own gates pre-pass and
     the gate gradient from the per-split phase-gradient sums; 7 key tiles in the interpreter.
     ``heads = 1``: also one launch per head (the shared-memory fallback), whose per-split sums
-    add up before the gate tail. ``detach``: the mileage held constant (no gate tail)."""
+    add up before the gate tail. ``detach``: the mileage held constant (no gate tail).
+    ``ordered``: the deterministic mode, whose splits add dq and dqL into copies of their own
+    (summed afterwards) and wait on the key tiles' counters."""
     import corope.backward as backward
 
     if heads is not None:
@@ -219,7 +224,7 @@ def test_backward_split_key_sweep(key_tiles, leader, dtype, heads, detach, monke
     truth = _ref_grads(q, k, v, do, torch.float64, **kw)
     o, lse, *baseline = _ref_grads(q, k, v, do, dtype, **kw)
     w = corope_inv_freq(D, 10000.0, None, q.device)
-    grads = corope_bwd(do, q, k, v, o, lse.float(), w, D**-0.5, D, leader, detach,
+    grads = corope_bwd(do, q, k, v, o, lse.float(), w, D**-0.5, D, leader, detach, ordered,
                        key_tiles_per_program=key_tiles)[:3]  # fmt: skip
     for name, out, ref, base in zip(("dq", "dk", "dv"), grads, truth[2:], baseline, strict=True):
         assert_close_to_baseline(name, out, ref, base)
@@ -286,6 +291,18 @@ def test_key_tiles_per_program_splits_only_short_sequences(monkeypatch):
     assert choose(8, 1024, 64, 32, cuda) == 32
 
 
+def test_ordered_key_tiles_bound_the_copies_of_dq(monkeypatch):
+    """The deterministic mode's splits: as many as the default's, fewer where their copies of
+    dq and dqL would pass DETERMINISTIC_SPLIT_BYTES, one where even one copy does."""
+    import corope.backward as backward
+
+    monkeypatch.setattr(backward, "DETERMINISTIC_SPLIT_BYTES", 1000)
+    assert backward._ordered_key_tiles(64, 8, 100) == 8  # 8 splits, 800 bytes
+    assert backward._ordered_key_tiles(64, 4, 100) == 7  # 16 splits would take 1600
+    assert backward._ordered_key_tiles(64, 4, 400) == 32  # 2 copies
+    assert backward._ordered_key_tiles(64, 4, 5000) == 64  # one, over the bound alone
+
+
 def test_dk_parts_per_warp_only_where_rows_follow_warps_and_order_is_free():
     """dk's per-warp partial adds: only for the 64-row, 4-warp tiles (16 rows a warp) and never
     in the deterministic mode, whose one add an element in a fixed order the interpreter
@@ -298,7 +315,7 @@ def test_dk_parts_per_warp_only_where_rows_follow_warps_and_order_is_free():
         assert backward._dk_parts(block_m, warps, False) == 1
 
 
-def test_backward_split_needs_a_positive_int_and_no_deterministic():
+def test_backward_split_needs_a_positive_int():
     q, k, v, do = _inputs(1, 2, 1, 8, 64, torch.float32)
     lse = torch.zeros(1, 2, 8, device=DEVICE)
     w = corope_inv_freq(64, 10000.0, None, q.device)
@@ -307,8 +324,6 @@ def test_backward_split_needs_a_positive_int_and_no_deterministic():
         corope_bwd(*args, key_tiles_per_program=0)
     with pytest.raises(TypeError, match="^key_tiles_per_program must be an int or None"):
         corope_bwd(*args, key_tiles_per_program=2.0)
-    with pytest.raises(ValueError, match="cannot be set with deterministic=True"):
-        corope_bwd(*args, True, key_tiles_per_program=2)
 
 
 _FIRST = object()
