@@ -287,6 +287,14 @@ def _fused_prefill_fills_the_gpu(q: torch.Tensor) -> bool:
     return fused_prefill_wins(B, HQ, NQ, num_sms(q.device))
 
 
+def _sdpa_is_slowed_by_determinism(q: torch.Tensor) -> bool:
+    """Whether ``torch.use_deterministic_algorithms(True)`` keeps SDPA from cuDNN's attention
+    for ``q``'s device (CUDA), whose backward is not deterministic; it then runs another
+    backend, where the fused kernel (deterministic always: no atomic adds) is the faster
+    path at every measured square causal shape (``experiments/deterministic_dispatch.py``)."""
+    return q.device.type == "cuda" and torch.are_deterministic_algorithms_enabled()
+
+
 def _rope_then_sdpa(
     q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout, rope_dim
 ):
@@ -400,11 +408,13 @@ def _check_inputs(
         # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel where it has work
         # for every SM (0.65-0.81x the separate path's time forward there) or SDPA has no
         # bottom-right kernel; elsewhere RoPE then SDPA (cuDNN), 1.10-1.50x faster than the
-        # fused kernel on square shapes.
+        # fused kernel on square shapes, except under deterministic algorithms, where SDPA
+        # leaves cuDNN and the fused kernel takes 0.50-0.87x its time forward+backward (H200).
         bottom_right = causal and NQ != NK
         fused_first = bottom_right and (
             _fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v)
         )
+        fused_first |= causal and NQ == NK and _sdpa_is_slowed_by_determinism(q)
         # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
         # which may be a materialized one) beats an error; not under compile, which cannot
         # trace that mask (a blocker).
@@ -515,9 +525,11 @@ def rope_attention(
             a program per SM: 0.65-0.81x the separate path's forward time on an H100) or where
             SDPA has no bottom-right kernel (and always under ``torch.compile``), else
             "separate" (SDPA's decoding kernels win at a few queries); the fused kernel for
-            ``return_lse=True``
-            and causal ``NQ > NK``; "separate" elsewhere (square causal attention: 1.10-1.50x
-            faster than the fused kernel on an H100 and an H200), and where the fused kernel
+            ``return_lse=True``, causal ``NQ > NK``, and square causal attention on a GPU
+            under ``torch.use_deterministic_algorithms(True)`` (which keeps SDPA from cuDNN:
+            there the fused kernel took 0.50-0.87x the separate path's forward+backward time
+            on an H200); "separate" elsewhere (square causal attention: 1.10-1.50x faster
+            than the fused kernel on an H100 and an H200), and where the fused kernel
             cannot run (``D > 256``, fp32 ``D > 128``, ``B * HQ > 65535``, a head of q, k or v
             spanning ``2**31`` elements or more), except for a prefill under compile. Where
             neither path can run (beyond the fused kernel with ``return_lse=True``, causal

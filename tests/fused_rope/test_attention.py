@@ -922,6 +922,33 @@ def test_auto_prefill_dispatch(has_kernel, fills, separate_calls, monkeypatch):
     assert len(separate_calls) == (1 if has_kernel and not fills else 0)
 
 
+@pytest.mark.parametrize("slowed", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_auto_under_deterministic_algorithms(causal, slowed, separate_calls, monkeypatch):
+    """Square attention: "auto" takes the fused kernel exactly when it is causal and SDPA is
+    kept from cuDNN by deterministic algorithms (stubbed, so both answers are seen on any
+    device), and is right either way."""
+    monkeypatch.setattr(attention_module, "_sdpa_is_slowed_by_determinism", lambda q: slowed)
+    _check_case(1, 4, 2, 37, 37, 32, dtype=torch.float32, causal=causal, impl="auto")
+    assert len(separate_calls) == (0 if causal and slowed else 1)
+
+
+def test_sdpa_is_slowed_by_determinism_follows_the_switch_on_a_gpu():
+    """The stub's truth: the switch of torch.use_deterministic_algorithms, on CUDA only (on
+    the CPU SDPA has no cuDNN kernel to leave). Restores the switch."""
+    q = torch.zeros(1, 1, 4, 32, device=DEVICE)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    try:
+        for on in (True, False):
+            torch.use_deterministic_algorithms(on)
+            assert attention_module._sdpa_is_slowed_by_determinism(q) == (on and ON_GPU)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 # (B, HQ, NQ, sms) -> fused: the shapes of experiments/results/prefill_dispatch_h100.md where
 # one path was more than 7% faster, on the H100's 132 SMs.
 PREFILL_WINS = [
@@ -1118,6 +1145,35 @@ def test_gpu_prefill_both_paths(HQ, HKV, NQ, NK, D, opts, dtype, separate_calls)
     assert len(separate_calls) == (0 if fused else 1), f"auto did not take the {fused=} path"
     _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="separate", layout="interleaved",
                 q_positions=True, **opts)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_algorithms_take_the_fused_kernel_and_repeat(separate_calls):
+    """Under torch.use_deterministic_algorithms(True) (strict: an operator without a
+    deterministic kernel would raise), "auto" on square causal bf16 attention is the fused
+    kernel, and two runs give the same bits. Restores the switch."""
+    q = torch.randn(2, 8, 700, 64, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 700, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+
+    def run(impl):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = rope_attention(*inputs, impl=impl)
+        return (o, *torch.autograd.grad(o, inputs, do))
+
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, again, fused = run("auto"), run("auto"), run("fused")
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert not separate_calls
+    for name, a, b, c in zip(("o", "dq", "dk", "dv"), first, again, fused, strict=True):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+        assert torch.equal(a, c), f"{name}: auto did not take the fused kernel"
 
 
 @pytest.mark.gpu
