@@ -707,3 +707,19 @@ def test_rows_of_uncommitted_code_say_so(monkeypatch):
 
         monkeypatch.setattr(results_io.subprocess, "run", run)
         assert results_io.environment()["commit"] == expected
+
+
+def test_deterministic_dispatch_reports_the_path_auto_takes(monkeypatch):
+    """``deterministic_dispatch.py``'s "auto takes" column asks ``rope_attention``'s own input
+    checks (stubbed switch: both answers on any device), and its ``--projected`` inputs are the
+    harness's views: q ``[B, HQ, N, D]`` and k, v ``[B, HKV, N, D]`` of one projection."""
+    import fused_rope.attention as attention
+    from experiments import deterministic_dispatch
+
+    q, kv = torch.randn(2, 40, 4, 32), torch.randn(2, 40, 2, 2, 32)
+    inputs = deterministic_dispatch.qkv((q, kv), projected=True)
+    assert [tuple(x.shape) for x in inputs] == [(2, 4, 40, 32), (2, 2, 40, 32), (2, 2, 40, 32)]
+    assert torch.equal(inputs[2][1, 0, 7], kv[1, 7, 1, 0])
+    for slowed in (True, False):
+        monkeypatch.setattr(attention, "_sdpa_is_slowed_by_determinism", lambda q, s=slowed: s)
+        assert deterministic_dispatch._auto_path(inputs) == ("fused" if slowed else "separate")
