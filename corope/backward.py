@@ -57,14 +57,16 @@ dq, dk and dv are accumulated in fp32 with atomic adds: dk and dv receive
 contributions from every query tile that sees them, dq from every split of its query
 tile; so by default two runs may differ in the last bits. ``deterministic=True`` gives
 each split its own copy of dq (its rows then get one program's adds, in a fixed order;
-the copies are summed in split order afterwards) and orders the dk and dv adds: per key
-tile an int32 counter says how many query tiles have added to it, and query tile ``m``
-waits until every earlier one that sees the key tile has (query tiles run in ascending
-order; a split of tile ``m`` sweeps the key tiles that the same split of tile ``m - 1``
-swept, downwards, trailing it, so the waits are short). Each fp32 buffer element then receives its adds in one fixed order, so two
-runs give bitwise equal dk and dv. This relies on the GPU starting programs in grid
-order (a program only waits on lower-numbered ones), as the interpreter does and as
-ordered split-K reductions also assume.
+the copies are summed afterwards, in a fixed order) and orders the dk and dv adds: per
+key tile an int32 counter says how many query tiles have added to it, and query tile
+``m`` waits until every earlier one that sees the key tile has (query tiles run in
+ascending order; a split of tile ``m`` sweeps the key tiles that the same split of tile
+``m - 1`` swept, downwards, trailing it: a chain as long as the query tiles that see a
+key tile, which is what the mode costs at short N, ``PERF_NOTES.md``, session 38). Each
+fp32 buffer element then receives its adds in one fixed order, so two runs give bitwise
+equal dk and dv. This relies on the GPU starting programs in grid order (a program only
+waits on lower-numbered ones), as the interpreter does and as ordered split-K reductions
+also assume.
 """
 
 from __future__ import annotations
@@ -789,7 +791,8 @@ def corope_bwd(
         deterministic: order the fp32 accumulation of dk and dv, and give each split of a
             query tile's sweep its own copy of dq, so that two runs give bitwise equal
             results (slower: programs wait on earlier ones; the copies, summed afterwards,
-            take at most DETERMINISTIC_SPLIT_BYTES by default).
+            take at most DETERMINISTIC_SPLIT_BYTES: a program takes more key tiles than
+            ``key_tiles_per_program`` where they would take more).
         key_tiles_per_program: split each query tile's key sweep into programs of this many
             key tiles (``None``: ``_key_tiles_per_program``'s choice; tests and tuning set it).
             The splits' row sums take ``B * HKV * cdiv(N / BLOCK_N, this) * N * 4`` bytes:
@@ -880,22 +883,21 @@ def corope_bwd(
         for t in accumulators:
             t.zero_()
         num_m, key_tiles = cdiv(N, block_m), cdiv(N, block_n)
-        if key_tiles_per_program is not None:
-            per_program = key_tiles_per_program
-        else:
-            per_program = _key_tiles_per_program(B * HKV, N, block_m, block_n, device)
-            if deterministic:
-                per_program = _ordered_key_tiles(key_tiles, per_program, 4 * B * (HQ + HKV) * N * D)
+        per_program = key_tiles_per_program or _key_tiles_per_program(
+            B * HKV, N, block_m, block_n, device
+        )
+        if deterministic:
+            per_program = _ordered_key_tiles(key_tiles, per_program, 4 * B * (HQ + HKV) * N * D)
         n_splits = cdiv(key_tiles, per_program)
         # dq, and the leader rows' gate gradient dqL (its -Sg part added per key tile during
         # the sweep, its C part by the gate tail; untouched without the mileage). The splits
         # of a query tile add to the same rows: atomically into one copy, or, deterministic,
-        # each into a copy of its own (one program's adds, in its order), summed in split
+        # each into a copy of its own (one program's adds, in its order), summed in a fixed
         # order afterwards.
         copies = n_splits if deterministic else 1
         dq = accumulator(HQ, copies).zero_()
         dql = dv[None] if detach_mileage else accumulator(HKV, copies).zero_()
-        split_strides = (dq.stride(0), dql.stride(0)) if copies > 1 else (0, 0)
+        split_strides = [x.stride(0) if x.shape[0] > 1 else 0 for x in (dq, dql)]
         # Each split's phase gradient per row, for the gate tail; summed over head slices.
         # (Without the mileage the kernel does not touch it.)
         tg = torch.zeros(B * HKV, n_splits if not detach_mileage else 1, N, **f32)

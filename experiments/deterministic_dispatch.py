@@ -47,14 +47,17 @@ PATHS = ("fused", "separate", "sdpa_no_rope")
 def deterministic_algorithms(on: bool):
     """``torch.use_deterministic_algorithms(on)`` (strict) for the block, with cuBLAS's fixed
     workspace, as the harness's ``train.deterministic`` sets them; restored afterwards."""
-    before = torch.are_deterministic_algorithms_enabled()
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(on)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         if env is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
 

@@ -16,7 +16,7 @@ import torch
 
 from fused_rope._angle_grads import chain_positions, pair_cross, rows_grad
 from fused_rope._attention_common import rotated_width
-from fused_rope._device import num_sms
+from fused_rope._device import compute_capability, num_sms
 from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
@@ -33,6 +33,7 @@ from fused_rope._validation import (
     check_same_device,
     check_softmax_scale,
     element_span,
+    under_functorch,
 )
 from fused_rope.attention_backward import (
     _DKDV_CONFIGS,
@@ -288,11 +289,18 @@ def _fused_prefill_fills_the_gpu(q: torch.Tensor) -> bool:
 
 
 def _sdpa_is_slowed_by_determinism(q: torch.Tensor) -> bool:
-    """Whether ``torch.use_deterministic_algorithms(True)`` keeps SDPA from cuDNN's attention
-    for ``q``'s device (CUDA), whose backward is not deterministic; it then runs another
-    backend, where the fused kernel (deterministic always: no atomic adds) is the faster
-    path at every measured square causal shape (``experiments/deterministic_dispatch.py``)."""
-    return q.device.type == "cuda" and torch.are_deterministic_algorithms_enabled()
+    """Whether ``torch.use_deterministic_algorithms(True)``, strict (``warn_only`` leaves SDPA
+    as it is), keeps SDPA from cuDNN's attention, whose backward is not deterministic, on
+    ``q``'s device: a Hopper GPU, where SDPA takes cuDNN first and where this was measured.
+    SDPA then runs another backend, and the fused kernel (deterministic always: no atomic
+    adds) is the faster path at every measured square causal shape
+    (``experiments/deterministic_dispatch.py``, H200)."""
+    return (
+        q.device.type == "cuda"
+        and torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled()
+        and compute_capability(q.device)[0] == 9
+    )
 
 
 def _rope_then_sdpa(
@@ -414,7 +422,10 @@ def _check_inputs(
         fused_first = bottom_right and (
             _fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v)
         )
-        fused_first |= causal and NQ == NK and _sdpa_is_slowed_by_determinism(q)
+        # (not under torch.func, which the separate path supports and the fused kernel not)
+        fused_first |= (
+            causal and NQ == NK and not under_functorch() and _sdpa_is_slowed_by_determinism(q)
+        )
         # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
         # which may be a materialized one) beats an error; not under compile, which cannot
         # trace that mask (a blocker).
@@ -525,8 +536,9 @@ def rope_attention(
             a program per SM: 0.65-0.81x the separate path's forward time on an H100) or where
             SDPA has no bottom-right kernel (and always under ``torch.compile``), else
             "separate" (SDPA's decoding kernels win at a few queries); the fused kernel for
-            ``return_lse=True``, causal ``NQ > NK``, and square causal attention on a GPU
-            under ``torch.use_deterministic_algorithms(True)`` (which keeps SDPA from cuDNN:
+            ``return_lse=True``, causal ``NQ > NK``, and square causal attention on a Hopper
+            GPU under strict ``torch.use_deterministic_algorithms(True)``, outside
+            ``torch.func`` (the switch keeps SDPA from cuDNN:
             there the fused kernel took 0.50-0.87x the separate path's forward+backward time
             on an H200); "separate" elsewhere (square causal attention: 1.10-1.50x faster
             than the fused kernel on an H100 and an H200), and where the fused kernel

@@ -368,6 +368,51 @@ def test_launch_configs_take_at_most_four_heads_a_program():
     ]  # fmt: skip
 
 
+class _SnapshotsLaunches:
+    """Stands in for a kernel: keeps each launch's arguments, and a copy of the tensor
+    arguments ``at`` (positions) taken before the launch runs."""
+
+    def __init__(self, kernel, at):
+        self.kernel, self.at, self.launches = kernel, at, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((args, kwargs, [args[i]._base.clone() for i in self.at]))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
+def test_backward_deterministic_splits_add_into_copies_of_their_own(monkeypatch, leader):
+    """The deterministic mode's split sweeps: split ``s`` adds its dq and dqL (sweep and gate
+    tail alike) into copy ``s`` of a ``[splits, B, H, D, N]`` buffer, and there to exactly the
+    rows that see one of its keys, so that no element gets adds from two programs (which the
+    interpreter, running programs one after another, could not show as a race)."""
+    import corope.backward as backward
+
+    sweep = _SnapshotsLaunches(backward._corope_bwd_kernel, at=(10, 11))  # DQ, DQL
+    tail = _SnapshotsLaunches(backward._gate_tail_kernel, at=(3,))  # DQL
+    monkeypatch.setattr(backward, "_corope_bwd_kernel", sweep)
+    monkeypatch.setattr(backward, "_gate_tail_kernel", tail)
+    monkeypatch.setattr(backward, "_FITTED", {})
+    key_tiles = 2
+    _check(1, 4, 2, 200, 64, None, leader, deterministic=True, key_tiles_per_program=key_tiles)
+    ((args, kw, _),) = sweep.launches
+    ((_, _, (dql_before,)),) = tail.launches
+    dq, dql = args[10]._base, args[11]._base
+    splits = args[23]
+    assert splits == 4 and dq.shape[0] == dql.shape[0] == splits  # 7 key tiles, 2 a program
+    # the tail's own adds, and the sweep's (the copies start at zero)
+    parts = {"dq": dq, "dqL (sweep)": dql_before, "dqL (tail)": dql - dql_before}
+    rows = torch.arange(200, device=dq.device)
+    for name, part in parts.items():
+        touched = part.abs().sum(dim=(1, 2, 3)) > 0  # [splits, N]
+        for s in range(splits):
+            first_key = s * key_tiles * kw["BLOCK_N"]
+            assert torch.equal(touched[s], rows >= first_key), (name, s)
+
+
 @pytest.mark.parametrize("leader", ["first", "mean"])
 def test_backward_sweeps_a_wide_group_in_slices(monkeypatch, leader):
     """G = 7 at the default configurations: one launch for heads 0-3 of each group and one for
