@@ -933,6 +933,20 @@ def test_auto_under_deterministic_algorithms(causal, slowed, separate_calls, mon
     assert len(separate_calls) == (0 if causal and slowed else 1)
 
 
+@pytest.mark.parametrize("slowed", [True, False])
+def test_auto_under_deterministic_algorithms_traces_under_compile(slowed, monkeypatch):
+    """The deterministic dispatch (stubbed) under torch.compile(fullgraph=True): "auto" traces
+    into the path it takes eagerly, bitwise (the two paths' outputs differ in their last
+    bits, which tells them apart)."""
+    monkeypatch.setattr(attention_module, "_sdpa_is_slowed_by_determinism", lambda q: slowed)
+    q, k, v = _qkv(torch.float32, nq=20, nk=20, d=32)
+    f = lambda q, k, v: rope_attention(q, k, v)
+    traced = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    fused, separate = (rope_attention(q, k, v, impl=i) for i in ("fused", "separate"))
+    assert not torch.equal(fused, separate)  # the paths round differently: told apart
+    assert torch.equal(traced, fused if slowed else separate)
+
+
 def test_sdpa_is_slowed_by_determinism_follows_the_strict_switch_on_hopper():
     """The stub's truth: the strict switch of torch.use_deterministic_algorithms (warn_only
     leaves SDPA on cuDNN), on a Hopper GPU only (on the CPU SDPA has no cuDNN kernel to leave;
