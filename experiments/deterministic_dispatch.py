@@ -14,9 +14,7 @@ prints each mode's faster path next to the one ``auto`` takes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
-import os
 import sys
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from experiments.results_io import environment, markdown_table, print_report  # 
 from experiments.timing import input_sets, time_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.sdpa import sdpa_attention  # noqa: E402
+from lm.determinism import deterministic_algorithms  # noqa: E402
 
 # name -> (B, HQ, HKV, N, D): bench_rope_attention.py's square shapes, and the harness's
 # experiment=speed model (8 heads over 2 KV heads of 64 channels) at 2K tokens, batch 16
@@ -41,25 +40,6 @@ SHAPES = {
     "speed-2K": (16, 8, 2, 2048, 64),
 }
 PATHS = ("fused", "separate", "sdpa_no_rope")
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(on: bool):
-    """``torch.use_deterministic_algorithms(on)`` (strict) for the block, with cuBLAS's fixed
-    workspace, as the harness's ``train.deterministic`` sets them; restored afterwards."""
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(on)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        if env is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
 
 
 def leaves(B: int, HQ: int, HKV: int, N: int, D: int, dtype, projected: bool):

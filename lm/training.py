@@ -35,7 +35,6 @@ import gc
 import json
 import logging
 import math
-import os
 import re
 import sys
 import time
@@ -70,6 +69,7 @@ from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, check_fraction, check_int
 from lm.data.synthetic import SyntheticTask
 from lm.data.text import resolve_path
+from lm.determinism import deterministic_algorithms
 from lm.evaluation import autocast, evaluate, metric_names
 from lm.model import GPT
 from lm.profiling import AttentionTimer, model_flops_per_token, peak_bf16_flops
@@ -297,31 +297,6 @@ def _check_options(cfg: DictConfig) -> None:
         check_int("attention.chunk_size", cfg.attention.chunk_size, 1)
 
 
-@contextlib.contextmanager
-def _determinism(deterministic: bool):
-    """``train.deterministic``: PyTorch's deterministic algorithms for the run (strict: an
-    operator without a deterministic implementation raises, naming itself; Co-RoPE's backward
-    follows the switch). The switch and ``CUBLAS_WORKSPACE_CONFIG`` are the process's, and
-    ``train`` may run again in the same process (a multirun, the tests): both are restored."""
-    previous = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    )
-    if deterministic:
-        # cuBLAS repeats its results only with a fixed workspace (without the setting PyTorch
-        # raises at a CUDA matmul). PyTorch sizes its workspace at its first cuBLAS call, so
-        # a process's later runs keep that size (Hopper's default is this one).
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
-        if previous[2] is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-
-
 def _check_below_one(name: str, value: float) -> None:
     """ValueError (TypeError) naming ``name`` unless ``value`` is a number in [0, 1)."""
     if check_fraction(name, value, 0.0, 1.0) == 1.0:
@@ -410,7 +385,7 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
             ``failed.json``; a start removes an earlier run's ``summary.json`` and ``failed.json``.
     """
     _check_options(cfg)
-    with _determinism(cfg.train.deterministic):
+    with deterministic_algorithms(cfg.train.deterministic):
         return _train(cfg, output_dir)
 
 
