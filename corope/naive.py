@@ -7,7 +7,8 @@ score of every head of the group is ``s <q[i], Rot(-delta[i, j] w) k[j]>``.
 
 The reference processes queries in chunks of rows: a chunk of ``M`` rows holds
 ``M x N x R/2`` phases, and under autograd each chunk is recomputed in the backward
-(``torch.utils.checkpoint``), so memory stays ``O(chunk * N * R)`` in training too.
+(``torch.utils.checkpoint``), so memory stays ``O(chunk * N * R)`` in training too; a call
+small enough to be one chunk of at most ``_KEEP_ELEMENTS`` keeps its tensors instead.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ LEADERS = ("first", "mean")
 # one thread against 6.2 s at 2**25 (2**18-2**20 no faster; session 37).
 _CHUNK_ELEMENTS = {"cpu": 1 << 21}
 _CHUNK_ELEMENTS_ELSEWHERE = 1 << 25
+# A call whose rows are one chunk of at most this many elements keeps the chunk's tensors for
+# the backward (about ten of them: 80 MB in fp32) rather than recomputing them: the default
+# CPU flip-flop job's layer (32 x 1/2 heads, N = 64, D = 32; 2**21 elements) took 72 ms a
+# forward+backward checkpointed and 46 ms without, on one thread (session 38).
+_KEEP_ELEMENTS = 1 << 21
 
 
 def corope_inv_freq(
@@ -250,11 +256,16 @@ def corope_attention_ref(
         budget = _CHUNK_ELEMENTS.get(q.device.type, _CHUNK_ELEMENTS_ELSEWHERE)
         chunk_size = max(1, budget // max(1, B * HKV * NK * max(R // 2, 1)))
     # Checkpointed chunks: their N x chunk x R/2 tensors are recomputed in the backward, not
-    # kept. Not under torch.func, which does not support checkpoint's saved-tensor hooks.
+    # kept, unless the call is one small chunk. Not under torch.func, which does not support
+    # checkpoint's saved-tensor hooks.
+    one_small_chunk = (
+        chunk_size >= len(rows) and B * HKV * len(rows) * NK * max(R // 2, 1) <= _KEEP_ELEMENTS
+    )
     recompute = (
         torch.is_grad_enabled()
         and any(t.requires_grad for t in (q, k, v))
         and not under_functorch()
+        and not one_small_chunk
     )
     outs, lses = [], []
     for i0 in range(rows.start, rows.stop, chunk_size):

@@ -128,6 +128,38 @@ def test_chunk_size_invariance(leader):
         assert_close(f"lse, chunk {chunk}", lse, lse_full, atol=1e-12, rtol=1e-13)
 
 
+def test_chunks_are_recomputed_in_the_backward_unless_the_call_is_one_small_chunk(monkeypatch):
+    """Checkpointing (recomputing a chunk's tensors in the backward) bounds training memory to
+    a chunk's; a call that is one chunk of at most _KEEP_ELEMENTS keeps its tensors instead.
+    The gradients are the same bits either way."""
+    import corope.naive as naive
+
+    calls, real = [], naive.checkpoint
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(naive, "checkpoint", counted)
+    leaves = [x.requires_grad_() for x in _qkv(1, 4, 2, 23, 16)]
+    do = torch.randn(1, 4, 23, 16, dtype=torch.float64)
+
+    def grads(**kw):
+        return torch.autograd.grad(corope_attention_ref(*leaves, **kw), leaves, do)
+
+    kept = grads()  # 2 groups x 23 x 23 x 8 elements: one small chunk
+    assert calls == []
+    assert grads(chunk_size=5) and len(calls) == 5  # chunks of 5 of the 23 rows
+    monkeypatch.setattr(naive, "_KEEP_ELEMENTS", 2 * 23 * 23 * 8 - 1)
+    recomputed = grads()  # one chunk, one element too large to keep
+    assert len(calls) == 6
+    for a, b in zip(kept, recomputed, strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # nothing to recompute without autograd
+        corope_attention_ref(*leaves, chunk_size=5)
+    assert len(calls) == 6
+
+
 def test_rows_are_the_full_references_rows():
     q, k, v = _qkv(1, 4, 2, 23, 16)
     full, lse_full = corope_attention_ref(q, k, v, leader="mean", return_lse=True)
