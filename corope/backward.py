@@ -696,6 +696,12 @@ def _key_tiles_per_program(
 DETERMINISTIC_SPLIT_BYTES = 1 << 28
 
 
+def _split_stride(copies: torch.Tensor) -> int:
+    """The stride from one split's copy to the next in ``copies [splits, ...]``: 0 where the
+    splits share one copy (their adds are atomic, in no fixed order)."""
+    return copies.stride(0) if copies.shape[0] > 1 else 0
+
+
 def _ordered_key_tiles(key_tiles: int, per_program: int, copy_bytes: int) -> int:
     """Key tiles a program sweeps in the deterministic mode: ``per_program``, or more where
     the splits' copies of dq and dqL (``copy_bytes`` a split) would take more than
@@ -897,7 +903,7 @@ def corope_bwd(
         copies = n_splits if deterministic else 1
         dq = accumulator(HQ, copies).zero_()
         dql = dv[None] if detach_mileage else accumulator(HKV, copies).zero_()
-        split_strides = [x.stride(0) if x.shape[0] > 1 else 0 for x in (dq, dql)]
+        split_strides = [_split_stride(x) for x in (dq, dql)]
         # Each split's phase gradient per row, for the gate tail; summed over head slices.
         # (Without the mileage the kernel does not touch it.)
         tg = torch.zeros(B * HKV, n_splits if not detach_mileage else 1, N, **f32)
@@ -954,7 +960,7 @@ def corope_bwd(
             _gate_tail_kernel[(cdiv(N, block_m) * n_splits, B * HKV)](
                 qL, k, tg, dql[0], dk_t, locks_t, s, N, HKV, per_program, n_splits,
                 *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
-                dql.stride(0) if dql.shape[0] > 1 else 0,
+                _split_stride(dql),
                 D=D, D_PAD=d_pad, BLOCK_M=block_m,
                 BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
                 num_stages=SWEEP_NUM_STAGES,

@@ -16,9 +16,9 @@ them: ``optim.lr=1e-3`` is ``optim.lr=0.001``; ``seed`` aside, as are the keys
 of how a run is carried out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resume`` or
 ``train.max_minutes`` but for those that change its speed (``SPEED_KEYS``: ``attention.impl``,
 ``train.device``, ``train.cpu_threads``, ``train.compile``, ``train.grad_accum_steps``,
-``train.deterministic``), and those of ``--ignore``; each with the keys under it: runs of two launches that differ only in
-those share a cell; the shared overrides head the table). A seed
-run twice in a cell (a subset re-run into the same root) counts once: the run with the most
+``train.deterministic``), and those of ``--ignore``; each with the keys under it: runs of
+two launches that differ only in those share a cell; the shared overrides head the table). A
+seed run twice in a cell (a subset re-run into the same root) counts once: the run with the most
 steps, then the newest; the others are listed like failed runs. The task of a cell is its varying
 ``experiment`` / ``data`` / ``data.*`` overrides (or ``summary["data"]``), its variant the rest (``attention=...``).
 Each metric is ``mean ± std`` over the cell's seeds (sample standard deviation; ``±``

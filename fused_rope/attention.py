@@ -422,7 +422,7 @@ def _check_inputs(
         fused_first = bottom_right and (
             _fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v)
         )
-        # (not under torch.func, which the separate path supports and the fused kernel not)
+        # Not under torch.func, which the fused kernel's op refuses and the separate path takes.
         fused_first |= (
             causal and NQ == NK and not under_functorch() and _sdpa_is_slowed_by_determinism(q)
         )
