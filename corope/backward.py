@@ -57,16 +57,18 @@ dq, dk and dv are accumulated in fp32 with atomic adds: dk and dv receive
 contributions from every query tile that sees them, dq from every split of its query
 tile; so by default two runs may differ in the last bits. ``deterministic=True`` gives
 each split its own copy of dq (its rows then get one program's adds, in a fixed order;
-the copies are summed afterwards, in a fixed order) and orders the dk and dv adds: per
-key tile an int32 counter says how many query tiles have added to it, and query tile
-``m`` waits until every earlier one that sees the key tile has (query tiles run in
-ascending order; a split of tile ``m`` sweeps the key tiles that the same split of tile
-``m - 1`` swept, downwards, trailing it: a chain as long as the query tiles that see a
-key tile, which is what the mode costs at short N, ``PERF_NOTES.md``, session 38). Each
-fp32 buffer element then receives its adds in one fixed order, so two runs give bitwise
-equal dk and dv. This relies on the GPU starting programs in grid order (a program only
-waits on lower-numbered ones), as the interpreter does and as ordered split-K reductions
-also assume.
+the copies are summed afterwards, in a fixed order) and orders the dk and dv adds. The
+query tiles form chains of consecutive tiles, each chain adding into copies of dk and dv
+of its own (summed afterwards, in a fixed order); per chain and key tile an int32 counter
+says how many of the chain's query tiles have added to it, and query tile ``m`` waits
+until every earlier one of its chain that sees the key tile has (a split of tile ``m``
+sweeps the key tiles that the same split of tile ``m - 1`` swept, downwards, trailing it).
+The chains are as short as the copies' memory bound allows (``DETERMINISTIC_COPY_BYTES``):
+one tile, no wait, at short N; one chain of every tile at issue 3's 16K shape (the mode
+takes 1.3-1.5x the default's time either way: ``PERF_NOTES.md``, sessions 38 and 39). Each fp32 buffer element then
+receives its adds in one fixed order, so two runs give bitwise equal dk and dv. This relies
+on the GPU starting programs in grid order (a program only waits on lower-numbered ones),
+as the interpreter does and as ordered split-K reductions also assume.
 """
 
 from __future__ import annotations
@@ -209,25 +211,49 @@ def _frequency(QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry, local, two_pi, i
 
 
 @triton.jit
-def _program_range(N, key_tiles, n_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _program_range(N, key_tiles, n_splits, chain, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    DETERMINISTIC: tl.constexpr):  # fmt: skip
     """Program ``(m, split)`` of axis 0 and its key tiles ``[lo, hi)``: query tile ``m``, key
     tiles ``[split * key_tiles, (split + 1) * key_tiles)`` of its causal range (empty for the
-    splits past it). Longest sweeps first for load balance; the ordered (deterministic) mode
-    needs ascending query tiles so that a program only ever waits on earlier programs."""
+    splits past it), and its chain ``c`` (deterministic mode; 0 otherwise).
+
+    By default, longest sweeps first for load balance. The ordered (deterministic) mode cuts
+    the query tiles into chains of ``chain`` consecutive tiles, each adding to dk and dv in a
+    copy of its own, and needs a program to wait only on earlier programs of its chain: the
+    chains' first tiles come first, then their second tiles, and so on, so that the programs
+    running side by side belong to different chains (a chain's last program may be past the
+    last query tile: empty)."""
+    num_m = tl.cdiv(N, BLOCK_M)
     split = tl.program_id(0) % n_splits
-    m = tl.program_id(0) // n_splits
-    m = m if DETERMINISTIC else tl.cdiv(N, BLOCK_M) - 1 - m
+    p = tl.program_id(0) // n_splits
+    if DETERMINISTIC:
+        chains = tl.cdiv(num_m, chain)
+        c = p % chains
+        m = c * chain + p // chains
+    else:
+        c = tl.full([], 0, tl.int32)
+        m = num_m - 1 - p
     n_tiles = (tl.minimum(N, (m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
     lo = tl.minimum(split * key_tiles, n_tiles)
-    return m, split, lo, tl.minimum(lo + key_tiles, n_tiles), n_tiles
+    hi = tl.where(m < num_m, tl.minimum(lo + key_tiles, n_tiles), lo)
+    return m, split, lo, hi, n_tiles, c
+
+
+@triton.jit
+def _wait_for_earlier_query_tiles(LOCK, n, m, c, chain, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """Spins until every query tile of chain ``c`` before ``m`` that sees key tile ``n`` has
+    added to it (``LOCK[n]``, the chain's counter, counts them)."""
+    first = tl.maximum(c * chain, n * BLOCK_N // BLOCK_M)
+    while tl.atomic_add(LOCK + n, 0, sem="acquire") != m - first:
+        pass
 
 
 @triton.jit
 def _corope_bwd_kernel(
     Q, K, V, O, DO, LSE, QL, W, QP, KP,
     DQ, DQL, DK_S, DK_G, DV, TG, LOCK, DW,
-    softmax_scale, N, HKV, group, key_tiles, n_splits,
+    softmax_scale, N, HKV, group, key_tiles, n_splits, chain,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -241,8 +267,9 @@ def _corope_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_tgb, stride_tgs,  # TG: [B * HKV, n_splits, N] fp32
     stride_lock,
-    stride_dwb,  # DW: [B * HKV, programs of axis 0, R/2] fp64
+    stride_dwb,  # DW: [B * HKV, query tiles * n_splits, R/2] fp64
     stride_dq_split, stride_dql_split,  # DQ's and DQL's copies a split (0: one, shared)
+    stride_dk_chain,  # DK_S's, DK_G's and DV's copies a chain (0: one, shared)
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, DN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -250,8 +277,8 @@ def _corope_bwd_kernel(
     FAST_TRIG: tl.constexpr, DK_PARTS: tl.constexpr, PASS1_STAGES: tl.constexpr,
     FREQ_GRAD: tl.constexpr, HALF_P: tl.constexpr,
 ):  # fmt: skip
-    m, split, lo, hi, n_tiles = _program_range(
-        N, key_tiles, n_splits, BLOCK_M, BLOCK_N, DETERMINISTIC
+    m, split, lo, hi, n_tiles, c = _program_range(
+        N, key_tiles, n_splits, chain, BLOCK_M, BLOCK_N, DETERMINISTIC
     )
     if lo == hi:
         return  # a split past the query tile's causal range (TG is zeroed by the launcher)
@@ -276,12 +303,13 @@ def _corope_bwd_kernel(
     KP += b * stride_pkb + grp * stride_pkh
     kv_off = b * stride_dkb + grp * stride_dkh
     DQL += kv_off + split.to(tl.int64) * stride_dql_split
-    DK_S += kv_off
-    DK_G += kv_off
-    DV += kv_off
+    chain_off = kv_off + c.to(tl.int64) * stride_dk_chain
+    DK_S += chain_off
+    DK_G += chain_off
+    DV += chain_off
     TG += bg.to(tl.int64) * stride_tgb + split.to(tl.int64) * stride_tgs
-    LOCK += bg * stride_lock
-    DW += bg.to(tl.int64) * stride_dwb + tl.program_id(0) * HALF
+    LOCK += bg * stride_lock + c * tl.cdiv(N, BLOCK_N)
+    DW += bg.to(tl.int64) * stride_dwb + (m * n_splits + split) * HALF
 
     # The per-pair tiles are [BLOCK_M queries, GP heads, BLOCK_N keys] (layout: `_gates`);
     # the queries' (row, head) grid is [BLOCK_M, GP].
@@ -403,9 +431,8 @@ def _corope_bwd_kernel(
         ds3 = p3 * (dp3 - drow[:, :, None]) * scale
 
         if DETERMINISTIC:
-            # Query tiles add to key tile n in ascending order, from the first that sees it.
-            while tl.atomic_add(LOCK + n, 0, sem="acquire") != m - n * BLOCK_N // BLOCK_M:
-                pass
+            # The chain's query tiles add to key tile n in ascending order.
+            _wait_for_earlier_query_tiles(LOCK, n, m, c, chain, BLOCK_M, BLOCK_N)
 
         # Pass 2: gradients, recomputing the phases of pass 1. Reductions over the keys
         # (dq) and over the heads (a1, a2) stay mostly in a thread; over the queries (dk)
@@ -518,12 +545,12 @@ def _corope_bwd_kernel(
 @triton.jit
 def _gate_tail_kernel(
     QL, K, TG, DQL, DK_T, LOCK_T,
-    softmax_scale, N, HKV, key_tiles, n_splits,
+    softmax_scale, N, HKV, key_tiles, n_splits, chain,
     stride_qlb, stride_qlh, stride_qln, stride_qld,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_tgb, stride_tgs,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_lock, stride_dql_split,
+    stride_lock, stride_dql_split, stride_dk_chain,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
@@ -533,9 +560,9 @@ def _gate_tail_kernel(
 
     Together with the sweep's ``-Sg`` part this is ``du = dz z (1 - z)`` with ``dz[i, t] =
     sum_{j < t} g[i, j]``. The sweep's programs, tiles and order (and, deterministic, the same
-    per-key-tile counters)."""
-    m, split, lo, hi, _n_tiles = _program_range(
-        N, key_tiles, n_splits, BLOCK_M, BLOCK_N, DETERMINISTIC
+    chains and per-key-tile counters)."""
+    m, split, lo, hi, _n_tiles, ch = _program_range(
+        N, key_tiles, n_splits, chain, BLOCK_M, BLOCK_N, DETERMINISTIC
     )
     if lo == hi:
         return
@@ -547,8 +574,8 @@ def _gate_tail_kernel(
     TG += bg.to(tl.int64) * stride_tgb
     kv_off = b * stride_dkb + grp * stride_dkh
     DQL += kv_off + split.to(tl.int64) * stride_dql_split
-    DK_T += kv_off
-    LOCK_T += bg * stride_lock
+    DK_T += kv_off + ch.to(tl.int64) * stride_dk_chain
+    LOCK_T += bg * stride_lock + ch * tl.cdiv(N, BLOCK_N)
     scale = softmax_scale
 
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -582,9 +609,8 @@ def _gate_tail_kernel(
         dql += _dot_split(zpc, kt, PREC)
         dk_t = _dot_split(tl.trans(zpc), ql, PREC)
         if DETERMINISTIC:
-            # Query tiles add to key tile n in ascending order, as in the sweep.
-            while tl.atomic_add(LOCK_T + n, 0, sem="acquire") != m - n * BLOCK_N // BLOCK_M:
-                pass
+            # The chain's query tiles add to key tile n in ascending order, as in the sweep.
+            _wait_for_earlier_query_tiles(LOCK_T, n, m, ch, chain, BLOCK_M, BLOCK_N)
         tl.atomic_add(
             DK_T + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
             dk_t,
@@ -690,10 +716,12 @@ def _key_tiles_per_program(
     return min(key_tiles, max(2, cdiv(work, target)))
 
 
-# The deterministic mode's copies of dq and dqL (one a split of the key sweep) take at most this
-# many bytes: fewer splits where they would take more. Splits serve short sequences, whose
-# copies are small: 84 MB a copy at B = 16, (8/2, 64), N = 2K, which splits in two.
-DETERMINISTIC_SPLIT_BYTES = 1 << 28
+# The deterministic mode's copies of each kind take at most this many bytes: those of dq and dqL
+# (one a split of the key sweep; fewer splits where they would take more), and those of dk, dv
+# and the two gate parts of dk (one a chain of query tiles; longer chains where they would take
+# more). Both serve short sequences, whose copies are small: 80 MiB a split's copy and 64 MiB a
+# chain's at B = 16, (8/2, 64), N = 2K, which splits in two and takes 4 chains of 8 query tiles.
+DETERMINISTIC_COPY_BYTES = 1 << 28
 
 
 def _split_stride(copies: torch.Tensor) -> int:
@@ -705,9 +733,20 @@ def _split_stride(copies: torch.Tensor) -> int:
 def _ordered_key_tiles(key_tiles: int, per_program: int, copy_bytes: int) -> int:
     """Key tiles a program sweeps in the deterministic mode: ``per_program``, or more where
     the splits' copies of dq and dqL (``copy_bytes`` a split) would take more than
-    DETERMINISTIC_SPLIT_BYTES (one split at least)."""
-    copies = max(1, DETERMINISTIC_SPLIT_BYTES // copy_bytes)
+    DETERMINISTIC_COPY_BYTES (one split at least)."""
+    copies = max(1, DETERMINISTIC_COPY_BYTES // copy_bytes)
     return max(per_program, cdiv(key_tiles, copies))
+
+
+def _chain_length(query_tiles: int, copy_bytes: int) -> int:
+    """Query tiles a chain of the deterministic mode: the fewest (one: every query tile adds
+    to copies of its own, no program waits) whose chains' copies of dk and dv (``copy_bytes``
+    a chain) take at most DETERMINISTIC_COPY_BYTES (one chain of every tile at least).
+
+    A chain's tiles add to a key tile one after another, so its length bounds the programs
+    that wait on each other (PERF_NOTES.md, sessions 38 and 39)."""
+    chains = max(1, min(query_tiles, DETERMINISTIC_COPY_BYTES // copy_bytes))
+    return cdiv(query_tiles, chains)
 
 
 # The most heads of a group that one program takes; wider groups are swept in slices of this
@@ -796,15 +835,18 @@ def corope_bwd(
         detach_mileage: drop the phase, mileage and gate paths (delta held constant).
         deterministic: order the fp32 accumulation of dk and dv, and give each split of a
             query tile's sweep its own copy of dq, so that two runs give bitwise equal
-            results (slower: programs wait on earlier ones; the copies, summed afterwards,
-            take at most DETERMINISTIC_SPLIT_BYTES: a program takes more key tiles than
-            ``key_tiles_per_program`` where they would take more).
+            results (slower: programs wait on earlier ones of their chain of query tiles;
+            the copies of dq a split and of dk and dv a chain, summed afterwards, take at
+            most DETERMINISTIC_COPY_BYTES each: a program takes more key tiles than
+            ``key_tiles_per_program``, and a chain more query tiles, where they would take
+            more).
         key_tiles_per_program: split each query tile's key sweep into programs of this many
             key tiles (``None``: ``_key_tiles_per_program``'s choice; tests and tuning set it).
             The splits' row sums take ``B * HKV * cdiv(N / BLOCK_N, this) * N * 4`` bytes:
             small by default, 8 GiB at N = 64K, B * HKV = 16 and 1 tile a program; with
             ``deterministic``, each split also takes a copy of dq and dqL, ``4 * B * (HQ +
-            HKV) * N * D`` bytes.
+            HKV) * N * D`` bytes, and each chain copies of dk, dv and dk's two gate parts,
+            ``16 * B * HKV * N * D`` bytes.
         freq_grad: also form the gradient with respect to ``inv_freq`` (learned
             frequencies); it holds with ``detach_mileage`` too (the phase is ``delta * w``).
 
@@ -865,19 +907,6 @@ def corope_bwd(
         lead = () if copies is None else (copies,)
         return torch.empty(*lead, B, heads, D, N, **f32).transpose(-1, -2)
 
-    # Accumulated with atomic adds, so zeroed, by each attempt of the sweep: a launch that does
-    # not fit fails before it writes, but a later slice's failure (a fallback) comes after the
-    # earlier slices' adds. Every other output is fully written. dq and the leader's dqL are
-    # the sweep's own (their copies depend on its tile).
-    dk = accumulator(HKV)
-    dv = accumulator(HKV)
-    accumulators = [dk, dv]
-    dk_g = dk_t = dk
-    if deterministic:
-        # One buffer per kind of add, so that each element gets one add per (query
-        # tile, key tile) and per buffer, in query-tile order; summed in a fixed order.
-        dk_g, dk_t = accumulator(HKV), accumulator(HKV)
-        accumulators += [dk_g, dk_t]
     # The rotary pairs (x1, x2) of q and k side by side in fp32, [B, H, R/2, N] int64 views:
     # the frequency loops load a pair with one 8-byte load and convert nothing (their
     # instructions -8% at G = 4, for B * (HQ + HKV) * N * R * 4 bytes while the kernel runs).
@@ -885,16 +914,27 @@ def corope_bwd(
     dn = D - R
 
     def sweep(block_m, block_n, num_warps, heads):
-        """Launches the sweep; returns what the gate tail needs."""
-        for t in accumulators:
-            t.zero_()
+        """Launches the sweep; returns what the gate tail needs. Every accumulator is its own,
+        zeroed (atomic adds): a launch that does not fit fails before it writes, but a later
+        slice's failure (a fallback) comes after the earlier slices' adds."""
         num_m, key_tiles = cdiv(N, block_m), cdiv(N, block_n)
         per_program = key_tiles_per_program or _key_tiles_per_program(
             B * HKV, N, block_m, block_n, device
         )
+        chain = num_m
         if deterministic:
             per_program = _ordered_key_tiles(key_tiles, per_program, 4 * B * (HQ + HKV) * N * D)
-        n_splits = cdiv(key_tiles, per_program)
+            chain = _chain_length(num_m, 16 * B * HKV * N * D)
+        n_splits, chains = cdiv(key_tiles, per_program), cdiv(num_m, chain)
+        # dk and dv: the query tiles add to the same keys, atomically into one copy, or,
+        # deterministic, each chain of query tiles into a copy of its own, in the chain's
+        # order, with one buffer per kind of add to dk (scores, the sweep's gate part, the
+        # tail's gate part) so that each element gets one add per (query tile, key tile) and
+        # buffer; all summed in a fixed order afterwards.
+        dk, dv = accumulator(HKV, chains).zero_(), accumulator(HKV, chains).zero_()
+        dk_g = dk_t = dk
+        if deterministic:
+            dk_g, dk_t = accumulator(HKV, chains).zero_(), accumulator(HKV, chains).zero_()
         # dq, and the leader rows' gate gradient dqL (its -Sg part added per key tile during
         # the sweep, its C part by the gate tail; untouched without the mileage). The splits
         # of a query tile add to the same rows: atomically into one copy, or, deterministic,
@@ -902,15 +942,16 @@ def corope_bwd(
         # order afterwards.
         copies = n_splits if deterministic else 1
         dq = accumulator(HQ, copies).zero_()
-        dql = dv[None] if detach_mileage else accumulator(HKV, copies).zero_()
+        dql = dv[:1] if detach_mileage else accumulator(HKV, copies).zero_()
         split_strides = [_split_stride(x) for x in (dq, dql)]
         # Each split's phase gradient per row, for the gate tail; summed over head slices.
         # (Without the mileage the kernel does not touch it.)
         tg = torch.zeros(B * HKV, n_splits if not detach_mileage else 1, N, **f32)
-        # Deterministic mode's counters (per key tile: how many query tiles have added to it;
-        # one set for the sweep, one for the gate tail), zeroed for each launch.
-        locks = torch.zeros(2, B * HKV, key_tiles if deterministic else 1, dtype=torch.int32,
-                            device=device)  # fmt: skip
+        # Deterministic mode's counters (per chain and key tile: how many of the chain's query
+        # tiles have added to it; one set for the sweep, one for the gate tail), zeroed for
+        # each launch.
+        locks = torch.zeros(2, B * HKV, chains * key_tiles if deterministic else 1,
+                            dtype=torch.int32, device=device)  # fmt: skip
         # With freq_grad, each program's share of dinv_freq, one set per head slice (the
         # programs of an empty split leave zeros); without, the kernel gets tg in its place
         # and does not touch it.
@@ -924,14 +965,14 @@ def corope_bwd(
             sl = slice(h, None)  # the kernel reads heads h .. h + n - 1 of each group
             n = min(heads, G - h)
             dw = tg if dw_parts is None else dw_parts[h // heads]
-            _corope_bwd_kernel[(num_m * n_splits, B * HKV)](
+            _corope_bwd_kernel[(chains * chain * n_splits, B * HKV)](
                 q[:, sl], k, v, o[:, sl], do[:, sl], lse[:, sl], qL, inv_freq, qp[:, sl], kp,
-                dq[0, :, sl], dql[0], dk, dk_g, dv, tg, locks[0], dw,
-                s, N, HKV, G, per_program, n_splits,
+                dq[0, :, sl], dql[0], dk[0], dk_g[0], dv[0], tg, locks[0], dw,
+                s, N, HKV, G, per_program, n_splits, chain,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3],
-                *dq.stride()[1:], *dk.stride(), *tg.stride()[:2], locks.stride(1),
-                dw.stride(-3), *split_strides,
+                *dq.stride()[1:], *dk.stride()[1:], *tg.stride()[:2], locks.stride(1),
+                dw.stride(-3), *split_strides, _split_stride(dk),
                 G=n, GP=next_power_of_2(n), D=D,
                 D_PAD=d_pad, HALF=half,
                 DN_PAD=padded_channels(dn) if dn else 0,
@@ -943,24 +984,25 @@ def corope_bwd(
                 FREQ_GRAD=freq_grad, HALF_P=next_power_of_2(half),
                 num_warps=num_warps, num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip
-        return tg, locks[1], per_program, n_splits, dw_parts, dq, dql
+        return tg, locks[1], per_program, n_splits, chains, dw_parts, dq, dql, dk, dk_g, dk_t, dv
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
     d_pad = padded_channels(D)
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic, freq_grad)
-    config, (tg, locks_t, per_program, n_splits, dw_parts, dq, dql) = _first_fitting(
-        ("sweep", *key), _launch_configs(G, D, q.dtype), sweep
-    )
+    config, swept = _first_fitting(("sweep", *key), _launch_configs(G, D, q.dtype), sweep)
+    tg, locks_t, per_program, n_splits, chains, dw_parts, dq, dql, dk, dk_g, dk_t, dv = swept
     if not detach_mileage:
         _block_m, block_n, num_warps, _heads = config
 
         def tail(block_m):
-            # Any row count works: the splits are key-tile ranges and TG is per row.
-            _gate_tail_kernel[(cdiv(N, block_m) * n_splits, B * HKV)](
-                qL, k, tg, dql[0], dk_t, locks_t, s, N, HKV, per_program, n_splits,
-                *qL.stride(), *k.stride(), *tg.stride()[:2], *dk.stride(), locks_t.stride(0),
-                _split_stride(dql),
+            # Any row count works: the splits are key-tile ranges, TG is per row, and the
+            # sweep's chains (of its query tiles) become as many chains, or fewer, of these.
+            chain = cdiv(cdiv(N, block_m), chains)
+            _gate_tail_kernel[(cdiv(cdiv(N, block_m), chain) * chain * n_splits, B * HKV)](
+                qL, k, tg, dql[0], dk_t[0], locks_t, s, N, HKV, per_program, n_splits, chain,
+                *qL.stride(), *k.stride(), *tg.stride()[:2], *dk_t.stride()[1:],
+                locks_t.stride(0), _split_stride(dql), _split_stride(dk_t),
                 D=D, D_PAD=d_pad, BLOCK_M=block_m,
                 BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
                 num_stages=SWEEP_NUM_STAGES,
@@ -972,7 +1014,7 @@ def corope_bwd(
         _first_fitting(("tail", *key, config), rows, tail)
     if deterministic:
         dk = dk + dk_g + dk_t
-    dq, dql = (x[0] if x.shape[0] == 1 else x.sum(0) for x in (dq, dql))
+    dq, dql, dk, dv = (x[0] if x.shape[0] == 1 else x.sum(0) for x in (dq, dql, dk, dv))
     if not detach_mileage:
         if leader == "first":
             dq[:, ::G] += dql

@@ -293,14 +293,27 @@ def test_key_tiles_per_program_splits_only_short_sequences(monkeypatch):
 
 def test_ordered_key_tiles_bound_the_copies_of_dq(monkeypatch):
     """The deterministic mode's splits: as many as the default's, fewer where their copies of
-    dq and dqL would pass DETERMINISTIC_SPLIT_BYTES, one where even one copy does."""
+    dq and dqL would pass DETERMINISTIC_COPY_BYTES, one where even one copy does."""
     import corope.backward as backward
 
-    monkeypatch.setattr(backward, "DETERMINISTIC_SPLIT_BYTES", 1000)
+    monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", 1000)
     assert backward._ordered_key_tiles(64, 8, 100) == 8  # 8 splits, 800 bytes
     assert backward._ordered_key_tiles(64, 4, 100) == 7  # 16 splits would take 1600
     assert backward._ordered_key_tiles(64, 4, 400) == 32  # 2 copies
     assert backward._ordered_key_tiles(64, 4, 5000) == 64  # one, over the bound alone
+
+
+def test_chain_length_bounds_the_copies_of_dk(monkeypatch):
+    """The deterministic mode's chains of query tiles: one tile a chain where every tile's
+    copies of dk and dv fit in DETERMINISTIC_COPY_BYTES, longer chains where they would not,
+    one chain of every tile where even one copy does not fit."""
+    import corope.backward as backward
+
+    monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", 1000)
+    assert backward._chain_length(8, 100) == 1  # 8 copies, 800 bytes
+    assert backward._chain_length(16, 100) == 2  # 10 copies at most: 8 chains of 2
+    assert backward._chain_length(16, 300) == 6  # 3 chains (6, 6, 4)
+    assert backward._chain_length(16, 5000) == 16  # one, over the bound alone
 
 
 def test_dk_parts_per_warp_only_where_rows_follow_warps_and_order_is_free():
@@ -414,6 +427,33 @@ def test_backward_deterministic_splits_add_into_copies_of_their_own(monkeypatch,
 
 
 @pytest.mark.parametrize("leader", ["first", "mean"])
+def test_backward_deterministic_chains_add_into_copies_of_their_own(monkeypatch, leader):
+    """The deterministic mode's chains of query tiles: with copies for two chains, the 5 query
+    tiles of 64 rows (N = 260) form chains of 3 (the second chain's last program is past the
+    last tile, and does nothing), and chain ``c`` adds its dk and dv into copy ``c`` of
+    ``[chains, B, HKV, D, N]`` buffers, there to exactly the keys its tiles see. The gradients
+    are the reference's (``_check``), the key sweeps split in two (copies of dq for two splits)
+    on top. Chains that shared their counters would wait forever (a hang, not a failure)."""
+    import corope.backward as backward
+
+    N = 260
+    monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", 2 * 16 * 2 * N * 64)
+    sweep = _SnapshotsLaunches(backward._corope_bwd_kernel, at=())
+    monkeypatch.setattr(backward, "_corope_bwd_kernel", sweep)
+    monkeypatch.setattr(backward, "_FITTED", {})
+    _check(1, 4, 2, N, 64, None, leader, deterministic=True, key_tiles_per_program=4)
+    ((args, kw, _),) = sweep.launches
+    assert kw["BLOCK_M"] == 64 and args[24] == 3 and args[23] == 2  # chain, n_splits
+    keys = torch.arange(N, device=DEVICE)
+    for name, at in (("dk", 12), ("dv", 14)):
+        copies = args[at]._base
+        assert copies.shape[0] == 2, name
+        touched = copies.abs().sum(dim=(1, 2, 3)) > 0  # [chains, N]
+        for c in range(2):
+            assert torch.equal(touched[c], keys < (c + 1) * 3 * 64), (name, c)
+
+
+@pytest.mark.parametrize("leader", ["first", "mean"])
 def test_backward_sweeps_a_wide_group_in_slices(monkeypatch, leader):
     """G = 7 at the default configurations: one launch for heads 0-3 of each group and one for
     the remainder, heads 4-6, whose dk, dv and gate contributions add up to the reference's
@@ -471,20 +511,28 @@ def test_backward_falls_back_when_a_remainder_slice_does_not_fit(monkeypatch, de
     assert fake.configs == [(4, 4), (4, 2), (2, 4), (2, 2)]
 
 
-def test_gate_tail_falls_back_to_fewer_rows(monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gate_tail_falls_back_to_fewer_rows(monkeypatch, deterministic):
     # The gate tail has its own shared-memory fallback (the "mean" leader's fp32 qL at D = 256
     # fitted the sweep's 64-row tile but not the tail's on an H100): 64 rows fail, 32 serve,
-    # and are then reused.
+    # and are then reused. Deterministic: the sweep's 2 query tiles are 2 chains of one, and
+    # the tail's 4 tiles then 2 chains of two, whose second tile waits on the first.
     import corope.backward as backward
 
     fake = _RecordsLaunches(backward._gate_tail_kernel, keys=("BLOCK_M",))
     monkeypatch.setattr(backward, "_gate_tail_kernel", fake)
     monkeypatch.setattr(backward, "_launch_configs", lambda *a: iter([(64, 32, 4, 2)]))
     monkeypatch.setattr(backward, "_FITTED", {})
-    q, k, v, do, o, lse, w, grads = _check(1, 4, 2, 100, 64, None, "mean")
+    q, k, v, do, o, lse, w, grads = _check(
+        1, 4, 2, 100, 64, None, "mean", deterministic=deterministic
+    )
     assert fake.configs == [(64,), (32,)]
-    corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False)
+    again = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False,
+                       deterministic)[:3]  # fmt: skip
     assert fake.configs == [(64,), (32,), (32,)]
+    if deterministic:
+        for name, a, b in zip(("dq", "dk", "dv"), grads, again, strict=True):
+            assert torch.equal(a, b), name
 
 
 @triton.jit
@@ -612,6 +660,7 @@ def test_backward_learned_frequencies_gpu(B, HQ, HKV, N, D, rope_dim, leader, dt
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chains", [None, 4])
 @pytest.mark.parametrize("detach_mileage", [False, True])
 @pytest.mark.parametrize(
     "N, D",
@@ -619,9 +668,13 @@ def test_backward_learned_frequencies_gpu(B, HQ, HKV, N, D, rope_dim, leader, dt
     # query tile that first sees a key tile is not the key tile's first row over BLOCK_M
     [(3000, 128), (700, 256)],
 )
-def test_backward_deterministic_gpu(N, D, detach_mileage):
+def test_backward_deterministic_gpu(N, D, detach_mileage, chains, monkeypatch):
     # Many query tiles race for the same key tiles: the default mode's atomics would
-    # round differently from run to run, the ordered mode must not.
+    # round differently from run to run, the ordered mode must not. ``chains``: the default
+    # copy bound (chains of 3 and of 1 query tile here), or copies of dk for 4 chains only
+    # (chains of 12 and of 11 tiles, whose programs wait on each other).
+    if chains is not None:
+        monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", chains * 16 * 2 * N * D)
     q, k, v, do, o, lse, w, first = _check(
         1, 8, 2, N, D, None, "first", detach_mileage, torch.bfloat16, deterministic=True
     )
