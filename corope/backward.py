@@ -63,12 +63,14 @@ of its own (summed afterwards, in a fixed order); per chain and key tile an int3
 says how many of the chain's query tiles have added to it, and query tile ``m`` waits
 until every earlier one of its chain that sees the key tile has (a split of tile ``m``
 sweeps the key tiles that the same split of tile ``m - 1`` swept, downwards, trailing it).
-The chains are as short as the copies' memory bound allows (``DETERMINISTIC_COPY_BYTES``):
-one tile, no wait, at short N; one chain of every tile at issue 3's 16K shape (the mode
-takes 1.3-1.5x the default's time either way: ``PERF_NOTES.md``, sessions 38 and 39). Each fp32 buffer element then
-receives its adds in one fixed order, so two runs give bitwise equal dk and dv. This relies
-on the GPU starting programs in grid order (a program only waits on lower-numbered ones),
-as the interpreter does and as ordered split-K reductions also assume.
+The chains are as short as the copies' memory bound (``DETERMINISTIC_COPY_BYTES``) allows,
+which depends on ``B * HKV * N * D``: one tile, no wait, at (1, 32/8, 128), N = 1K; 8 of 32
+at the harness's (16, 8/2, 64), N = 2K; one chain of every tile at issue 3's 16K shape (the
+mode takes 1.3-1.5x the default's time at all three: ``PERF_NOTES.md``, sessions 38 and 39).
+Each fp32 buffer element then receives its adds in one fixed order, so two runs give bitwise
+equal dk and dv. This relies on the GPU starting programs in grid order (a program only
+waits on lower-numbered ones), as the interpreter does and as ordered split-K reductions
+also assume.
 """
 
 from __future__ import annotations
@@ -220,9 +222,9 @@ def _program_range(N, key_tiles, n_splits, chain, BLOCK_M: tl.constexpr, BLOCK_N
     By default, longest sweeps first for load balance. The ordered (deterministic) mode cuts
     the query tiles into chains of ``chain`` consecutive tiles, each adding to dk and dv in a
     copy of its own, and needs a program to wait only on earlier programs of its chain: the
-    chains' first tiles come first, then their second tiles, and so on, so that the programs
-    running side by side belong to different chains (a chain's last program may be past the
-    last query tile: empty)."""
+    chains' first tiles come first, then their second tiles, and so on, so that the query
+    tiles running side by side belong to different chains (the last chain's last programs may
+    be past the last query tile: empty)."""
     num_m = tl.cdiv(N, BLOCK_M)
     split = tl.program_id(0) % n_splits
     p = tl.program_id(0) // n_splits
@@ -249,7 +251,7 @@ def _wait_for_earlier_query_tiles(LOCK, n, m, c, chain, BLOCK_M: tl.constexpr,
         pass
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chain"])  # no compile variant per chain length
 def _corope_bwd_kernel(
     Q, K, V, O, DO, LSE, QL, W, QP, KP,
     DQ, DQL, DK_S, DK_G, DV, TG, LOCK, DW,
@@ -542,7 +544,7 @@ def _corope_bwd_kernel(
         tl.store(DW + freq, dw, mask=freq < HALF)  # summed over programs by the launcher
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chain"])  # no compile variant per chain length
 def _gate_tail_kernel(
     QL, K, TG, DQL, DK_T, LOCK_T,
     softmax_scale, N, HKV, key_tiles, n_splits, chain,
@@ -846,7 +848,7 @@ def corope_bwd(
             small by default, 8 GiB at N = 64K, B * HKV = 16 and 1 tile a program; with
             ``deterministic``, each split also takes a copy of dq and dqL, ``4 * B * (HQ +
             HKV) * N * D`` bytes, and each chain copies of dk, dv and dk's two gate parts,
-            ``16 * B * HKV * N * D`` bytes.
+            ``16 * B * HKV * N * D`` bytes (8 without the mileage: no gate parts).
         freq_grad: also form the gradient with respect to ``inv_freq`` (learned
             frequencies); it holds with ``detach_mileage`` too (the phase is ``delta * w``).
 
@@ -913,6 +915,9 @@ def corope_bwd(
     qp, kp = (rotary_pairs(x, R, N).view(torch.int64).squeeze(-1) for x in (q, k))
     dn = D - R
 
+    # The deterministic mode's buffers for dk's gate parts (none without the mileage)
+    gate_parts = deterministic and not detach_mileage
+
     def sweep(block_m, block_n, num_warps, heads):
         """Launches the sweep; returns what the gate tail needs. Every accumulator is its own,
         zeroed (atomic adds): a launch that does not fit fails before it writes, but a later
@@ -921,19 +926,19 @@ def corope_bwd(
         per_program = key_tiles_per_program or _key_tiles_per_program(
             B * HKV, N, block_m, block_n, device
         )
+        # dk and dv: the query tiles add to the same keys, atomically into one copy, or,
+        # deterministic, each chain of query tiles into a copy of its own, in the chain's
+        # order, with one buffer per kind of add to dk (scores, and with the mileage the
+        # sweep's and the tail's gate parts) so that each element gets one add per (query
+        # tile, key tile) and buffer; all summed in a fixed order afterwards.
         chain = num_m
         if deterministic:
             per_program = _ordered_key_tiles(key_tiles, per_program, 4 * B * (HQ + HKV) * N * D)
-            chain = _chain_length(num_m, 16 * B * HKV * N * D)
+            chain = _chain_length(num_m, 4 * (4 if gate_parts else 2) * B * HKV * N * D)
         n_splits, chains = cdiv(key_tiles, per_program), cdiv(num_m, chain)
-        # dk and dv: the query tiles add to the same keys, atomically into one copy, or,
-        # deterministic, each chain of query tiles into a copy of its own, in the chain's
-        # order, with one buffer per kind of add to dk (scores, the sweep's gate part, the
-        # tail's gate part) so that each element gets one add per (query tile, key tile) and
-        # buffer; all summed in a fixed order afterwards.
         dk, dv = accumulator(HKV, chains).zero_(), accumulator(HKV, chains).zero_()
         dk_g = dk_t = dk
-        if deterministic:
+        if gate_parts:
             dk_g, dk_t = accumulator(HKV, chains).zero_(), accumulator(HKV, chains).zero_()
         # dq, and the leader rows' gate gradient dqL (its -Sg part added per key tile during
         # the sweep, its C part by the gate tail; untouched without the mileage). The splits
@@ -992,6 +997,7 @@ def corope_bwd(
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic, freq_grad)
     config, swept = _first_fitting(("sweep", *key), _launch_configs(G, D, q.dtype), sweep)
     tg, locks_t, per_program, n_splits, chains, dw_parts, dq, dql, dk, dk_g, dk_t, dv = swept
+    del swept  # each copy is freed once summed
     if not detach_mileage:
         _block_m, block_n, num_warps, _heads = config
 
@@ -1012,8 +1018,9 @@ def corope_bwd(
         # does not fit at the sweep's 64 rows when the sweep itself does.
         rows = [(r,) for r in (64, 32, 16) if r <= _block_m]
         _first_fitting(("tail", *key, config), rows, tail)
-    if deterministic:
-        dk = dk + dk_g + dk_t
+    if gate_parts:
+        dk.add_(dk_g).add_(dk_t)
+        del dk_g, dk_t
     dq, dql, dk, dv = (x[0] if x.shape[0] == 1 else x.sum(0) for x in (dq, dql, dk, dv))
     if not detach_mileage:
         if leader == "first":

@@ -344,17 +344,18 @@ _FIRST = object()
 
 class _RecordsLaunches:
     """Stands in for a kernel and records each launch's configuration (the values of the
-    ``keys`` arguments). Launches of the configuration ``fails`` (by default the first one
+    ``keys`` arguments) and positional arguments. Launches of the configuration ``fails`` (by default the first one
     seen; None: none) raise OutOfResources, as a tile too large for shared memory does on the
     GPU (before it runs); the rest launch."""
 
     def __init__(self, kernel, keys=("BLOCK_M", "BLOCK_N", "G"), fails=_FIRST):
-        self.kernel, self.keys, self.fails, self.configs = kernel, keys, fails, []
+        self.kernel, self.keys, self.fails, self.configs, self.args = kernel, keys, fails, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             config = tuple(kwargs[key] for key in self.keys)
             self.configs.append(config)
+            self.args.append(args)
             if config == (self.configs[0] if self.fails is _FIRST else self.fails):
                 raise OutOfResources(300000, 232448, "shared memory")
             return self.kernel[grid](*args, **kwargs)
@@ -430,23 +431,31 @@ def test_backward_deterministic_splits_add_into_copies_of_their_own(monkeypatch,
 def test_backward_deterministic_chains_add_into_copies_of_their_own(monkeypatch, leader):
     """The deterministic mode's chains of query tiles: with copies for two chains, the 5 query
     tiles of 64 rows (N = 260) form chains of 3 (the second chain's last program is past the
-    last tile, and does nothing), and chain ``c`` adds its dk and dv into copy ``c`` of
-    ``[chains, B, HKV, D, N]`` buffers, there to exactly the keys its tiles see. The gradients
-    are the reference's (``_check``), the key sweeps split in two (copies of dq for two splits)
-    on top. Chains that shared their counters would wait forever (a hang, not a failure)."""
+    last tile, and does nothing), and chain ``c`` adds into copy ``c`` of each ``[chains, B,
+    HKV, D, N]`` buffer (dk's score part, dk's gate parts from the sweep and from the gate
+    tail, dv), there to exactly the keys its tiles see. The gradients, the frequencies' too, are
+    the reference's (``_check``), the key sweeps split in two (copies of dq for two splits) on
+    top. Chains that shared their counters would wait forever (a hang, not a failure)."""
     import corope.backward as backward
 
     N = 260
     monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", 2 * 16 * 2 * N * 64)
     sweep = _SnapshotsLaunches(backward._corope_bwd_kernel, at=())
+    tail = _SnapshotsLaunches(backward._gate_tail_kernel, at=())
     monkeypatch.setattr(backward, "_corope_bwd_kernel", sweep)
+    monkeypatch.setattr(backward, "_gate_tail_kernel", tail)
     monkeypatch.setattr(backward, "_FITTED", {})
-    _check(1, 4, 2, N, 64, None, leader, deterministic=True, key_tiles_per_program=4)
+    _check(1, 4, 2, N, 64, None, leader, deterministic=True, learn=True, key_tiles_per_program=4)
     ((args, kw, _),) = sweep.launches
-    assert kw["BLOCK_M"] == 64 and args[24] == 3 and args[23] == 2  # chain, n_splits
+    ((tail_args, tail_kw, _),) = tail.launches
+    assert kw["BLOCK_M"] == tail_kw["BLOCK_M"] == 64
+    assert args[24] == tail_args[11] == 3 and args[23] == 2  # chain, n_splits
     keys = torch.arange(N, device=DEVICE)
-    for name, at in (("dk", 12), ("dv", 14)):
-        copies = args[at]._base
+    buffers = {"dk": args[12], "dk (sweep's gate part)": args[13], "dv": args[14],
+               "dk (tail's gate part)": tail_args[4]}  # fmt: skip
+    assert len({x._base.data_ptr() for x in buffers.values()}) == 4
+    for name, buffer in buffers.items():
+        copies = buffer._base
         assert copies.shape[0] == 2, name
         touched = copies.abs().sum(dim=(1, 2, 3)) > 0  # [chains, N]
         for c in range(2):
@@ -530,6 +539,8 @@ def test_gate_tail_falls_back_to_fewer_rows(monkeypatch, deterministic):
     again = corope_bwd(do, q, k, v, o, lse.float(), w, 64**-0.5, 64, "mean", False,
                        deterministic)[:3]  # fmt: skip
     assert fake.configs == [(64,), (32,), (32,)]
+    # query tiles a chain (the tail's argument 11): 2 of the 32-row tiles, or all 4
+    assert [args[11] for args in fake.args] == ([1, 2, 2] if deterministic else [2, 4, 4])
     if deterministic:
         for name, a, b in zip(("dq", "dk", "dv"), grads, again, strict=True):
             assert torch.equal(a, b), name
