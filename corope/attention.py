@@ -157,7 +157,8 @@ def corope_attention(
         leader: ``"first"`` or ``"mean"``: which query computes the group's gates.
         detach_mileage: hold the mileage constant in the backward (an ablation).
         deterministic: ask the backward kernel for its deterministic mode (its atomic adds
-            in one fixed order, kept by per-key-tile counters: bitwise-repeatable gradients).
+            in one fixed order, kept by copies and per-key-tile counters: bitwise-repeatable
+            gradients; ``corope/README.md``, "Deterministic mode").
             ``None`` (the default) follows ``torch.are_deterministic_algorithms_enabled()``,
             as PyTorch's own operators do under ``torch.use_deterministic_algorithms(True)``.
 
