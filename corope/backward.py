@@ -726,29 +726,22 @@ def _key_tiles_per_program(
 DETERMINISTIC_COPY_BYTES = 1 << 28
 
 
-def _split_stride(copies: torch.Tensor) -> int:
-    """The stride from one split's copy to the next in ``copies [splits, ...]``: 0 where the
-    splits share one copy (their adds are atomic, in no fixed order)."""
+def _copy_stride(copies: torch.Tensor) -> int:
+    """The stride from one copy to the next in ``copies [n, ...]`` (a split's or a chain's): 0
+    where there is one copy, shared (its adds are atomic, in no fixed order)."""
     return copies.stride(0) if copies.shape[0] > 1 else 0
 
 
-def _ordered_key_tiles(key_tiles: int, per_program: int, copy_bytes: int) -> int:
-    """Key tiles a program sweeps in the deterministic mode: ``per_program``, or more where
-    the splits' copies of dq and dqL (``copy_bytes`` a split) would take more than
-    DETERMINISTIC_COPY_BYTES (one split at least)."""
+def _items_a_copy(items: int, copy_bytes: int, at_least: int = 1) -> int:
+    """The deterministic mode's grouping of ``items`` (key tiles or query tiles) into groups
+    that each take a copy of ``copy_bytes``: ``at_least`` items a group, or more where that
+    many groups' copies would take more than DETERMINISTIC_COPY_BYTES (one group of every
+    item at least). Key tiles: the splits of a sweep and their copies of dq and dqL
+    (``at_least``: the default's split). Query tiles: the chains and their copies of dk and
+    dv, as short as the bound allows, since a chain's tiles add to a key tile one after
+    another (PERF_NOTES.md, sessions 38 and 39)."""
     copies = max(1, DETERMINISTIC_COPY_BYTES // copy_bytes)
-    return max(per_program, cdiv(key_tiles, copies))
-
-
-def _chain_length(query_tiles: int, copy_bytes: int) -> int:
-    """Query tiles a chain of the deterministic mode: the fewest (one: every query tile adds
-    to copies of its own, no program waits) whose chains' copies of dk and dv (``copy_bytes``
-    a chain) take at most DETERMINISTIC_COPY_BYTES (one chain of every tile at least).
-
-    A chain's tiles add to a key tile one after another, so its length bounds the programs
-    that wait on each other (PERF_NOTES.md, sessions 38 and 39)."""
-    chains = max(1, min(query_tiles, DETERMINISTIC_COPY_BYTES // copy_bytes))
-    return cdiv(query_tiles, chains)
+    return max(at_least, cdiv(items, copies))
 
 
 # The most heads of a group that one program takes; wider groups are swept in slices of this
@@ -933,8 +926,8 @@ def corope_bwd(
         # tile, key tile) and buffer; all summed in a fixed order afterwards.
         chain = num_m
         if deterministic:
-            per_program = _ordered_key_tiles(key_tiles, per_program, 4 * B * (HQ + HKV) * N * D)
-            chain = _chain_length(num_m, 4 * (4 if gate_parts else 2) * B * HKV * N * D)
+            per_program = _items_a_copy(key_tiles, 4 * B * (HQ + HKV) * N * D, per_program)
+            chain = _items_a_copy(num_m, 4 * (4 if gate_parts else 2) * B * HKV * N * D)
         n_splits, chains = cdiv(key_tiles, per_program), cdiv(num_m, chain)
         dk, dv = accumulator(HKV, chains).zero_(), accumulator(HKV, chains).zero_()
         dk_g = dk_t = dk
@@ -948,7 +941,7 @@ def corope_bwd(
         copies = n_splits if deterministic else 1
         dq = accumulator(HQ, copies).zero_()
         dql = dv[:1] if detach_mileage else accumulator(HKV, copies).zero_()
-        split_strides = [_split_stride(x) for x in (dq, dql)]
+        split_strides = [_copy_stride(x) for x in (dq, dql)]
         # Each split's phase gradient per row, for the gate tail; summed over head slices.
         # (Without the mileage the kernel does not touch it.)
         tg = torch.zeros(B * HKV, n_splits if not detach_mileage else 1, N, **f32)
@@ -977,7 +970,7 @@ def corope_bwd(
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3],
                 *dq.stride()[1:], *dk.stride()[1:], *tg.stride()[:2], locks.stride(1),
-                dw.stride(-3), *split_strides, _split_stride(dk),
+                dw.stride(-3), *split_strides, _copy_stride(dk),
                 G=n, GP=next_power_of_2(n), D=D,
                 D_PAD=d_pad, HALF=half,
                 DN_PAD=padded_channels(dn) if dn else 0,
@@ -1008,7 +1001,7 @@ def corope_bwd(
             _gate_tail_kernel[(cdiv(cdiv(N, block_m), chain) * chain * n_splits, B * HKV)](
                 qL, k, tg, dql[0], dk_t[0], locks_t, s, N, HKV, per_program, n_splits, chain,
                 *qL.stride(), *k.stride(), *tg.stride()[:2], *dk_t.stride()[1:],
-                locks_t.stride(0), _split_stride(dql), _split_stride(dk_t),
+                locks_t.stride(0), _copy_stride(dql), _copy_stride(dk_t),
                 D=D, D_PAD=d_pad, BLOCK_M=block_m,
                 BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
                 num_stages=SWEEP_NUM_STAGES,

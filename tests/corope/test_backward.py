@@ -291,29 +291,24 @@ def test_key_tiles_per_program_splits_only_short_sequences(monkeypatch):
     assert choose(8, 1024, 64, 32, cuda) == 32
 
 
-def test_ordered_key_tiles_bound_the_copies_of_dq(monkeypatch):
-    """The deterministic mode's splits: as many as the default's, fewer where their copies of
-    dq and dqL would pass DETERMINISTIC_COPY_BYTES, one where even one copy does."""
+def test_items_a_copy_bound_the_deterministic_copies(monkeypatch):
+    """The deterministic mode's splits (key tiles a program): as many as the default's, fewer
+    where their copies of dq and dqL would pass DETERMINISTIC_COPY_BYTES, one where even one
+    copy does. Its chains (query tiles a chain): one tile a chain where every tile's copies of
+    dk and dv fit, longer chains where they would not, one chain of every tile where even one
+    copy does not fit."""
     import corope.backward as backward
 
     monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", 1000)
-    assert backward._ordered_key_tiles(64, 8, 100) == 8  # 8 splits, 800 bytes
-    assert backward._ordered_key_tiles(64, 4, 100) == 7  # 16 splits would take 1600
-    assert backward._ordered_key_tiles(64, 4, 400) == 32  # 2 copies
-    assert backward._ordered_key_tiles(64, 4, 5000) == 64  # one, over the bound alone
-
-
-def test_chain_length_bounds_the_copies_of_dk(monkeypatch):
-    """The deterministic mode's chains of query tiles: one tile a chain where every tile's
-    copies of dk and dv fit in DETERMINISTIC_COPY_BYTES, longer chains where they would not,
-    one chain of every tile where even one copy does not fit."""
-    import corope.backward as backward
-
-    monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", 1000)
-    assert backward._chain_length(8, 100) == 1  # 8 copies, 800 bytes
-    assert backward._chain_length(16, 100) == 2  # 10 copies at most: 8 chains of 2
-    assert backward._chain_length(16, 300) == 6  # 3 chains (6, 6, 4)
-    assert backward._chain_length(16, 5000) == 16  # one, over the bound alone
+    items = backward._items_a_copy
+    assert items(64, 100, at_least=8) == 8  # 8 splits, 800 bytes
+    assert items(64, 100, at_least=4) == 7  # 16 splits would take 1600
+    assert items(64, 400, at_least=4) == 32  # 2 copies
+    assert items(64, 5000, at_least=4) == 64  # one, over the bound alone
+    assert items(8, 100) == 1  # 8 chains of one tile, 800 bytes
+    assert items(16, 100) == 2  # 10 copies at most: 8 chains of 2
+    assert items(16, 300) == 6  # 3 chains (6, 6, 4)
+    assert items(16, 5000) == 16  # one, over the bound alone
 
 
 def test_dk_parts_per_warp_only_where_rows_follow_warps_and_order_is_free():
