@@ -31,8 +31,9 @@ one tensor-core product (``_gates``), in which a thread holds 2 query rows, 8 ke
 every head of them. So a pair's sin/cos is computed once for the group, the head sums
 ``a = sum_h dS q_h`` (shared by dk and the phase gradient) and the phase gradient ``g``
 are in-thread, and dq's sum over the keys is in-thread up to 2 shuffle levels; only
-dk's sum over the queries crosses lanes (and, in the narrow tiles and the deterministic
-mode, warps: the 64-row tiles add one partial a warp). dq and dk are added per frequency
+dk's sum over the queries crosses lanes (and, in the narrow tiles, warps: the 64-row
+tiles add one partial a warp, in the deterministic mode each into a copy of its own). dq
+and dk are added per frequency
 with fp32 atomics, both halves of a rotary pair in one add, into buffers stored
 positions-fastest so that those adds are vector adds into whole sectors.
 
@@ -59,14 +60,16 @@ tile; so by default two runs may differ in the last bits. ``deterministic=True``
 each split its own copy of dq (its rows then get one program's adds, in a fixed order;
 the copies are summed afterwards, in a fixed order) and orders the dk and dv adds. The
 query tiles form chains of consecutive tiles, each chain adding into copies of dk and dv
-of its own (summed afterwards, in a fixed order); per chain and key tile an int32 counter
+of its own (dk's score part one copy a warp's rows where the 64-row tiles add a partial a
+warp; all summed afterwards, in a fixed order); per chain and key tile an int32 counter
 says how many of the chain's query tiles have added to it, and query tile ``m`` waits
 until every earlier one of its chain that sees the key tile has (a split of tile ``m``
 sweeps the key tiles that the same split of tile ``m - 1`` swept, downwards, trailing it).
 The chains are as short as the copies' memory bound (``DETERMINISTIC_COPY_BYTES``) allows,
-which depends on ``B * HKV * N * D``: one tile, no wait, at (1, 32/8, 128), N = 1K; 8 of 32
-at the harness's (16, 8/2, 64), N = 2K; one chain of every tile at issue 3's 16K shape (the
-mode takes 1.3-1.5x the default's time at all three: ``PERF_NOTES.md``, sessions 38 and 39).
+which depends on ``B * HKV * N * D``: 2 tiles at (1, 32/8, 128), N = 1K; 16 of 32 at the
+harness's (16, 8/2, 64), N = 2K; one chain of every tile at issue 3's 16K shape, whose copies
+a warp would not fit (the mode takes 1.15-1.47x the default's time: ``PERF_NOTES.md``,
+sessions 38 to 40).
 Each fp32 buffer element then receives its adds in one fixed order, so two runs give bitwise
 equal dk and dv. This relies on the GPU starting programs in grid order (a program only
 waits on lower-numbered ones), as the interpreter does and as ordered split-K reductions
@@ -272,6 +275,7 @@ def _corope_bwd_kernel(
     stride_dwb,  # DW: [B * HKV, query tiles * n_splits, R/2] fp64
     stride_dq_split, stride_dql_split,  # DQ's and DQL's copies a split (0: one, shared)
     stride_dk_chain,  # DK_S's, DK_G's and DV's copies a chain (0: one, shared)
+    stride_dk_part,  # DK_S's copies a row group (DK_PARTS; 0: one, shared)
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, DN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -444,10 +448,11 @@ def _corope_bwd_kernel(
         pair = tl.arange(0, 2) * HALF
         dq_ptr = DQ + (offs_m[:, None] * stride_dqn + offs_h[None, :] * stride_dqh)[:, :, None]
         dq_ptr += pair[None, None, :] * stride_dqd
-        dk_ptr = tl.broadcast_to(
-            (DK_S + offs_n[:, None] * stride_dkn + pair[None, :] * stride_dkd)[None, :, :],
-            [DK_PARTS, BLOCK_N, 2],
-        )
+        dk_ptr = (DK_S + offs_n[:, None] * stride_dkn + pair[None, :] * stride_dkd)[None, :, :]
+        if DETERMINISTIC:  # a copy a row group
+            dk_ptr += (tl.arange(0, DK_PARTS).to(tl.int64) * stride_dk_part)[:, None, None]
+        else:  # one, shared (pointers broadcast at the add: a per-group offset cost 3%, H200)
+            dk_ptr = tl.broadcast_to(dk_ptr, [DK_PARTS, BLOCK_N, 2])
         dk_mask = tl.broadcast_to(n_ok[None, :, None], [DK_PARTS, BLOCK_N, 2])
         if FREQ_GRAD:
             mileage = carry_z.to(tl.float32)[:, None] + local  # delta of the tile's pairs
@@ -466,8 +471,9 @@ def _corope_bwd_kernel(
             a1 = tl.sum(ds3 * q1[:, :, None], axis=1)
             a2 = tl.sum(ds3 * q2[:, :, None], axis=1)
             # dk's sum over the queries stops at DK_PARTS groups of rows, each added on its
-            # own: with a warp's rows a group, the sum stays in registers and shuffles, where a
-            # sum across warps would cost shared memory and three more barriers a frequency.
+            # own (deterministic: into a copy of its own): with a warp's rows a group, the sum
+            # stays in registers and shuffles, where a sum across warps would cost shared
+            # memory and three more barriers a frequency.
             dk = tl.sum(
                 tl.reshape(
                     tl.join(cs * a1 - sn * a2, sn * a1 + cs * a2),
@@ -666,14 +672,14 @@ def _block_config(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
     return max(16, min(64, do_bytes // row_bytes)), 32, 4
 
 
-def _dk_parts(block_m: int, num_warps: int, deterministic: bool) -> int:
+def _dk_parts(block_m: int, num_warps: int) -> int:
     """Row groups whose dk partials the sweep adds separately: one a warp where the tile's
     rows are split over the warps 16 each (the 64-row tiles' warpgroup product; H100, bf16:
-    0.4-5% less backward time, 5% at the 16K target shape; PERF_NOTES.md), else 1. The
-    narrower tiles' rows do not follow the warps (their sum would be converted through
-    shared memory anyway), and the deterministic mode needs one add an element in a fixed
-    order."""
-    return num_warps if block_m == 16 * num_warps and not deterministic else 1
+    0.4-5% less backward time, 5% at the 16K target shape; the deterministic mode, each
+    group into a copy of its own: H200, 6-13%; PERF_NOTES.md), else 1. The narrower tiles'
+    rows do not follow the warps (their sum would be converted through shared memory
+    anyway)."""
+    return num_warps if block_m == 16 * num_warps else 1
 
 
 # Pipelining stages of the loops that set none themselves (Triton's default is 3): the key-tile
@@ -721,8 +727,9 @@ def _key_tiles_per_program(
 # The deterministic mode's copies of each kind take at most this many bytes: those of dq and dqL
 # (one a split of the key sweep; fewer splits where they would take more), and those of dk, dv
 # and the two gate parts of dk (one a chain of query tiles; longer chains where they would take
-# more). Both serve short sequences, whose copies are small: 80 MiB a split's copy and 64 MiB a
-# chain's at B = 16, (8/2, 64), N = 2K, which splits in two and takes 4 chains of 8 query tiles.
+# more; dk's score part takes a copy a warp where a chain's copies fit with them). Both serve
+# short sequences, whose copies are small: 80 MiB a split's copy and 112 MiB a chain's at B = 16,
+# (8/2, 64), N = 2K, which splits in two and takes 2 chains of 16 query tiles.
 DETERMINISTIC_COPY_BYTES = 1 << 28
 
 
@@ -841,7 +848,9 @@ def corope_bwd(
             small by default, 8 GiB at N = 64K, B * HKV = 16 and 1 tile a program; with
             ``deterministic``, each split also takes a copy of dq and dqL, ``4 * B * (HQ +
             HKV) * N * D`` bytes, and each chain copies of dk, dv and dk's two gate parts,
-            ``16 * B * HKV * N * D`` bytes (8 without the mileage: no gate parts).
+            ``16 * B * HKV * N * D`` bytes (8 without the mileage: no gate parts), and 12
+            more where dk's score part takes a copy a warp (the 64-row tiles, where a
+            chain's copies fit the bound with them).
         freq_grad: also form the gradient with respect to ``inv_freq`` (learned
             frequencies); it holds with ``detach_mileage`` too (the phase is ``delta * w``).
 
@@ -924,12 +933,21 @@ def corope_bwd(
         # order, with one buffer per kind of add to dk (scores, and with the mileage the
         # sweep's and the tail's gate parts) so that each element gets one add per (query
         # tile, key tile) and buffer; all summed in a fixed order afterwards.
-        chain = num_m
+        chain, parts = num_m, _dk_parts(block_m, num_warps)
         if deterministic:
             per_program = _items_a_copy(key_tiles, 4 * B * (HQ + HKV) * N * D, per_program)
-            chain = _items_a_copy(num_m, 4 * (4 if gate_parts else 2) * B * HKV * N * D)
+            # A chain's copies: dv, dk's score part once a row group (its adds in a fixed
+            # order within a group; one copy, summed across warps, where a chain's copies
+            # would not fit), and with the mileage dk's two gate parts.
+            kinds, one_copy = (3 if gate_parts else 1), 4 * B * HKV * N * D
+            if (kinds + parts) * one_copy > DETERMINISTIC_COPY_BYTES:
+                parts = 1
+            chain = _items_a_copy(num_m, (kinds + parts) * one_copy)
         n_splits, chains = cdiv(key_tiles, per_program), cdiv(num_m, chain)
-        dk, dv = accumulator(HKV, chains).zero_(), accumulator(HKV, chains).zero_()
+        # dk's score part: [parts * chains, ...], row group p's copies [p * chains, (p + 1) *
+        # chains) (by default one copy that every group adds to); dk: the first group's.
+        dk_s = accumulator(HKV, parts * chains if deterministic else 1).zero_()
+        dv, dk = accumulator(HKV, chains).zero_(), dk_s[:chains]
         dk_g = dk_t = dk
         if gate_parts:
             dk_g, dk_t = accumulator(HKV, chains).zero_(), accumulator(HKV, chains).zero_()
@@ -971,25 +989,26 @@ def corope_bwd(
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3],
                 *dq.stride()[1:], *dk.stride()[1:], *tg.stride()[:2], locks.stride(1),
                 dw.stride(-3), *split_strides, _copy_stride(dk),
+                _copy_stride(dk_s) * chains,
                 G=n, GP=next_power_of_2(n), D=D,
                 D_PAD=d_pad, HALF=half,
                 DN_PAD=padded_channels(dn) if dn else 0,
                 BLOCK_M=block_m, BLOCK_N=block_n,
                 MILEAGE=not detach_mileage, DETERMINISTIC=deterministic, PREC=prec,
                 FAST_TRIG=fast_trig(q),
-                DK_PARTS=_dk_parts(block_m, num_warps, deterministic),
+                DK_PARTS=parts,
                 PASS1_STAGES=_pass1_stages(half),
                 FREQ_GRAD=freq_grad, HALF_P=next_power_of_2(half),
                 num_warps=num_warps, num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip
-        return tg, locks[1], per_program, n_splits, chains, dw_parts, dq, dql, dk, dk_g, dk_t, dv
+        return tg, locks[1], per_program, n_splits, chains, dw_parts, dq, dql, dk_s, dk_g, dk_t, dv
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32x3"
     d_pad = padded_channels(D)
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = (kind, G, D, R, q.dtype, leader, detach_mileage, deterministic, freq_grad)
     config, swept = _first_fitting(("sweep", *key), _launch_configs(G, D, q.dtype), sweep)
-    tg, locks_t, per_program, n_splits, chains, dw_parts, dq, dql, dk, dk_g, dk_t, dv = swept
+    tg, locks_t, per_program, n_splits, chains, dw_parts, dq, dql, dk_s, dk_g, dk_t, dv = swept
     del swept  # each copy is freed once summed
     if not detach_mileage:
         _block_m, block_n, num_warps, _heads = config
@@ -1012,9 +1031,10 @@ def corope_bwd(
         rows = [(r,) for r in (64, 32, 16) if r <= _block_m]
         _first_fitting(("tail", *key, config), rows, tail)
     if gate_parts:
-        dk.add_(dk_g).add_(dk_t)
+        dk_s[:chains].add_(dk_g).add_(dk_t)  # the first row group's copies
         del dk_g, dk_t
-    dq, dql, dk, dv = (x[0] if x.shape[0] == 1 else x.sum(0) for x in (dq, dql, dk, dv))
+    dq, dql, dk, dv = (x[0] if x.shape[0] == 1 else x.sum(0) for x in (dq, dql, dk_s, dv))
+    del dk_s
     if not detach_mileage:
         if leader == "first":
             dq[:, ::G] += dql

@@ -311,16 +311,13 @@ def test_items_a_copy_bound_the_deterministic_copies(monkeypatch):
     assert items(16, 5000) == 16  # one, over the bound alone
 
 
-def test_dk_parts_per_warp_only_where_rows_follow_warps_and_order_is_free():
-    """dk's per-warp partial adds: only for the 64-row, 4-warp tiles (16 rows a warp) and never
-    in the deterministic mode, whose one add an element in a fixed order the interpreter
-    cannot check (it runs programs and their adds in order)."""
+def test_dk_parts_per_warp_only_where_rows_follow_warps():
+    """dk's per-warp partial adds: only for the 64-row, 4-warp tiles (16 rows a warp)."""
     import corope.backward as backward
 
-    assert backward._dk_parts(64, 4, False) == 4
-    assert backward._dk_parts(64, 4, True) == 1
+    assert backward._dk_parts(64, 4) == 4
     for block_m, warps in ((32, 4), (16, 4), (16, 8)):  # narrow tiles, fp32's 8 warps
-        assert backward._dk_parts(block_m, warps, False) == 1
+        assert backward._dk_parts(block_m, warps) == 1
 
 
 def test_backward_split_needs_a_positive_int():
@@ -378,16 +375,19 @@ def test_launch_configs_take_at_most_four_heads_a_program():
 
 
 class _SnapshotsLaunches:
-    """Stands in for a kernel: keeps each launch's arguments, and a copy of the tensor
-    arguments ``at`` (positions) taken before the launch runs."""
+    """Stands in for a kernel: keeps each launch's arguments, and copies of the storage of
+    the tensor arguments ``at`` (positions) taken before the launch runs, then of those
+    ``after`` taken after it."""
 
-    def __init__(self, kernel, at):
-        self.kernel, self.at, self.launches = kernel, at, []
+    def __init__(self, kernel, at, after=()):
+        self.kernel, self.at, self.after, self.launches = kernel, at, after, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append((args, kwargs, [args[i]._base.clone() for i in self.at]))
-            return self.kernel[grid](*args, **kwargs)
+            snapshots = [args[i]._base.clone() for i in self.at]
+            self.launches.append((args, kwargs, snapshots))
+            self.kernel[grid](*args, **kwargs)
+            snapshots += [args[i]._base.clone() for i in self.after]
 
         return launch
 
@@ -423,38 +423,55 @@ def test_backward_deterministic_splits_add_into_copies_of_their_own(monkeypatch,
 
 
 @pytest.mark.parametrize("leader", ["first", "mean"])
-def test_backward_deterministic_chains_add_into_copies_of_their_own(monkeypatch, leader):
-    """The deterministic mode's chains of query tiles: with copies for two chains, the 5 query
-    tiles of 64 rows (N = 260) form chains of 3 (the second chain's last program is past the
-    last tile, and does nothing), and chain ``c`` adds into copy ``c`` of each ``[chains, B,
-    HKV, D, N]`` buffer (dk's score part, dk's gate parts from the sweep and from the gate
-    tail, dv), there to exactly the keys its tiles see. The gradients, the frequencies' too, are
-    the reference's (``_check``), the key sweeps split in two (copies of dq for two splits) on
-    top. Chains that shared their counters would wait forever (a hang, not a failure)."""
+@pytest.mark.parametrize("parts", [4, 1])
+def test_backward_deterministic_chains_add_into_copies_of_their_own(monkeypatch, leader, parts):
+    """The deterministic mode's chains of query tiles, each adding into copies of its own of
+    the ``[B, HKV, N, D]`` buffers (dk's score part, dk's gate parts from the sweep and from the
+    gate tail, dv), there to exactly the keys its tiles see. dk's score part has a copy a chain
+    for each of the 64-row tile's 4 row groups (``[4 * chains, ...]``, group ``p``'s adds from
+    rows ``16 p`` to ``16 p + 15`` of a tile) where a chain's 7 copies fit the bound: with room
+    for 14 copies, the 5 query tiles (N = 260) form 2 chains of 3 (the second chain's last
+    program is past the last tile, and does nothing). Where 7 do not fit (room for 6), dk's
+    score part is one copy a chain, summed across the groups, and the 4 kinds of copies fit
+    once: one chain of 5. The gradients, the frequencies' too, are the reference's
+    (``_check``), the key sweeps split (copies of dq a split) on top. Chains that shared their
+    counters would wait forever (a hang, not a failure)."""
     import corope.backward as backward
 
     N = 260
-    monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", 2 * 16 * 2 * N * 64)
-    sweep = _SnapshotsLaunches(backward._corope_bwd_kernel, at=())
+    one_copy = 4 * 2 * N * 64  # fp32 [B * HKV, N, D]
+    # room for copies, query tiles a chain, chains, splits (copies of dq: 3 one_copy each)
+    room, chain, chains, splits = {4: (14, 3, 2, 3), 1: (6, 5, 1, 2)}[parts]
+    monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", room * one_copy)
+    # dk's score part as the sweep left it (the gate parts are added into its first copies)
+    sweep = _SnapshotsLaunches(backward._corope_bwd_kernel, at=(), after=(12,))
     tail = _SnapshotsLaunches(backward._gate_tail_kernel, at=())
     monkeypatch.setattr(backward, "_corope_bwd_kernel", sweep)
     monkeypatch.setattr(backward, "_gate_tail_kernel", tail)
     monkeypatch.setattr(backward, "_FITTED", {})
     _check(1, 4, 2, N, 64, None, leader, deterministic=True, learn=True, key_tiles_per_program=4)
-    ((args, kw, _),) = sweep.launches
+    ((args, kw, (dk_s,)),) = sweep.launches
     ((tail_args, tail_kw, _),) = tail.launches
     assert kw["BLOCK_M"] == tail_kw["BLOCK_M"] == 64
-    assert args[24] == tail_args[11] == 3 and args[23] == 2  # chain, n_splits
+    assert args[24] == tail_args[11] == chain and kw["DK_PARTS"] == parts
+    assert args[23] == splits
     keys = torch.arange(N, device=DEVICE)
     buffers = {"dk": args[12], "dk (sweep's gate part)": args[13], "dv": args[14],
                "dk (tail's gate part)": tail_args[4]}  # fmt: skip
     assert len({x._base.data_ptr() for x in buffers.values()}) == 4
     for name, buffer in buffers.items():
-        copies = buffer._base
-        assert copies.shape[0] == 2, name
-        touched = copies.abs().sum(dim=(1, 2, 3)) > 0  # [chains, N]
-        for c in range(2):
-            assert torch.equal(touched[c], keys < (c + 1) * 3 * 64), (name, c)
+        copies = dk_s if name == "dk" else buffer._base
+        groups = parts if name == "dk" else 1
+        assert copies.shape[0] == chains * groups, name
+        touched = copies.abs().sum(dim=(1, 2, 3)) > 0
+        for p in range(groups):
+            for c in range(chains):
+                # the keys up to the chain's last row (group p's last, for the groups' copies):
+                # a row adds to the keys at and before it
+                rows = torch.arange(c * chain * 64, min(N, (c + 1) * chain * 64), device=DEVICE)
+                if groups > 1:
+                    rows = rows[(rows % 64) // 16 == p]
+                assert torch.equal(touched[p * chains + c], keys <= rows.max()), (name, p, c)
 
 
 @pytest.mark.parametrize("leader", ["first", "mean"])
