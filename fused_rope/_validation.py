@@ -27,8 +27,9 @@ FREQ_DTYPES = (torch.float32, torch.float64)
 # attention) or a KV group (Co-RoPE) in int32 (fewer registers in the loops): a block they
 # index that way must span fewer elements than this.
 INT32_INDEX_LIMIT = 2**31
-# CUDA's limit on a grid's second axis, where the attention kernels put (batch, head) pairs
-MAX_GRID_AXIS1 = 65535
+# CUDA's limit on a grid's second axis, where the attention kernels put (batch, head) pairs,
+# and on its third, where the RoPE kernel puts the batch
+MAX_GRID_AXIS1 = MAX_GRID_AXIS2 = 65535
 
 
 def element_span(sizes, strides) -> int:

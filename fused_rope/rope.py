@@ -23,6 +23,7 @@ from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin_of_angle, fast_trig
 from fused_rope._validation import (
     KERNEL_DTYPES,
+    MAX_GRID_AXIS2,
     check_angles,
     check_float_tensor,
     check_inv_freq,
@@ -216,7 +217,9 @@ def _rope_kernel(
         w = tl.load(angles_ptr + offs_d, mask=offs_d < R // 2, other=0.0)
         theta = (pos0 + offs_n).to(tl.float32)[:, None] * w[None, :]
     else:
-        a_ptrs = angles_ptr + pid_b * stride_ab + offs_n[:, None] * stride_an + offs_d[None, :]
+        # int64 rows: a [N, R/2] table passes 2**31 elements at N * R / 2 >= 2**31
+        rows = offs_n.to(tl.int64)[:, None] * stride_an
+        a_ptrs = angles_ptr + pid_b * stride_ab + rows + offs_d[None, :]
         theta = tl.load(a_ptrs, mask=mask_n[:, None] & (offs_d < R // 2)[None, :], other=0.0)
     # sin/cos once per (position, frequency) and program, in fp32, reused by all its heads.
     cos, sin = cos_sin_of_angle(theta, FAST_TRIG)
@@ -329,6 +332,9 @@ def _launch(
     (q, k the cotangents) that also forms the angles' gradient from the forward's inputs
     ``(q, k)``, returned as ``[head chunks, B, N, R/2]`` fp32 (sum it over the chunks)."""
     B, H_Q, NQ, D = q.shape
+    if B > MAX_GRID_AXIS2:  # the batch is the grid's third axis: a launch per slice of it
+        return _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale,
+                                    k_scale, conjugate, config, position_offset, inputs)  # fmt: skip
     H_K = 0 if k is None else k.shape[1]
     N = NQ if k is None else k.shape[2]  # the positions: k's, with q's rows the last NQ
     a_q, a_k = (q, k) if inputs is None else inputs
@@ -371,6 +377,24 @@ def _launch(
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return d_angles
+
+
+def _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale,
+                         conjugate, config, position_offset, inputs):  # fmt: skip
+    """``_launch`` for more batches than a grid axis takes: one launch per ``MAX_GRID_AXIS2``
+    of them (the angles' gradient of each, ``[head chunks, slice, N, R/2]``, joined)."""
+    d_angles = []
+    for b in range(0, q.shape[0], MAX_GRID_AXIS2):
+        rows = slice(b, b + MAX_GRID_AXIS2)
+        per_batch = angles.dim() == 3 and angles.shape[0] > 1  # else shared by every batch
+        sliced = [None if x is None else x[rows] for x in (q, q_out, k, k_out)]
+        part = _launch(
+            *sliced, angles[rows] if per_batch else angles, layout, rope_dim, q_scale,
+            k_scale, conjugate, config, position_offset,
+            None if inputs is None else tuple(None if x is None else x[rows] for x in inputs),
+        )  # fmt: skip
+        d_angles.append(part)
+    return None if inputs is None else torch.cat(d_angles, dim=1)
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:

@@ -491,6 +491,43 @@ def test_angle_tables_of_any_strides_are_read_as_such():
         torch.testing.assert_close(apply_rope(x, angles).double(), ref, atol=1e-5, rtol=0)
 
 
+def test_angle_rows_past_int32_offsets_are_read_where_they_are():
+    """A table whose rows lie 2**31 elements and more from its start (row stride 2**30; 16 GiB of
+    address space, a few pages touched): the kernel's row offsets are int64. In int32 the last
+    row wrapped around to the 7s stored 2**32 elements before it."""
+    store = torch.empty(2**32 + 8, device=DEVICE)
+    store[:4] = 7.0
+    angles = store.as_strided((3, 4), (2**30, 1), 2**31)
+    angles.copy_(torch.rand(3, 4, device=DEVICE) * 6)
+    x = torch.randn(1, 2, 3, 8, device=DEVICE)
+    ref = apply_rope_ref(x.double(), angles.double(), "half", 8)
+    torch.testing.assert_close(apply_rope(x, angles).double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rope", ["table", "per_batch", "inv_freq"])
+def test_batches_past_a_grid_axis_launch_in_slices(monkeypatch, rope):
+    """More batches than CUDA's grid takes on its third axis (65535; 2 here): a launch per
+    slice of them, whose outputs and gradients (q's, k's, the angles' or inv_freq's) are the
+    one launch's, bitwise."""
+    import fused_rope.rope as rope_module
+
+    q = torch.randn(5, 2, 7, 16, device=DEVICE)
+    k = torch.randn(5, 1, 9, 16, device=DEVICE)
+    inv_freq = rope_frequencies(12)[0].to(DEVICE)
+    table = _angles(5, 9, 12, per_batch=rope == "per_batch")
+    results = []
+    for max_batch in (65535, 2):
+        monkeypatch.setattr(rope_module, "MAX_GRID_AXIS2", max_batch)
+        qq, kk = (x.clone().requires_grad_() for x in (q, k))
+        given = (inv_freq if rope == "inv_freq" else table).clone().requires_grad_()
+        kw = dict(inv_freq=given, position_offset=3) if rope == "inv_freq" else dict(angles=given)
+        q_out, k_out = apply_rope_qk(qq, kk, rope_dim=12, q_scale=0.5, **kw)
+        torch.autograd.backward((q_out, k_out), (torch.ones_like(q_out), k_out.detach()))
+        results.append((q_out, k_out, qq.grad, kk.grad, given.grad))
+    for name, a, b in zip(("q_out", "k_out", "dq", "dk", "dangles"), *results, strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_custom_ops_pass_torch_library_opcheck():
     x = torch.randn(1, 2, 9, 16, device=DEVICE)
     k = torch.randn(1, 1, 9, 16, device=DEVICE)
