@@ -254,7 +254,8 @@ def check_layout(layout: str) -> None:
 
 
 def check_angles(angles, batch: int, seq_len: int, rope_dim: int, name: str = "angles") -> None:
-    """``angles`` is ``[N, R/2]`` or ``[B, N, R/2]`` and matches the input's B and N."""
+    """``angles`` is ``[N, R/2]``, ``[1, N, R/2]`` (both shared by the batch) or ``[B, N, R/2]``
+    and matches the input's B and N."""
     check_float_tensor(angles, name, ndim=(2, 3))
     if angles.shape[-2] != seq_len:
         raise ValueError(f"{name} has {angles.shape[-2]} positions but the input has N={seq_len}")
@@ -262,16 +263,16 @@ def check_angles(angles, batch: int, seq_len: int, rope_dim: int, name: str = "a
         raise ValueError(
             f"{name} has last dimension {angles.shape[-1]}, expected rope_dim // 2 = {rope_dim // 2}"
         )
-    if angles.dim() == 3 and angles.shape[0] != batch:
-        raise ValueError(f"{name} has batch {angles.shape[0]} but the input has B={batch}")
+    if angles.dim() == 3 and angles.shape[0] not in (1, batch):
+        raise ValueError(f"{name} has batch {angles.shape[0]} but the input has B={batch} (or 1)")
 
 
 def check_angle_options(
     angles, q_angles, *, inv_freq, positions, q_positions, batch: int, nq: int, nk: int,
     rope_dim: int,
 ) -> None:  # fmt: skip
-    """Attention's ``angles`` (keys ``[NK, R/2]`` or ``[B, NK, R/2]``) and ``q_angles``
-    (queries ``[NQ, R/2]`` or ``[B, NQ, R/2]``): given angles replace ``positions * inv_freq``,
+    """Attention's ``angles`` (keys ``[NK, R/2]``, ``[1 | B, NK, R/2]``) and ``q_angles``
+    (queries ``[NQ, R/2]``, ``[1 | B, NQ, R/2]``): given angles replace ``positions * inv_freq``,
     so they exclude ``inv_freq``, ``positions`` and ``q_positions``; queries default to the
     last NQ rows of ``angles``, which needs ``NQ <= NK``."""
     if angles is None:

@@ -207,16 +207,18 @@ def _check_positions(pos, name: str, batch: int, length: int, device: torch.devi
     if pos is None:
         return
     check_position_tensor(pos, name, ndim=(1, 2))  # as rope_angles: no half precision
-    if pos.shape[-1] != length or (pos.dim() == 2 and pos.shape[0] != batch):
-        expected = f"[{length}] or [{batch}, {length}]"
+    if pos.shape[-1] != length or (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
+        expected = f"[{length}] or [1, {length}]" + (
+            f" or [{batch}, {length}]" if batch > 1 else ""
+        )
         raise ValueError(f"{name} must have shape {expected}, got {tuple(pos.shape)}")
     if pos.device != device:
         raise ValueError(f"{name} is on {pos.device} but q is on {device}")
 
 
 def _as_rows(rows: torch.Tensor, batched_ndim: int = 2) -> torch.Tensor:
-    """Positions ``[N]`` or ``[B, N]`` as fp32 ``[1 | B, N]`` (``batched_ndim`` 2), angles
-    ``[N, R/2]`` or ``[B, N, R/2]`` as fp32 ``[1 | B, N, R/2]`` (3), contiguous: the kernels'
+    """Positions ``[N]`` or ``[1 | B, N]`` as fp32 ``[1 | B, N]`` (``batched_ndim`` 2), angles
+    ``[N, R/2]`` or ``[1 | B, N, R/2]`` as fp32 ``[1 | B, N, R/2]`` (3), contiguous: the kernels'
     formats."""
     rows = rows.float()
     return (rows[None] if rows.dim() < batched_ndim else rows).contiguous()
@@ -508,17 +510,17 @@ def rope_attention(
             overrides theta. Differentiable (learned frequencies), as are floating-point
             positions, ``angles`` and ``q_angles``: from q's and k's gradients, with no extra
             kernel (``fused_rope._angle_grads``).
-        positions: the keys' positions, ``[NK]`` or ``[B, NK]``, integer, fp32 or fp64
+        positions: the keys' positions, ``[NK]`` or ``[1 | B, NK]``, integer, fp32 or fp64
             (default ``0..NK-1``); the kernels take them in fp32, exact for integers below
             2**24 (larger ones round, as in ``rope_angles``).
-        q_positions: ``[NQ]`` or ``[B, NQ]``; default: the last NQ entries of ``positions``
+        q_positions: ``[NQ]`` or ``[1 | B, NQ]``; default: the last NQ entries of ``positions``
             (for the default positions and ``NQ > NK``: ``NK-NQ..NK-1``).
-        angles: the keys' rotation angles ``[NK, R/2]`` or ``[B, NK, R/2]``, fp32 or fp64
+        angles: the keys' rotation angles ``[NK, R/2]`` or ``[1 | B, NK, R/2]``, fp32 or fp64
             (taken in fp32), for the schedules that are not one position times ``inv_freq``:
             M-RoPE (``frequencies.mrope_angles``, Qwen2-VL, Qwen3-VL), N-D RoPE
             (``nd_rope_angles``). Replaces ``positions * inv_freq``: not with ``inv_freq``,
             ``positions`` or ``q_positions`` (theta is then unused).
-        q_angles: the queries' ``[NQ, R/2]`` or ``[B, NQ, R/2]``, with ``angles`` only;
+        q_angles: the queries' ``[NQ, R/2]`` or ``[1 | B, NQ, R/2]``, with ``angles`` only;
             default: the last NQ rows of ``angles`` (``NQ > NK`` needs them).
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right aligned,
             by index, as FlashAttention-2). A query that sees no key returns 0.

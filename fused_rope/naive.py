@@ -36,7 +36,7 @@ def apply_rope_ref(
 
     Args:
         x: ``[B, H, N, D]``.
-        angles: ``[N, R/2]`` or ``[B, N, R/2]`` with ``R = rope_dim`` (default ``D``).
+        angles: ``[N, R/2]`` or ``[1 | B, N, R/2]`` with ``R = rope_dim`` (default ``D``).
         layout: ``"half"`` pairs channel ``d`` with ``d + R/2`` (GPT-NeoX, Llama);
             ``"interleaved"`` pairs ``2d`` with ``2d + 1`` (GPT-J, the RoFormer paper).
         output_scale: multiplies the whole output, rotated and pass-through channels alike
@@ -92,14 +92,14 @@ def rope_attention_ref(
     Args:
         q: ``[B, HQ, NQ, D]``; k, v: ``[B, HKV, NK, D]`` with ``HQ`` a multiple of ``HKV``.
         inv_freq: ``[R/2]``; default ``rope_frequencies(R, theta)``.
-        positions: keys' positions ``[NK]`` or ``[B, NK]`` (default ``0..NK-1``).
-        q_positions: ``[NQ]`` or ``[B, NQ]``; default the last NQ key positions
+        positions: keys' positions ``[NK]`` or ``[1 | B, NK]`` (default ``0..NK-1``).
+        q_positions: ``[NQ]`` or ``[1 | B, NQ]``; default the last NQ key positions
             (``NK-NQ..NK-1`` when NQ > NK and the positions are the default).
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right).
-        angles: the keys' rotation angles ``[NK, R/2]`` or ``[B, NK, R/2]`` in place of
+        angles: the keys' rotation angles ``[NK, R/2]`` or ``[1 | B, NK, R/2]`` in place of
             ``positions * inv_freq`` (M-RoPE, N-D RoPE: ``mrope_angles``, ``nd_rope_angles``);
             excludes theta's role, ``inv_freq``, ``positions`` and ``q_positions``.
-        q_angles: the queries' ``[NQ, R/2]`` or ``[B, NQ, R/2]``, with ``angles`` only;
+        q_angles: the queries' ``[NQ, R/2]`` or ``[1 | B, NQ, R/2]``, with ``angles`` only;
             default the last NQ rows of ``angles`` (NQ > NK needs them).
 
     Returns:

@@ -342,7 +342,7 @@ def _launch(
         k, k_out, a_k = q, q_out, a_q
     if angles.stride(-1) != 1:
         angles = angles.contiguous()  # [.., N, R/2] fp32 (or inv_freq): small next to q and k
-    stride_ab = angles.stride(0) if angles.dim() == 3 else 0
+    stride_ab = angles.stride(0) if angles.dim() == 3 and angles.shape[0] > 1 else 0
     cfg = config or tile_config(B, N, H_Q, H_K, rope_dim, q.device)
     # In place with unit scale, the pass-through channels already hold the result.
     copy_pass = rope_dim < D and not (q_out is q and q_scale == 1.0 and k_scale == 1.0)
@@ -753,7 +753,7 @@ def apply_rope(
 
     Args:
         x: ``[B, H, N, D]`` fp32/fp16/bf16, any strides with a contiguous last dimension.
-        angles: fp32 ``[N, R/2]`` (shared by the batch) or ``[B, N, R/2]``, ``R = rope_dim``
+        angles: fp32 ``[N, R/2]`` or ``[1 | B, N, R/2]``, ``R = rope_dim``
             (even, at most ``D``; default ``D``). Differentiable (learned frequencies, e.g.
             RoPE-Mixed's ``nd_rope_angles``): its gradient is ``x1 dx2 - x2 dx1`` summed over
             the heads (and the batch for a shared table) from the backward's ``dx``.
@@ -852,7 +852,7 @@ def apply_rope_qk(
             or decoding step continuing a KV cache, aligned bottom-right as causal attention
             aligns it).
         k: ``[B, HK, N, D]``, same B, D and dtype as ``q``; ``HK`` may differ (GQA, MQA).
-        angles: fp32 ``[N, R/2]`` or ``[B, N, R/2]``, k's positions' angles; differentiable
+        angles: fp32 ``[N, R/2]`` or ``[1 | B, N, R/2]``, k's positions' angles; differentiable
             (see ``apply_rope``): q's and k's rows add up in the rows they share.
         inv_freq: fp32 ``[R/2]`` instead of ``angles``, for the positions ``0..N-1`` (see
             ``apply_rope``), or ``position_offset..position_offset+N-1``.

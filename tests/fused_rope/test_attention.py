@@ -287,6 +287,38 @@ def test_angles_of_positions_give_the_positions_result(batch, impl):
         assert torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+def test_positions_and_angles_of_batch_one_are_shared_by_the_batch(impl):
+    """Hugging Face's ``position_ids`` shape: positions ``[1, NK]`` and ``q_positions [1, NQ]``,
+    angles ``[1, NK, R/2]`` and ``q_angles [1, NQ, R/2]`` serve every batch as ``[NK]``,
+    ``[NQ]``, ``[NK, R/2]``, ``[NQ, R/2]`` do: outputs and gradients bitwise equal, the angles'
+    gradients summed over the batch into their ``[1, .., R/2]``."""
+    q = torch.randn(3, 4, 30, 32, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(3, 2, 45, 32, device=DEVICE, requires_grad=True) for _ in range(2))
+    inv_freq = rope_frequencies(24, 500000.0, device=DEVICE)[0]
+    pos, q_pos = (torch.randint(0, 1000, (n,), device=DEVICE) for n in (45, 30))
+    common = dict(rope_dim=24, layout="interleaved", causal=False, impl=impl)
+    do = torch.randn_like(q)
+    for rows in ("positions", "angles"):
+        results = []
+        for batch_one in (False, True):
+            shape = (lambda x: x[None]) if batch_one else (lambda x: x)
+            if rows == "positions":
+                given = ()
+                kw = dict(positions=shape(pos), q_positions=shape(q_pos), inv_freq=inv_freq)
+            else:
+                given = tuple(
+                    shape(rope_angles(p, inv_freq)).requires_grad_() for p in (pos, q_pos)
+                )
+                kw = dict(angles=given[0], q_angles=given[1])
+            o = rope_attention(q, k, v, **kw, **common)
+            grads = torch.autograd.grad((o * do).sum(), (q, k, v, *given))
+            results.append((o, *grads[:3], *(g.squeeze(0) for g in grads[3:])))
+        names = ("o", "dq", "dk", "dv", "dangles", "dq_angles")
+        for name, x, y in zip(names, *results, strict=False):
+            assert torch.equal(x, y), (rows, name)
+
+
 def test_inv_freq_overrides_theta():
     q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))
     inv_freq = rope_frequencies(32, 10.0)[0].to(DEVICE)

@@ -528,6 +528,24 @@ def test_batches_past_a_grid_axis_launch_in_slices(monkeypatch, rope):
         assert torch.equal(a, b), name
 
 
+def test_angles_of_batch_one_are_shared_by_the_batch():
+    """Angles ``[1, N, R/2]`` rotate every batch as ``[N, R/2]`` do (kernel and reference):
+    outputs and gradients bitwise equal, the angles' gradient summed into ``[1, N, R/2]``."""
+    q = torch.randn(3, 2, 7, 16, device=DEVICE)
+    k = torch.randn(3, 1, 9, 16, device=DEVICE)
+    table = _angles(3, 9, 12, per_batch=False)
+    dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
+    results = []
+    for angles in (table, table[None]):
+        qq, kk, aa = (x.clone().requires_grad_() for x in (q, k, angles))
+        q_out, k_out = apply_rope_qk(qq, kk, aa, rope_dim=12, q_scale=0.5)
+        torch.autograd.backward((q_out, k_out), (dq_out, dk_out))
+        ref = apply_rope_ref(k, aa.detach(), rope_dim=12)
+        results.append((q_out, k_out, qq.grad, kk.grad, aa.grad.reshape(table.shape), ref))
+    for name, a, b in zip(("q_out", "k_out", "dq", "dk", "dangles", "ref"), *results, strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_custom_ops_pass_torch_library_opcheck():
     x = torch.randn(1, 2, 9, 16, device=DEVICE)
     k = torch.randn(1, 1, 9, 16, device=DEVICE)
