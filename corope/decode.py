@@ -260,7 +260,8 @@ def corope_decode(
     rope_dim: int,
     leader: str,
 ) -> torch.Tensor:
-    """Launches the decoding kernels; inputs are assumed validated (``corope.attention``).
+    """Launches the decoding kernels; unchecked: ``corope_attention`` validates first
+    (shapes that do not match read and write out of range; the public API is ``corope``'s).
 
     Args:
         q: ``[B, HQ, 1, D]``, the query row at position ``NK - 1``; k, v: ``[B, HKV, NK, D]``,

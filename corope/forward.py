@@ -384,7 +384,8 @@ def corope_fwd(
     rope_dim: int,
     leader: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches the forward kernel; inputs are assumed validated (``corope.attention``).
+    """Launches the forward kernel; unchecked: ``corope_attention`` validates first
+    (shapes that do not match read and write out of range; the public API is ``corope``'s).
 
     Args:
         q: ``[B, HQ, NQ, D]``, the last ``NQ`` of k's positions (``NQ = NK`` in training;

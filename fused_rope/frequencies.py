@@ -494,13 +494,19 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
 def _check_sections(sections, half: int, name: str = "sections") -> list[int]:
     if isinstance(sections, (str, bytes, torch.Tensor)) or not isinstance(sections, Sequence):
         raise TypeError(f"{name} must be a list of ints, got {type(sections).__name__}")
-    ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections)
-    if not sections or not ok or sum(sections) != half:
+    kinds = [
+        type(s).__name__
+        for s in sections
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral)
+    ]
+    if kinds:
+        raise TypeError(f"{name} must be a list of ints, got elements of type {kinds[0]}")
+    sections = [int(s) for s in sections]  # numpy's ints too
+    if not sections or min(sections) < 0 or sum(sections) != half:
         raise ValueError(
-            f"{name} must be non-negative ints summing to rope_dim // 2 = {half}, "
-            f"got {list(sections)}"
+            f"{name} must be non-negative ints summing to rope_dim // 2 = {half}, got {sections}"
         )
-    return list(sections)
+    return sections
 
 
 def _slot_axes(sections: list[int], interleaved: bool) -> list[int]:

@@ -664,14 +664,18 @@ def _check_kernel_tensor(x, name: str) -> None:
         )
 
 
-def _check_position_offset(position_offset, angles, seq_len: int) -> None:
-    """``position_offset``: an int, 0 with an angle table (whose rows are the positions), else
-    >= 0 and, when not 0, keeping inv_freq's positions below 2**24 (fp32 holds them exactly
-    there; offset 0 keeps its earlier contract, positions ``0..N-1`` whatever N)."""
-    if isinstance(position_offset, bool) or not isinstance(position_offset, (int, torch.SymInt)):
+def _check_position_offset(position_offset, angles, seq_len: int):
+    """``position_offset`` as an int (numpy's too; a SymInt as it is), checked: 0 with an angle
+    table (whose rows are the positions), else >= 0 and, when not 0, keeping inv_freq's
+    positions below 2**24 (fp32 holds them exactly there; offset 0 keeps its earlier contract,
+    positions ``0..N-1`` whatever N)."""
+    integral = isinstance(position_offset, (numbers.Integral, torch.SymInt))
+    if isinstance(position_offset, bool) or not integral:
         raise TypeError(f"position_offset must be an int, got {type(position_offset).__name__}")
+    if isinstance(position_offset, numbers.Integral):
+        position_offset = int(position_offset)
     if position_offset == 0:
-        return
+        return position_offset
     if angles is not None:
         raise ValueError(
             "position_offset shifts inv_freq's positions; with an angle table, pass the "
@@ -683,6 +687,7 @@ def _check_position_offset(position_offset, angles, seq_len: int) -> None:
             f"position_offset must be >= 0 with position_offset + N <= 2**24 (fp32 positions "
             f"are exact below it), got {position_offset} with N={seq_len}"
         )
+    return position_offset
 
 
 def _needs_autograd(*xs: torch.Tensor) -> bool:
@@ -708,17 +713,14 @@ def _dispatch_rotation(q, k, angles, layout: str, R: int, q_scale: float, k_scal
     return rope_fwd(q, k, angles, layout, R, q_scale, k_scale, position_offset=offset)
 
 
-def _kernel_angles(
-    angles, inv_freq, position_offset, batch: int, seq_len: int, rope_dim: int, **inputs
-):
+def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **inputs):
     """The kernels' angle argument: ``angles`` ``[.., N, R/2]``, or ``inv_freq`` ``[R/2]`` for
-    the positions ``position_offset..position_offset+N-1`` (exactly one of them given), fp32,
+    the positions from the offset (exactly one of them given), fp32,
     on the device of the named ``inputs`` (the first of which names a kernel-capable
     device)."""
     if (angles is None) == (inv_freq is None):
         given = "both" if angles is not None else "neither"
         raise ValueError(f"pass exactly one of angles and inv_freq, got {given}")
-    _check_position_offset(position_offset, angles, seq_len)
     name, t = ("angles", angles) if angles is not None else ("inv_freq", inv_freq)
     if angles is not None:
         check_angles(angles, batch, seq_len, rope_dim)
@@ -788,7 +790,8 @@ def apply_rope(
     check_layout(layout)
     B, _, N, D = x.shape
     R = check_rope_dim(rope_dim, D)
-    angles = _kernel_angles(angles, inv_freq, position_offset, B, N, R, x=x)
+    position_offset = _check_position_offset(position_offset, angles, N)
+    angles = _kernel_angles(angles, inv_freq, B, N, R, x=x)
     check_no_tangent("fused_rope.naive.apply_rope_ref", x=x)
     scale = _check_scale(output_scale, "output_scale")
     if not isinstance(inplace, bool):
@@ -879,7 +882,8 @@ def apply_rope_qk(
     if k.dtype != q.dtype:
         raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
     R = check_rope_dim(rope_dim, D)
-    angles = _kernel_angles(angles, inv_freq, position_offset, B, N, R, q=q, k=k)
+    position_offset = _check_position_offset(position_offset, angles, N)
+    angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)
     check_no_tangent("fused_rope.naive.apply_rope_ref", q=q, k=k)
     qs = _check_scale(q_scale, "q_scale")
     ks = _check_scale(k_scale, "k_scale")

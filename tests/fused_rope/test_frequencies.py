@@ -949,7 +949,7 @@ def test_mrope_angles_match_transformers(
         ((3, 10), [16, 24, -8], False, ValueError, "sections"),
         ((3, 10), [], False, ValueError, "sections"),
         ((3, 10), torch.tensor([16, 24, 24]), False, TypeError, "sections"),
-        ((3, 10), [16.0, 24, 24], False, ValueError, "sections"),
+        ((3, 10), [16.0, 24, 24], False, TypeError, "sections must be a list of ints, got.*float"),
         ((4, 10), [16, 24, 24], False, ValueError, "one axis per section"),
         ((10,), [16, 24, 24], False, ValueError, "positions"),
         ((3, 10), [16, 24, 24], True, ValueError, "cannot be interleaved"),
@@ -960,6 +960,14 @@ def test_mrope_angles_rejects_bad_arguments(positions_shape, sections, interleav
     positions = torch.zeros(positions_shape, dtype=torch.int64)
     with pytest.raises(error, match=match):
         mrope_angles(positions, torch.ones(64), sections, interleaved=interleaved)
+
+
+def test_mrope_sections_take_numpy_ints():
+    """Sections computed with numpy (np.int64, np.int32) act as the Python ints they equal."""
+    positions = torch.randint(0, 50, (3, 10))
+    expected = mrope_angles(positions, torch.ones(32), [16, 8, 8])
+    sections = [np.int64(16), 8, np.int32(8)]
+    assert torch.equal(mrope_angles(positions, torch.ones(32), sections), expected)
 
 
 # ----------------------------------------------------------------------------- N-d RoPE

@@ -546,6 +546,13 @@ def test_angles_of_batch_one_are_shared_by_the_batch():
         assert torch.equal(a, b), name
 
 
+def test_position_offset_takes_numpy_ints():
+    x = torch.randn(1, 2, 5, 16, device=DEVICE)
+    inv_freq = rope_frequencies(16)[0].to(DEVICE)
+    expected = apply_rope(x, inv_freq=inv_freq, position_offset=4)
+    assert torch.equal(apply_rope(x, inv_freq=inv_freq, position_offset=np.int64(4)), expected)
+
+
 def test_custom_ops_pass_torch_library_opcheck():
     x = torch.randn(1, 2, 9, 16, device=DEVICE)
     k = torch.randn(1, 1, 9, 16, device=DEVICE)
