@@ -13,12 +13,12 @@ torchrun rank's own log file; ``.hydra/`` from rank 0 alone).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 # Settings of how a run is carried out and watched, not of what it trains (the kernels and the
 # PyTorch path of attention.impl compute the same model, as do micro-batches and compile, up to
@@ -230,6 +230,23 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     train: LoopConfig = field(default_factory=LoopConfig)
     logger: Any = MISSING
+
+
+def unknown_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of the composed ``cfg`` that its schemas do not declare: Hydra's ``+``
+    adds them to a structured node (``+model.n_layers=4``, where the key is ``n_layer``), and
+    the run would record them in its config and ignore them."""
+    schema = OmegaConf.get_type(cfg)
+    names = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+    found = []
+    for key in cfg.keys():
+        if names is not None and key not in names:
+            found.append(f"{prefix}{key}")
+            continue
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not (child._is_none() or child._is_missing()):
+            found += unknown_keys(child, f"{prefix}{key}.")
+    return found
 
 
 def launch_time(pattern: str) -> str:

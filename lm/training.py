@@ -64,7 +64,7 @@ from lm.checkpoint import (
     set_rng_state,
     write_json,
 )
-from lm.config import RUN_CONDUCT_KEYS, is_under
+from lm.config import RUN_CONDUCT_KEYS, is_under, unknown_keys
 from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, check_fraction, check_int
 from lm.data.synthetic import SyntheticTask
@@ -254,8 +254,13 @@ def _checkpoint_to_resume(
 
 
 def _check_options(cfg: DictConfig) -> None:
-    """ValueError (TypeError) naming the first loop or optimizer option out of range, and an
-    unknown attention, before any data is loaded."""
+    """ValueError (TypeError) naming the first loop or optimizer option out of range, an
+    unknown attention, and keys no schema declares, before any data is loaded."""
+    if unknown := unknown_keys(cfg):
+        raise ValueError(
+            f"unknown config keys {unknown} (added with '+'): no schema declares them, so the "
+            "run would ignore them; check their spelling (lm/config.py, configs/)"
+        )
     attention_class(cfg.attention)
     t, optim = cfg.train, cfg.optim
     for key in ("steps", "batch_size", "eval_batch_size", "grad_accum_steps"):

@@ -622,6 +622,7 @@ def test_missing_data_file_fails_naming_it(tmp_path):
     "override, expected",
     [
         ("model.n_layers=2", "n_layers"),
+        ("+model.n_layers=2", "unknown config keys ['model.n_layers'] (added with '+')"),
         ("attention=alibi", "attention/alibi"),
         ("train.max_minutes=0", "train.max_minutes must be a positive number"),
         ("train.eval_batch_size=0", "train.eval_batch_size must be >= 1, got 0"),

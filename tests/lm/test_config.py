@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 import lm.distributed
-from lm.config import launch_time, rank_suffix, rank_zero_only, register_configs
+from lm.config import launch_time, rank_suffix, rank_zero_only, register_configs, unknown_keys
 from lm.data import build_dataset
 from lm.model import GPT
 from lm.training import _config_choice
@@ -214,6 +214,21 @@ def test_misspelled_or_mistyped_key_fails_naming_it(override, key):
     with pytest.raises((ConfigCompositionException, ConfigKeyError)) as info:
         compose_cfg(override)
     assert key in str(info.value) + str(info.value.__cause__)
+
+
+def test_keys_added_with_plus_that_no_schema_declares_are_found():
+    """Hydra's ``+`` adds a key to a structured node (where a plain override fails): every such
+    key, at any depth, is reported; the presets' own keys are not."""
+    cfg = compose_cfg("attention=corope", "+model.n_layers=4", "+attention.scaling.factr=2",
+                      "+logger.projct=x", "+top=1")  # fmt: skip
+    assert sorted(unknown_keys(cfg)) == [
+        "attention.scaling.factr",
+        "logger.projct",
+        "model.n_layers",
+        "top",
+    ]
+    for experiment in EXPERIMENTS:
+        assert unknown_keys(compose_cfg(f"experiment={experiment}")) == [], experiment
 
 
 @pytest.mark.parametrize("group", ["attention", "data", "logger", "model", "optim"])
