@@ -27,5 +27,13 @@ def main(cfg: DictConfig) -> float | None:
     return train(cfg).get(cfg.metric)
 
 
+def _terminate(signum, frame):
+    """SIGTERM (a scheduler's stop, ``run_parallel``'s timeout, a preemption) ends the run as
+    Ctrl-C does: through its error path, which closes the logger's run (wandb then sends what
+    it buffered; killed by the default handler, the steps since its last flush were lost)."""
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminate)
     main()

@@ -283,6 +283,41 @@ def test_resume_logs_each_step_once_into_the_same_service_run(tmp_path, monkeypa
     assert RecordingLogger.logged == [(step, metrics) for step, metrics in full if step > 3]
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path):
+    """SIGTERM to the run's process group (a scheduler's stop, ``run_parallel``'s timeout, a
+    preemption; wandb's service process gets it too) ends train.py through its error path,
+    which closes the wandb run: the offline run file holds every step metrics.jsonl has (the
+    default handler lost the service's buffer, and a resume then skipped those steps)."""
+    args = [*SMALL, "logger=wandb", "logger.mode=offline", "train.steps=100000",
+            "train.log_every=1", "train.progress=false", f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    logged = [r["step"] for r in read_jsonl(metrics) if "train/loss" in r]
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    in_wandb = [
+        json.loads(item.value_json)
+        for record in wandb_offline_records(run_file)
+        if record.WhichOneof("record_type") == "history"
+        for item in record.history.item
+        if (item.key or "/".join(item.nested_key)) == "step"
+    ]
+    assert len(logged) >= 20 and logged == in_wandb
+
+
 def test_resume_with_another_ckpt_path_beside_the_runs_checkpoint_fails(tmp_path):
     """train.ckpt_path may change on resume, but a resume that finds no checkpoint at the new
     path while the directory's earlier run saved one under its own would start at step 0 and
