@@ -182,6 +182,42 @@ def _check_no_checkpoint_elsewhere(path: Path, out_dir: Path) -> None:
         )
 
 
+def _lock_run(out_dir: Path, ckpt_path: Path) -> tuple[list, str]:
+    """Exclusive ``flock`` locks on ``out_dir/run.lock`` and, where the checkpoint is outside
+    the run directory, on ``<checkpoint>.lock``, held while the returned files stay open (the
+    process's end releases them): a second run started into the same directory, or onto the
+    same checkpoint, while this one writes there fails at start-up, where it would write the
+    same metrics.jsonl and checkpoint. Returns the open files and "" or, when another process
+    holds a lock, no files and a message naming it. Where ``flock`` is missing (not POSIX) or
+    the file system refuses it, the run goes on unlocked (a warning)."""
+    try:
+        import fcntl
+    except ImportError:
+        return [], ""
+    targets = [out_dir / "run.lock"]
+    if ckpt_path.parent.resolve() != out_dir.resolve():
+        targets.append(ckpt_path.with_name(ckpt_path.name + ".lock"))
+    held = []
+    for path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            for g in [f, *held]:
+                g.close()
+            return [], (
+                f"another run is writing here ({path} is locked by a running process): wait "
+                "for it to end or stop it before resuming, or use another hydra.run.dir"
+            )
+        except OSError as error:  # e.g. ENOLCK on a file system without locks
+            log.warning("run not locked (%s): %s", path, error)
+            f.close()
+            continue
+        held.append(f)
+    return held, ""
+
+
 def _checkpoint_to_resume(
     cfg: DictConfig, path: Path, out_dir: Path, world_size: int
 ) -> dict[str, Any] | None:
@@ -399,9 +435,14 @@ def _train(cfg: DictConfig, output_dir: str | None) -> dict[str, Any]:
     info = distributed.setup(cfg.train.device)
     finished = False
     run = None
+    locks = []
     try:
         out_dir = Path(distributed.broadcast(str(_output_dir(output_dir)), info))
         ckpt_path = checkpoint_path(cfg.train.ckpt_path, out_dir)
+        # Rank 0 writes the run's files: it locks them, and every rank fails if it cannot.
+        locks, taken = _lock_run(out_dir, ckpt_path) if info.rank == 0 else ([], "")
+        if taken := distributed.broadcast(taken, info):
+            raise FileExistsError(taken)
         # before the data loads
         ckpt = _checkpoint_to_resume(cfg, ckpt_path, out_dir, info.world_size)
         if info.device.type == "cpu" and cfg.train.cpu_threads is not None:
@@ -434,6 +475,8 @@ def _train(cfg: DictConfig, output_dir: str | None) -> dict[str, Any]:
             if error is not None:
                 traceback.clear_frames(error.__traceback__)
             gc.collect()
+        for f in locks:
+            f.close()
         distributed.teardown(synchronize=finished)
 
 

@@ -318,6 +318,31 @@ def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path
     assert len(logged) >= 20 and logged == in_wandb
 
 
+@pytest.mark.parametrize("where", ["run directory", "checkpoint elsewhere"])
+def test_a_second_run_into_a_running_runs_files_fails_at_start_up(where, tmp_path):
+    """While a run holds its locks (its directory's, and its checkpoint's where that is
+    outside the directory), a second run into the same directory, or onto the same
+    checkpoint from another directory, fails before it writes anything; once the first ends,
+    the second starts."""
+    ckpt = tmp_path / "shared" / "model.pt"
+    extra = [f"train.ckpt_path={ckpt}"] if where == "checkpoint elsewhere" else []
+    first_dir = tmp_path / "first"
+    second_dir = first_dir if where == "run directory" else tmp_path / "second"
+    held, taken = lm.training._lock_run(
+        first_dir, ckpt if extra else lm.training.checkpoint_path(None, first_dir)
+    )
+    assert held and taken == ""
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0", *extra)
+    try:
+        with pytest.raises(FileExistsError, match="another run is writing here"):
+            train(cfg, output_dir=str(second_dir))
+        assert not (second_dir / "metrics.jsonl").exists()
+    finally:
+        for f in held:
+            f.close()
+    assert train(cfg, output_dir=str(second_dir))["steps"] == 2
+
+
 def test_resume_with_another_ckpt_path_beside_the_runs_checkpoint_fails(tmp_path):
     """train.ckpt_path may change on resume, but a resume that finds no checkpoint at the new
     path while the directory's earlier run saved one under its own would start at step 0 and
