@@ -30,7 +30,10 @@ def main(cfg: DictConfig) -> float | None:
 def _terminate(signum, frame):
     """SIGTERM (a scheduler's stop, ``run_parallel``'s timeout, a preemption) ends the run as
     Ctrl-C does: through its error path, which closes the logger's run (wandb then sends what
-    it buffered; killed by the default handler, the steps since its last flush were lost)."""
+    it buffered; killed by the default handler, the steps since its last flush were lost).
+    A second SIGTERM kills at once: a DDP rank blocked in a collective cannot run this handler,
+    and its peers' exit would leave it waiting."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 
 

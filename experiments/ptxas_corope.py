@@ -239,7 +239,7 @@ def backward_rows(loops: bool, tail: bool, leader: str):
                           DN_PAD=max(64, triton.next_power_of_2(dn)) if dn else 0,
                           BLOCK_M=block_m, BLOCK_N=block_n, MILEAGE=True, DETERMINISTIC=False,
                           PREC="tf32x3", FAST_TRIG=True,
-                          DK_PARTS=backward._dk_parts(block_m, warps, False),
+                          DK_PARTS=backward._dk_parts(block_m, warps),
                           PASS1_STAGES=backward._pass1_stages(r // 2),
                           FREQ_GRAD=False, HALF_P=triton.next_power_of_2(r // 2))  # fmt: skip
             kernel = compile_sm90(

@@ -422,7 +422,7 @@ def rope_fwd(
     position_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None. ``angles``:
-    fp32 ``[N, R/2]`` or ``[B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the positions
+    fp32 ``[N, R/2]`` or ``[1 | B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the positions
     ``position_offset..position_offset+N-1``, ``N`` k's length (q's without k); q's ``NQ <= N``
     rows take the last ``NQ`` positions.
 

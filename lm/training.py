@@ -183,24 +183,26 @@ def _check_no_checkpoint_elsewhere(path: Path, out_dir: Path) -> None:
 
 
 def _lock_run(out_dir: Path, ckpt_path: Path) -> tuple[list, str]:
-    """Exclusive ``flock`` locks on ``out_dir/run.lock`` and, where the checkpoint is outside
-    the run directory, on ``<checkpoint>.lock``, held while the returned files stay open (the
-    process's end releases them): a second run started into the same directory, or onto the
-    same checkpoint, while this one writes there fails at start-up, where it would write the
-    same metrics.jsonl and checkpoint. Returns the open files and "" or, when another process
-    holds a lock, no files and a message naming it. Where ``flock`` is missing (not POSIX) or
-    the file system refuses it, the run goes on unlocked (a warning)."""
+    """Exclusive ``flock`` locks on ``out_dir/run.lock`` and ``<checkpoint>.lock``, held while
+    the returned files stay open (the process's end releases them): a second run started into
+    the same directory, or onto the same checkpoint (from any directory), while this one
+    writes there fails at start-up, before the trainer writes its files (Hydra has rewritten
+    the directory's ``.hydra/`` by then). Returns the open files and "" or, when another
+    process holds a lock, no files and a message naming it. Where ``flock`` is missing (not
+    POSIX) the run goes on unlocked; where a lock file cannot be made or the file system
+    refuses the lock, too, with a warning."""
     try:
         import fcntl
     except ImportError:
         return [], ""
-    targets = [out_dir / "run.lock"]
-    if ckpt_path.parent.resolve() != out_dir.resolve():
-        targets.append(ckpt_path.with_name(ckpt_path.name + ".lock"))
     held = []
-    for path in targets:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = path.open("a")
+    for path in (out_dir / "run.lock", ckpt_path.with_name(ckpt_path.name + ".lock")):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = path.open("a")
+        except OSError as error:  # the run's own writes will say more, on rank 0
+            log.warning("run not locked (%s): %s", path, error)
+            continue
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

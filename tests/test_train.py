@@ -318,19 +318,20 @@ def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path
     assert len(logged) >= 20 and logged == in_wandb
 
 
-@pytest.mark.parametrize("where", ["run directory", "checkpoint elsewhere"])
+@pytest.mark.parametrize(
+    "where", ["run directory", "checkpoint elsewhere", "the first run's checkpoint"]
+)
 def test_a_second_run_into_a_running_runs_files_fails_at_start_up(where, tmp_path):
-    """While a run holds its locks (its directory's, and its checkpoint's where that is
-    outside the directory), a second run into the same directory, or onto the same
-    checkpoint from another directory, fails before it writes anything; once the first ends,
-    the second starts."""
-    ckpt = tmp_path / "shared" / "model.pt"
-    extra = [f"train.ckpt_path={ckpt}"] if where == "checkpoint elsewhere" else []
+    """While a run holds its locks (its directory's and its checkpoint's), a second run into
+    the same directory, or onto the first run's checkpoint from another directory (the first
+    saving it in its own directory, or elsewhere), fails before it writes anything; once the
+    first ends, the second starts."""
     first_dir = tmp_path / "first"
+    ckpt = {"checkpoint elsewhere": tmp_path / "shared" / "model.pt",
+            "the first run's checkpoint": first_dir / "checkpoint.pt"}.get(where)  # fmt: skip
+    extra = [f"train.ckpt_path={ckpt}"] if ckpt is not None else []
     second_dir = first_dir if where == "run directory" else tmp_path / "second"
-    held, taken = lm.training._lock_run(
-        first_dir, ckpt if extra else lm.training.checkpoint_path(None, first_dir)
-    )
+    held, taken = lm.training._lock_run(first_dir, ckpt or first_dir / "checkpoint.pt")
     assert held and taken == ""
     cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0", *extra)
     try:

@@ -694,8 +694,10 @@ def test_backward_learned_frequencies_gpu(B, HQ, HKV, N, D, rope_dim, leader, dt
 def test_backward_deterministic_gpu(N, D, detach_mileage, chains, monkeypatch):
     # Many query tiles race for the same key tiles: the default mode's atomics would
     # round differently from run to run, the ordered mode must not. ``chains``: the default
-    # copy bound (chains of 3 and of 1 query tile here), or copies of dk for 4 chains only
-    # (chains of 12 and of 11 tiles, whose programs wait on each other).
+    # copy bound (chains of 3-4 query tiles at D = 128, of 1 at D = 256), or a bound that 4
+    # chains' copies of 16 bytes a key channel fill: 2 chains of 23-24 tiles at D = 128 (the
+    # copies a warp take 28 bytes; 3 chains of 15-16 without the mileage), 4 of 11 at D = 256;
+    # their programs wait on each other.
     if chains is not None:
         monkeypatch.setattr(backward, "DETERMINISTIC_COPY_BYTES", chains * 16 * 2 * N * D)
     q, k, v, do, o, lse, w, first = _check(
