@@ -347,14 +347,19 @@ def test_a_second_run_into_a_running_runs_files_fails_at_start_up(where, tmp_pat
 def test_resume_with_another_ckpt_path_beside_the_runs_checkpoint_fails(tmp_path):
     """train.ckpt_path may change on resume, but a resume that finds no checkpoint at the new
     path while the directory's earlier run saved one under its own would start at step 0 and
-    replace that run's metrics: refused, naming the checkpoint; the directory is untouched."""
+    replace that run's metrics: refused, naming the checkpoint; the run's files are untouched
+    (the refused run leaves only its empty lock file, other.pt.lock)."""
     common = [*SMALL, "train.steps=6", "train.ckpt_every=2", "train.eval_every=0"]
     train_killed_at_step(compose_cfg(*common), tmp_path, 4)
-    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def run_files():
+        return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".lock"}
+
+    written = run_files()
     moved = compose_cfg(*common, "train.resume=true", "train.ckpt_path=other.pt")
     with pytest.raises(FileNotFoundError, match=r"saved its checkpoints to .*checkpoint\.pt"):
         train(moved, output_dir=str(tmp_path))
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+    assert run_files() == written
     # Without that checkpoint (a run killed before its first save), the resume starts over.
     (tmp_path / "checkpoint.pt").unlink()
     assert train(moved, output_dir=str(tmp_path))["steps"] == 6
