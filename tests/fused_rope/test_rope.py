@@ -495,12 +495,16 @@ def test_angle_rows_past_int32_offsets_are_read_where_they_are():
     """A table whose rows lie 2**31 elements and more from its start (row stride 2**30; 16 GiB of
     address space, a few pages touched): the kernel's row offsets are int64. In int32 the last
     row wrapped around to the 7s stored 2**32 elements before it."""
-    try:
-        store = torch.empty(2**32 + 8, device=DEVICE)
+    try:  # a storage, not torch.empty, which the suite fills with NaN (16 GiB touched)
+        store = torch.UntypedStorage((2**32 + 8) * 4, device=DEVICE)
     except (RuntimeError, MemoryError) as error:  # strict overcommit, or a small GPU
         pytest.skip(f"16 GiB of address space refused: {error}")
-    store[:4] = 7.0
-    angles = store.as_strided((3, 4), (2**30, 1), 2**31)
+
+    def view(offset, size, stride):
+        return torch.empty(0, device=DEVICE).set_(store, offset, size, stride)
+
+    view(0, (4,), (1,)).fill_(7.0)
+    angles = view(2**31, (3, 4), (2**30, 1))
     angles.copy_(torch.rand(3, 4, device=DEVICE) * 6)
     x = torch.randn(1, 2, 3, 8, device=DEVICE)
     ref = apply_rope_ref(x.double(), angles.double(), "half", 8)
