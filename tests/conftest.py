@@ -15,9 +15,15 @@
   test processes share one GPU under xdist, and PyTorch's caching allocator would
   otherwise keep each process's largest test's memory for the rest of the run (in
   session 33 fifteen processes held all 80 GB, and the last tests ran out of memory).
+* A test still running after ``TEST_TIMEOUT_S`` seconds (default 1200; pytest's
+  ``faulthandler_timeout`` dumps every thread's stack at 900) fails with a TimeoutError,
+  where it would hang CI: a deterministic kernel's wait for a program that never adds
+  spins forever, and in the interpreter that spin is Python, which SIGALRM interrupts. (On
+  a GPU such a kernel blocks inside CUDA, out of the signal's reach.)
 """
 
 import os
+import signal
 
 import torch
 
@@ -61,6 +67,25 @@ def _poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", _nan_filled(torch.empty_like))
     monkeypatch.setattr(torch.Tensor, "new_empty", _nan_filled(torch.Tensor.new_empty))
     yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    limit = int(os.environ.get("TEST_TIMEOUT_S", "1200"))
+    if not hasattr(signal, "SIGALRM") or limit <= 0:  # not POSIX, or turned off
+        yield
+        return
+
+    def timed_out(signum, frame):
+        raise TimeoutError(f"{item.nodeid} ran past {limit} s (TEST_TIMEOUT_S): hung?")
+
+    previous = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def pytest_collection_modifyitems(config, items):

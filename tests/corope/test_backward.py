@@ -435,7 +435,7 @@ def test_backward_deterministic_chains_add_into_copies_of_their_own(monkeypatch,
     score part is one copy a chain, summed across the groups, and the 4 kinds of copies fit
     once: one chain of 5. The gradients, the frequencies' too, are the reference's
     (``_check``), the key sweeps split (copies of dq a split) on top. Chains that shared their
-    counters would wait forever (a hang, not a failure)."""
+    counters would wait forever: the suite's timeout fails the test (``tests/conftest.py``)."""
     import corope.backward as backward
 
     N = 260
