@@ -383,10 +383,10 @@ def _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale, 
                          conjugate, config, position_offset, inputs):  # fmt: skip
     """``_launch`` for more batches than a grid axis takes: one launch per ``MAX_GRID_AXIS2``
     of them (the angles' gradient of each, ``[head chunks, slice, N, R/2]``, joined)."""
+    per_batch = angles.dim() == 3 and angles.shape[0] > 1  # else shared by every batch
     d_angles = []
     for b in range(0, q.shape[0], MAX_GRID_AXIS2):
         rows = slice(b, b + MAX_GRID_AXIS2)
-        per_batch = angles.dim() == 3 and angles.shape[0] > 1  # else shared by every batch
         sliced = [None if x is None else x[rows] for x in (q, q_out, k, k_out)]
         part = _launch(
             *sliced, angles[rows] if per_batch else angles, layout, rope_dim, q_scale,

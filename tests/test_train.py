@@ -46,15 +46,19 @@ def train_killed_at_step(cfg, output_dir, step: int) -> None:
             train(cfg, output_dir=str(output_dir))
 
 
+def cli_env() -> dict[str, str]:
+    """The environment of the train.py processes the tests start: quiet, one thread each."""
+    return {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+
+
 def run_cli(*args: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``python *args`` from ``cwd`` (the repository root: relative paths in ``args`` are
     under it). Past ``timeout`` seconds the command has hung:
     every ``train.py`` process of it (torchrun's ranks too) prints its threads' stacks
     (train.py's SIGUSR1 handler), the whole process tree is killed, and the test fails with
     the stacks, so that a hang says where it waits and leaves no rank behind."""
-    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, *args], cwd=cwd, env=env, text=True,
+        [sys.executable, *args], cwd=cwd, env=cli_env(), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -291,8 +295,7 @@ def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path
     default handler lost the service's buffer, and a resume then skipped those steps)."""
     args = [*SMALL, "logger=wandb", "logger.mode=offline", "train.steps=100000",
             "train.log_every=1", "train.progress=false", f"hydra.run.dir={tmp_path}"]  # fmt: skip
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=cli_env(),
                             start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
