@@ -4,7 +4,8 @@ Rebuilds the model and the dataset of the run from the config its checkpoint hol
 (``lm.trained.load_run``: the data must be where the run found it, for the tokenizer and
 lengths; a ``triton`` run runs its PyTorch path off CUDA), then continues a prompt with
 ``lm.generation.generate`` (a KV cache; on CUDA Co-RoPE decodes through its decoding kernels,
-elsewhere through its PyTorch reference, one query row per step). Without ``--prompt`` the prompt is the first example of the run's
+elsewhere through its PyTorch reference, one query row per step; ``--no-cache`` runs the
+whole sequence at each step instead). Without ``--prompt`` the prompt is the first example of the run's
 first evaluation split, up to where its answer starts (a task) or its first half (a
 corpus), and the expected continuation is printed beside it. A continuation ends at the
 data's end-of-sequence token (``<eos>`` of the corpora and the jsonl tasks) unless
@@ -46,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="eos",
         help="eos (default): a continuation ends at the data's end-of-sequence token, where it "
         "has one; none: always --tokens tokens",
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="run the whole sequence at every step instead of a KV cache: exact where the "
+        "cache is only close (dynamic NTK scaling past its original length, lm.generation)",
     )
     p.add_argument("--seed", type=int, default=0, help="of the sampling (default 0)")
     p.add_argument("--device", default="auto", help="auto (cuda if there), cpu, cuda, cuda:1")
@@ -109,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         temperature=args.temperature,
         top_k=args.top_k,
         generator=generator,
+        use_cache=not args.no_cache,
         stop_token=dataset.eos_id if args.stop == "eos" else None,
     )
     print(f"prompt:    {dataset.decode(ids)}")

@@ -260,8 +260,8 @@ def corope_decode(
     rope_dim: int,
     leader: str,
 ) -> torch.Tensor:
-    """Launches the decoding kernels; unchecked: ``corope_attention`` validates first
-    (shapes that do not match read and write out of range; the public API is ``corope``'s).
+    """Launches the decoding kernels; checks the shapes alone (``ValueError``): dtypes, devices
+    and values are ``corope_attention``'s to validate (the public API is ``corope``'s).
 
     Args:
         q: ``[B, HQ, 1, D]``, the query row at position ``NK - 1``; k, v: ``[B, HKV, NK, D]``,
@@ -278,8 +278,16 @@ def corope_decode(
     of them (a split per group at least), so a few MB unless the batch's groups alone pass
     that count (B * HKV = 8192 at G = 8, D = 128: 34 MB).
     """
-    B, HQ, _, D = q.shape
+    B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
+    # The one check of this launcher (a few host operations): its kernels write o's first
+    # row of each head alone and index k and v by q's batch and head dim.
+    if NQ != 1 or v.shape != k.shape or (k.shape[0], k.shape[3]) != (B, D) or HKV == 0 or HQ % HKV:
+        raise ValueError(
+            f"corope_decode takes q [B, HQ, 1, D] and k, v [B, HKV, NK, D] with HQ % HKV == 0, "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+            "corope.corope_attention checks and dispatches any shape"
+        )
     G = HQ // HKV
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     check_index_span(G, dict(q=q), dict(k=k, v=v))

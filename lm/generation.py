@@ -17,6 +17,7 @@ at the cost of a forward per token).
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -110,12 +111,12 @@ class KVCache:
 
 
 def check_sampling(temperature: float, top_k: int | None) -> None:
-    """ValueError/TypeError naming ``temperature`` (a float >= 0) or ``top_k`` (None or an
-    int >= 1)."""
+    """ValueError/TypeError naming ``temperature`` (a finite float >= 0) or ``top_k`` (None or
+    an int >= 1)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not temperature >= 0:  # NaN fails too
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < math.inf:  # NaN fails too
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
     if top_k is not None:
         check_int("top_k", top_k, 1)
 
@@ -135,12 +136,15 @@ def sample_next(
     check_sampling(temperature, top_k)
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float()
-    # Shifted first: logits / 1e-40 would overflow to inf and the softmax to NaN.
-    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
+    # float64: a finite temperature past fp32's range (1e39) stays finite, so -inf / T is -inf
+    logits = logits.double()
+    # The top k of the logits as given: divided by a large temperature they could all round
+    # to 0 (ties that topk breaks by index, not by likelihood).
     if top_k is not None and top_k < logits.shape[-1]:
         top = logits.topk(top_k, dim=-1)  # (B, top_k) values and ids
         logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+    # Shifted first: logits / 1e-40 would overflow to inf and the softmax to NaN.
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 

@@ -37,6 +37,21 @@ def test_greedy_sample_of_the_first_example_is_generate(trained_run, capsys):
     assert lines[2] == f"generated: {dataset.decode(out[0, len(ids) :])}"
 
 
+def test_no_cache_reaches_generate(trained_run, capsys, monkeypatch):
+    """``--no-cache`` runs ``generate`` with ``use_cache=False`` (the default keeps the cache),
+    and its greedy text is the cached one's for these attentions."""
+    calls = []
+    real = sample.generate
+    monkeypatch.setattr(
+        sample, "generate", lambda *a, **kw: calls.append(kw["use_cache"]) or real(*a, **kw)
+    )
+    args = [str(trained_run), "--tokens", "4", "--temperature", "0", "--device", "cpu"]
+    sample.main(args)
+    cached = capsys.readouterr().out
+    sample.main([*args, "--no-cache"])
+    assert calls == [True, False] and capsys.readouterr().out == cached
+
+
 def test_prompt_samples_and_seed(trained_run, capsys):
     args = [str(trained_run / "checkpoint.pt"), "--prompt", "x = 1 ;", "--tokens", "5"]
     sample.main([*args, "--samples", "3", "--seed", "1", "--top-k", "4", "--device", "cpu"])

@@ -106,6 +106,25 @@ def test_decoding_step_takes_the_options():
     assert_close_to_baseline("o", o, o64, corope_attention_ref(q, k, v, **kw))
 
 
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape",
+    [
+        ((1, 2, 3, 32), (1, 1, 8, 32), (1, 1, 8, 32)),  # three query rows: o's rows 1, 2 unwritten
+        ((1, 2, 1, 32), (1, 1, 8, 32), (1, 1, 9, 32)),  # v not k's shape
+        ((2, 2, 1, 32), (1, 1, 8, 32), (1, 1, 8, 32)),  # another batch
+        ((1, 3, 1, 32), (1, 2, 8, 32), (1, 2, 8, 32)),  # HQ not a multiple of HKV
+        ((1, 2, 1, 32), (1, 0, 8, 32), (1, 0, 8, 32)),  # no KV head
+    ],
+)
+def test_decode_launcher_refuses_shapes_its_kernels_cannot_take(q_shape, k_shape, v_shape):
+    """``corope_decode`` is exported: a shape its kernels would read or write out of range, or
+    leave rows of o unwritten for, is a ValueError before any launch."""
+    q, k, v = (torch.randn(s, device=DEVICE) for s in (q_shape, k_shape, v_shape))
+    inv_freq = rope_frequencies(32)[0].to(DEVICE)
+    with pytest.raises(ValueError, match=r"corope_decode takes q \[B, HQ, 1, D\]"):
+        corope.decode.corope_decode(q, k, v, inv_freq, 32**-0.5, 32, "first")
+
+
 def test_decode_op_passes_opcheck():
     q = torch.randn(1, 4, 1, 32, device=DEVICE)
     k, v = (torch.randn(1, 2, 70, 32, device=DEVICE) for _ in "kv")

@@ -235,11 +235,17 @@ def test_top_k_keeps_exactly_k_ids_and_sample_next_checks_its_arguments():
     gen = torch.Generator(DEVICE).manual_seed(0)
     assert len(sample_next(ties, top_k=1, generator=gen).unique()) == 1
     assert len(sample_next(ties, top_k=2, generator=gen).unique()) == 2
+    # at a temperature so high that the scaled logits all round to 0, top_k still keeps the
+    # k most likely ids (it once chose among the rounded ties by index)
+    ranked = torch.tensor([[-5.0, -4.0, -3.0, 4.0, 5.0]], device=DEVICE).expand(500, 5)
+    drawn = sample_next(ranked, 1e39, top_k=2, generator=gen).unique().tolist()
+    assert sorted(drawn) == [3, 4]
     logits = torch.zeros(2, 5, device=DEVICE)
     for bad, error, match in (
         ({"logits": logits[0]}, ValueError, r"logits must be a floating-point tensor \(B, V\)"),
         ({"logits": logits.long()}, ValueError, "logits must be a floating-point"),
-        ({"temperature": -1.0}, ValueError, "temperature must be >= 0, got -1.0"),
+        ({"temperature": -1.0}, ValueError, "temperature must be finite and >= 0, got -1.0"),
+        ({"temperature": float("inf")}, ValueError, "temperature must be finite and >= 0"),
         ({"top_k": 0}, ValueError, "top_k must be >= 1, got 0"),
     ):
         with pytest.raises(error, match=match):
@@ -315,8 +321,8 @@ def test_stop_token_ends_each_sequence_then_the_loop():
             ValueError,
             f"= {MAX_LEN + 1} exceeds the model's max_len {MAX_LEN}",
         ),
-        ({"temperature": -0.5}, ValueError, "temperature must be >= 0, got -0.5"),
-        ({"temperature": float("nan")}, ValueError, "temperature must be >= 0"),
+        ({"temperature": -0.5}, ValueError, "temperature must be finite and >= 0, got -0.5"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be finite and >= 0"),
         ({"temperature": "hot"}, TypeError, "temperature must be a float, got str"),
         ({"top_k": 0}, ValueError, "top_k must be >= 1, got 0"),
         ({"top_k": True}, TypeError, "top_k must be an int, got bool"),
