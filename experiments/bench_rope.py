@@ -32,10 +32,11 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
-if not torch.cuda.is_available():  # must precede the import of any Triton kernel
+if not torch.cuda.is_available():  # must precede the import of Triton (it reads it then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

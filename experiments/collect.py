@@ -571,9 +571,8 @@ def main(argv: list[str] | None = None) -> str:
         default="",
         help="comma-separated override keys that define no cell, with the keys under them "
         "(e.g. data.eval_samples). How a run was carried out (lm.config.RUN_CONDUCT_KEYS) "
-        "never forms a cell, except the keys that change its speed (attention.impl, "
-        "train.device, train.cpu_threads, train.compile, train.grad_accum_steps): name those "
-        "here to merge them",
+        f"never forms a cell, except the keys that change its speed ({', '.join(SPEED_KEYS)}): "
+        "name those here to merge them",
     )
     parser.add_argument("--out", type=Path, help="output directory (default: multirun_dir)")
     args = parser.parse_args(argv)
