@@ -45,14 +45,21 @@ _SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "longrope": (
         ("short_factor", "long_factor", "original_max_position_embeddings"),
-        ("factor", "attention_factor", "max_position_embeddings"),
+        (
+            "factor",
+            "attention_factor",
+            "max_position_embeddings",
+            "short_mscale",
+            "long_mscale",
+        ),
     ),
     "proportional": ((), ("factor", "partial_rotary_factor")),
 }
 SCALING_TYPES = tuple(_SCALING_KEYS)
 # Qwen2-VL / Qwen2.5-VL checkpoints store {"type": "mrope", "mrope_section": [...]}; transformers'
 # configs of those models turn that type into "default" (M-RoPE changes positions, not inv_freq).
-_TYPE_ALIASES = {"mrope": "default"}
+# Phi-3's first long-context checkpoints name LongRoPE "su", which transformers reads as such.
+_TYPE_ALIASES = {"mrope": "default", "su": "longrope"}
 
 
 def _is_number(value) -> bool:
@@ -312,7 +319,16 @@ def _longrope(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: 
                 f"{rope_dim // 2} positive numbers, got {values!r}"
             )
         ext[key] = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if "attention_factor" in p:
+    long = seq_len is not None and seq_len > original
+    mscales = [key for key in ("short_mscale", "long_mscale") if key in p]
+    if len(mscales) == 1:
+        raise ValueError(
+            f"scaling of type 'longrope' with {mscales[0]!r} needs the other of 'short_mscale' "
+            "and 'long_mscale' too (Phi-3.5-MoE's attention factors, short and long context)"
+        )
+    if mscales:  # Phi-3.5-MoE: they are the attention factor, as in transformers' Phimoe
+        attention_factor = _number(p, "long_mscale" if long else "short_mscale", "longrope")
+    elif "attention_factor" in p:
         attention_factor = _number(p, "attention_factor", "longrope")
     else:
         if "factor" in p:
@@ -327,7 +343,6 @@ def _longrope(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: 
         attention_factor = (
             1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
         )
-    long = seq_len is not None and seq_len > original
     return inv / ext["long_factor" if long else "short_factor"], attention_factor
 
 
@@ -371,7 +386,11 @@ def rope_frequencies(
     * ``"dynamic"`` (dynamic NTK, bloc97/emozilla; transformers' ``dynamic``): theta becomes
       ``theta * (f L / L0 - (f - 1)) ** (R / (R - 2))`` with ``L = max(seq_len, L0)``
       (``L0`` when ``seq_len`` is None: unscaled). Keys: ``factor``, ``L0`` (transformers
-      reads it from ``config.max_position_embeddings``). Recompute as ``seq_len`` grows.
+      reads it from ``config.max_position_embeddings``). Recompute as ``seq_len`` changes:
+      this function is stateless, a function of ``seq_len`` alone, where transformers' models
+      keep the frequencies of the longest length seen until the length drops below ``L0``
+      (a 6000-token call after a 10000-token one gets 6000's frequencies here, 10000's
+      there).
     * ``"yarn"`` (Peng et al. 2023; DeepSeek-V2/V3, Qwen2.5/Qwen3 long context, gpt-oss):
       slot ``d`` blends
       ``inv_freq`` (extrapolation) into ``inv_freq / f`` (interpolation) by a ramp that is 0
@@ -382,7 +401,10 @@ def rope_frequencies(
       ``mscale_all_dim`` both set and non-zero to ``(0.1 mscale ln f + 1) /
       (0.1 mscale_all_dim ln f + 1)`` (transformers' rule). Keys: ``factor``, ``L0``;
       optional ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``,
-      ``attention_factor``, ``truncate``.
+      ``attention_factor``, ``truncate``. The DeepSeek family's attention (DeepSeek-V2/V3,
+      Kimi-K2, MiniCPM3, ...) also multiplies its softmax scale by ``(0.1 mscale_all_dim ln f
+      + 1) ** 2`` when ``mscale_all_dim`` is set: the model's rule, not the frequencies'
+      (1.8739 for DeepSeek-V3's factor 40): fold it into ``softmax_scale``.
     * ``"llama3"`` (Llama 3.1): wavelengths ``2 pi / inv_freq`` shorter than
       ``L0 / high_freq_factor`` keep ``inv_freq``, longer than ``L0 / low_freq_factor`` get
       ``inv_freq / f``, and in between ``(1 - s) inv_freq / f + s inv_freq`` with
@@ -391,9 +413,11 @@ def rope_frequencies(
     * ``"longrope"`` (Ding et al. 2024; Phi-3/3.5): ``inv_freq / ext`` with ``ext =
       long_factor`` when ``seq_len > L0`` else ``short_factor`` (``R/2`` numbers each);
       ``attention_factor`` defaults to ``sqrt(1 + ln f / ln L0)`` (1 when ``f <= 1``), ``f``
-      being ``factor`` or ``max_position_embeddings / L0``. Keys: ``short_factor``,
-      ``long_factor``, ``L0``; optional ``factor``, ``max_position_embeddings``,
-      ``attention_factor``.
+      being ``factor`` or ``max_position_embeddings / L0``; with ``short_mscale`` and
+      ``long_mscale`` (Phi-3.5-MoE) it is the one of the two that ``seq_len`` picks. Type
+      ``"su"`` (Phi-3's first checkpoints) means ``"longrope"``. Keys: ``short_factor``,
+      ``long_factor``, ``L0``, and one of ``factor``, ``max_position_embeddings``,
+      ``attention_factor`` and ``short_mscale`` with ``long_mscale``.
     * ``"proportional"`` (Gemma 4's full-attention layers): ``R`` is the whole head dim; the
       first ``int(partial_rotary_factor * R // 2)`` slots keep ``theta ** (-2d / R)``, the
       others get frequency 0 (they do not rotate); all divided by ``f``. Keys: optional
@@ -413,10 +437,10 @@ def rope_frequencies(
 
     Returns:
         ``(inv_freq, attention_factor)``: ``inv_freq`` fp32 ``[R/2]``; ``attention_factor``
-        a float that transformers multiplies into cos and sin, i.e. into both q and k
-        (``q_scale = k_scale = attention_factor`` of ``apply_rope_qk``). transformers
-        scales only the rotated channels, so with ``rope_dim < head_dim`` the two differ
-        on the pass-through channels.
+        a float that transformers multiplies into cos and sin, i.e. into the rotated channels
+        of q and k: pass it as ``attention_factor=`` to ``apply_rope``, ``apply_rope_qk``,
+        ``rope_attention`` or the references (an output scale such as ``q_scale`` would also
+        scale the pass-through channels of a partial rotation).
     """
     _check_rope_dim(rope_dim)
     _check_theta(theta)
@@ -578,7 +602,7 @@ def mrope_angles(
     return per_slot * inv_freq.to(torch.float32)
 
 
-NDROPE_LAYOUTS = ("sections", "mixed")
+NDROPE_LAYOUTS = ("sections", "axial", "mixed")
 
 
 def nd_rope_frequencies(
@@ -594,13 +618,18 @@ def nd_rope_frequencies(
 ) -> torch.Tensor:
     """Per-axis frequencies ``[n_axes, 1, R/2]`` for ``nd_rope_angles`` (one group).
 
-    Both layouts start from the 1-D ladder ``w[d] = theta ** (-2d / R)``:
+    ``"sections"`` and ``"mixed"`` start from the 1-D ladder ``w[d] = theta ** (-2d / R)``:
 
-    * ``"sections"`` (axial, M-RoPE): each slot ``d`` belongs to one axis,
+    * ``"sections"`` (M-RoPE's split of one ladder): each slot ``d`` belongs to one axis,
       ``freqs[p, 0, d] = w[d] if axis(d) == p else 0``, with ``axis`` as in
       ``mrope_angles(..., sections, interleaved=interleaved)``. ``sections`` defaults to
       an even split, earlier axes taking the remainder (``R/2 = 64``, 3 axes:
       ``[22, 21, 21]``).
+    * ``"axial"`` (the vision towers of Qwen2-VL to Qwen3-VL, GLM-4V: transformers'
+      ``VisionRotaryEmbedding`` of ``R / n_axes`` channels, one per axis, concatenated):
+      axis ``p`` takes the ``R / (2 n_axes)`` slots of block ``p``, each axis its own ladder
+      ``theta ** (-2j / (R / n_axes))``, ``j`` the slot within the block; ``R / 2`` a
+      multiple of ``n_axes``. With ``layout="half"`` rotations it is those models' RoPE.
     * ``"mixed"`` (RoPE-Mixed, Heo et al. 2024, generalised to ``n_axes``): every slot
       mixes all axes, ``freqs[:, 0, d] = w[d] * u_d`` with ``u_d`` a random unit vector
       (from ``generator``); meant as the initialisation of learnable frequencies.
@@ -619,11 +648,22 @@ def nd_rope_frequencies(
         raise ValueError(f"layout must be one of {NDROPE_LAYOUTS}, got {layout!r}")
     half = rope_dim // 2
     ladder = float(theta) ** -_ladder_exponent(rope_dim)
+    if layout != "sections" and (sections is not None or interleaved):
+        raise ValueError("sections and interleaved apply to layout='sections' only")
     if layout == "mixed":
-        if sections is not None or interleaved:
-            raise ValueError("sections and interleaved apply to layout='sections' only")
         u = torch.randn(n_axes, half, dtype=torch.float64, generator=generator)
         freqs = ladder * u / u.norm(dim=0, keepdim=True)
+    elif layout == "axial":
+        if half % n_axes:
+            raise ValueError(
+                f"layout='axial' splits the rope_dim // 2 = {half} slots into n_axes = {n_axes} "
+                "equal blocks: rope_dim // 2 must be a multiple of n_axes"
+            )
+        block = half // n_axes
+        axis_ladder = float(theta) ** -(torch.arange(block, dtype=torch.float64) / block)
+        slots = torch.arange(half)
+        on_axis = slots // block == torch.arange(n_axes)[:, None]  # [n_axes, R/2]
+        freqs = torch.where(on_axis, axis_ladder[slots % block], 0.0)
     else:
         if sections is None:
             sections = [half // n_axes + (a < half % n_axes) for a in range(n_axes)]

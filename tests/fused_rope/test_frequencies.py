@@ -574,6 +574,29 @@ def test_longrope_takes_long_factor_only_beyond_the_original_context(seq_len, fa
     assert attention_factor == pytest.approx(math.sqrt(1 + math.log(8.0) / math.log(2048)))
 
 
+@pytest.mark.parametrize("seq_len, mscale", [(None, 1.1), (2048, 1.1), (2049, 1.2431631)])
+def test_longrope_short_and_long_mscale_are_the_attention_factor(seq_len, mscale):
+    """Phi-3.5-MoE's ``short_mscale`` / ``long_mscale``: the attention factor that ``seq_len``
+    picks (transformers' Phimoe multiplies cos and sin by it), over any ``attention_factor``;
+    the frequencies as without them. Type "su" (Phi-3's first checkpoints) is "longrope"."""
+    scaling = {
+        "type": "longrope",
+        "short_factor": _factors(32, 0.5, 1.5, 7),
+        "long_factor": _factors(32, 2.0, 20.0, 8),
+        "original_max_position_embeddings": 2048,
+        "factor": 8.0,
+    }
+    mscales = {"short_mscale": 1.1, "long_mscale": 1.2431631, "attention_factor": 3.0}
+    inv, factor = rope_frequencies(64, 1e4, {**scaling, **mscales}, seq_len=seq_len)
+    assert factor == mscale
+    assert torch.equal(inv, rope_frequencies(64, 1e4, scaling, seq_len=seq_len)[0])
+    su = rope_frequencies(64, 1e4, {**scaling, "type": "su"}, seq_len=seq_len)
+    longrope = rope_frequencies(64, 1e4, scaling, seq_len=seq_len)
+    assert torch.equal(su[0], longrope[0]) and su[1] == longrope[1]
+    with pytest.raises(ValueError, match="needs the other of 'short_mscale' and 'long_mscale'"):
+        rope_frequencies(64, 1e4, {**scaling, "long_mscale": 1.2}, seq_len=seq_len)
+
+
 def test_scaled_schedules_change_the_frequencies():
     """Guards the comparison above against schedules that silently fall back to plain RoPE."""
     for rope_dim, theta, scaling, seq_len, _ in (case.values for case in HF_CASES):
@@ -1033,6 +1056,31 @@ def test_nd_rope_angles_gradients():
         assert_close(f"d freqs group {g}", freqs.grad[:, g], ref_f, atol=1e-2, rtol=1e-6)
 
 
+def test_nd_rope_axial_layout_is_the_vision_towers_rope():
+    """layout="axial" against transformers' Qwen2-VL vision RoPE (an axis a block of the
+    slots, each its own ladder over ``R / n_axes`` channels), cos and sin of random (h, w)
+    positions; and the blocks' structure for 3 axes."""
+    config_cls, rotary_cls = _hf_classes(
+        "qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VLVisionRotaryEmbedding"
+    )
+    config = config_cls()
+    head_dim = config.embed_dim // config.num_heads
+    positions = torch.randint(0, 64, (50, 2))
+    cos, sin = rotary_cls(config)(torch.zeros(1), positions)
+    theta = config.rope_parameters["rope_theta"]
+    angles = nd_rope_angles(positions, nd_rope_frequencies(head_dim, 2, theta, layout="axial"))
+    for name, ours, theirs in (("cos", angles.cos(), cos), ("sin", angles.sin(), sin)):
+        # "half" rotations pair slot d with d + R/2: both halves of theirs are the slots
+        assert_close(name, torch.cat([ours, ours], dim=-1), theirs, atol=1e-4, rtol=1e-5)
+    freqs = nd_rope_frequencies(48, 3, 100.0, layout="axial")[:, 0].double()
+    block = 8
+    for axis in range(3):
+        on = slice(axis * block, (axis + 1) * block)
+        ladder = 100.0 ** -(torch.arange(block, dtype=torch.float64) / block)
+        _assert_ratio_one(f"axis {axis}", freqs[axis, on], ladder, 1e-7)
+        assert (freqs[axis].count_nonzero() == block).item()
+
+
 def test_nd_rope_mixed_layout():
     gen = torch.Generator().manual_seed(1)
     freqs = nd_rope_frequencies(64, 2, 100.0, layout="mixed", generator=gen)
@@ -1053,7 +1101,9 @@ def test_nd_rope_mixed_layout():
         ({"rope_dim": 63}, ValueError, "rope_dim"),
         ({"theta": -1.0}, ValueError, "theta"),
         ({"theta": 1.0}, ValueError, "theta"),
-        ({"layout": "axial"}, ValueError, "layout"),
+        ({"layout": "cubic"}, ValueError, "layout"),
+        ({"layout": "axial"}, ValueError, "multiple of n_axes"),
+        ({"layout": "axial", "sections": [22, 21, 21]}, ValueError, "sections"),
         ({"sections": [32, 32]}, ValueError, "n_axes"),
         ({"sections": [16, 16, 16]}, ValueError, "sections"),
         ({"layout": "mixed", "sections": [32, 16, 16]}, ValueError, "sections"),
