@@ -430,14 +430,15 @@ FROM_ANGLES = tl.constexpr(2)
 
 @triton.jit(do_not_specialize=["rows", "first"])
 def _rope_table_kernel(
-    ROWS, INV_FREQ, COS, SIN, rows, first, half_rope, SOURCE: tl.constexpr, HALF: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ROWS, INV_FREQ, COS, SIN, rows, first, half_rope, factor, SOURCE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Rows of ``_rope_tables``' tables for batch row ``program_id(1)``: the angles
     ``position * inv_freq`` (fp32, as ``rope_angles``) of positions ``first + row``
     (``SOURCE`` ``FROM_RANGE``) or loaded from ``ROWS [1 | B, rows]`` (``FROM_POSITIONS``), or
     the angles loaded from ``ROWS [1 | B, rows, half_rope]`` (``FROM_ANGLES``); accurate cos and
-    sin, stored in the tables' dtype."""
+    sin times ``factor`` (the attention factor; the padding columns keep angle 0's 1 and 0),
+    stored in the tables' dtype."""
     b = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < rows
@@ -456,17 +457,23 @@ def _rope_table_kernel(
             pos = (offs + first).to(tl.float32)
         angle = pos[:, None] * tl.load(INV_FREQ + cols, mask=col_ok, other=0.0)[None, :]
     cos, sin = cos_sin_of_angle(angle, False)  # accurate: a table serves every tile
+    cos = tl.where(col_ok[None, :], cos * factor, cos)
+    sin = sin * factor
     out = (b * rows + offs)[:, None] * HALF + cols[None, :]
     tl.store(COS + out, cos.to(COS.dtype.element_ty), mask=mask[:, None])
     tl.store(SIN + out, sin.to(SIN.dtype.element_ty), mask=mask[:, None])
 
 
-def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: torch.dtype) -> tuple:
+def _rope_tables(
+    inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: torch.dtype, factor: float = 1.0
+) -> tuple:
     """The kernels' cos/sin tables and how they index them: ``(QCOS, QSIN, KCOS, KSIN,
     stride_qtb, stride_ktb, q_row_off, k_row_off)``. Query row ``i`` of batch ``b`` finds its
     angles at row ``q_row_off + i`` of batch ``b`` (batch stride ``stride_qtb``, 0 for one
     batch row), key ``j`` likewise. Each table is ``[1 | B, rows, half]`` in the
-    ``_table_dtype`` of the inputs' ``dtype``, the columns past ``R/2`` at angle 0.
+    ``_table_dtype`` of the inputs' ``dtype``, the columns past ``R/2`` at angle 0; cos and sin
+    times ``factor``, the attention factor of YaRN and LongRoPE (as Hugging Face's tables), so
+    the rotated channels of q and k carry it, and their gradients' back-rotations too.
 
     Without position tensors the keys sit at ``0..NK-1`` and the queries at ``NK-NQ..NK-1``:
     one table from position ``min(0, NK-NQ)`` serves both. Position tensors (fp32
@@ -497,7 +504,7 @@ def _rope_tables(inv_freq, q_pos, k_pos, nq: int, nk: int, half: int, dtype: tor
         source = FROM_RANGE if pos is None else FROM_POSITIONS if pos.dim() == 2 else FROM_ANGLES
         _rope_table_kernel[(cdiv(rows, block), batch)](
             inv_freq if pos is None else pos, inv_freq, cos, sin, rows, first, half_rope,
-            source.value, half, block,
+            float(factor), source.value, half, block,
         )  # fmt: skip
         return cos, sin
 

@@ -221,6 +221,16 @@ def is_finite(x) -> bool:
     return -math.inf < x < math.inf
 
 
+def check_scale(value, name: str) -> float:
+    """A scale (``output_scale``, ``attention_factor``, ...) as a float: any finite real
+    number, numpy's included."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not is_finite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     """``softmax_scale`` as a float: a positive finite number, or ``1 / sqrt(head_dim)`` for
     None."""

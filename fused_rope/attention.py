@@ -31,6 +31,7 @@ from fused_rope._validation import (
     check_no_tangent,
     check_rope_dim,
     check_same_device,
+    check_scale,
     check_softmax_scale,
     element_span,
     under_functorch,
@@ -99,14 +100,16 @@ def _fwd_op(
     softmax_scale: float,
     interleaved: bool,
     rope_dim: int,
+    attention_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_attention_fwd(
-        q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim
-    )
+        q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim,
+        attention_factor,
+    )  # fmt: skip
 
 
 @_fwd_op.register_fake
-def _(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim):
+def _(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim, factor):
     B, HQ, NQ, _ = q.shape
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -130,6 +133,7 @@ def _bwd_op(
     softmax_scale: float,
     interleaved: bool,
     rope_dim: int,
+    attention_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rope_attention_bwd(
         do,
@@ -146,21 +150,23 @@ def _bwd_op(
         softmax_scale,
         interleaved,
         rope_dim,
+        attention_factor,
     )
 
 
 @_bwd_op.register_fake
 def _(
-    do, dlse, q, k, v, o, lse, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim
-):
+    do, dlse, q, k, v, o, lse, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved,
+    rope_dim, factor,
+):  # fmt: skip
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim = inputs
+    q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim, factor = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, inv_freq, q_pos, k_pos)
-    ctx.args = (causal, softmax_scale, interleaved, rope_dim)
+    ctx.args = (causal, softmax_scale, interleaved, rope_dim, factor)
 
 
 def _rotation_grads(need, q, k, dq, dk, inv_freq, q_pos, k_pos, interleaved, rope_dim):
@@ -191,10 +197,10 @@ def _backward(ctx, do, dlse):
     need = ctx.needs_input_grad[3:6]  # inv_freq, q_pos, k_pos
     rotation = (None, None, None)
     if any(need):
-        _, _, interleaved, rope_dim = ctx.args
+        _, _, interleaved, rope_dim, _ = ctx.args
         rotation = _rotation_grads(need, q, k, dq, dk, inv_freq, q_pos, k_pos, interleaved,
                                    rope_dim)  # fmt: skip
-    return dq, dk, dv, *rotation, None, None, None, None
+    return dq, dk, dv, *rotation, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -306,8 +312,9 @@ def _sdpa_is_slowed_by_determinism(q: torch.Tensor) -> bool:
 
 
 def _rope_then_sdpa(
-    q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout, rope_dim
-):
+    q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout, rope_dim,
+    factor,
+):  # fmt: skip
     """The unfused path: this package's Triton RoPE over q and k, then PyTorch's best SDPA
     backend. Causal with ``NQ < NK`` (a prefill that continues a KV cache) uses SDPA's
     bottom-right mask (``causal_lower_right``), the fused kernel's alignment."""
@@ -329,13 +336,14 @@ def _rope_then_sdpa(
         if NQ > NK or q_positions is not None:
             q_rope = rope(_query_positions(positions, q_positions, NQ, NK, q.device))
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
+    common = dict(layout=layout, rope_dim=rope_dim, attention_factor=factor)
     if q_rope is None:
         # q's rows take k's last positions: one launch, sin/cos shared (a decoding step or a
         # prefill continuing a KV cache included).
-        q_rot, k_rot = apply_rope_qk(q, k, layout=layout, rope_dim=rope_dim, **k_rope)
+        q_rot, k_rot = apply_rope_qk(q, k, **common, **k_rope)
     else:
-        q_rot = apply_rope(q, layout=layout, rope_dim=rope_dim, **q_rope)
-        k_rot = apply_rope(k, layout=layout, rope_dim=rope_dim, **k_rope)
+        q_rot = apply_rope(q, **common, **q_rope)
+        k_rot = apply_rope(k, **common, **k_rope)
     return sdpa_attention(q_rot, k_rot, v, causal=causal, scale=scale)
 
 
@@ -351,6 +359,7 @@ def _check_inputs(
     q_angles,
     causal,
     softmax_scale,
+    attention_factor,
     layout,
     rope_dim,
     return_lse,
@@ -378,6 +387,7 @@ def _check_inputs(
     check_bool(causal, "causal")
     check_bool(return_lse, "return_lse")
     check_softmax_scale(softmax_scale, D)
+    check_scale(attention_factor, "attention_factor")
     if inv_freq is not None:  # theta is checked where its frequencies are made
         check_inv_freq(inv_freq, rope_dim)
         check_same_device(q=q, inv_freq=inv_freq)
@@ -425,7 +435,9 @@ def _check_inputs(
             _fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v)
         )
         # Not under torch.func, which the fused kernel's op refuses and the separate path takes.
-        fused_first |= (
+        # (`or`, not `|=`: Dynamo 2.11 writes `True |= ...` for `|=` on a traced constant
+        # when NQ is symbolic, a SyntaxError under torch.compile(dynamic=True).)
+        fused_first = fused_first or (
             causal and NQ == NK and not under_functorch() and _sdpa_is_slowed_by_determinism(q)
         )
         # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
@@ -490,6 +502,7 @@ def rope_attention(
     q_angles: torch.Tensor | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
+    attention_factor: float = 1.0,
     layout: str = "half",
     rope_dim: int | None = None,
     return_lse: bool = False,
@@ -499,7 +512,8 @@ def rope_attention(
     or RoPE applied inside a FlashAttention-2 Triton kernel (``impl``).
 
     ``softmax(scale * R(q) R(k)^T + mask) v`` where ``R`` rotates the first ``rope_dim``
-    channels by ``position * inv_freq`` (as ``fused_rope.naive.apply_rope_ref``).
+    channels by ``position * inv_freq`` and scales them by ``attention_factor`` (as
+    ``fused_rope.naive.apply_rope_ref``).
 
     Args:
         q: ``[B, HQ, NQ, D]`` fp16, bf16 or fp32 (the fused kernel: ``D <= 256``, fp32
@@ -525,6 +539,10 @@ def rope_attention(
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right aligned,
             by index, as FlashAttention-2). A query that sees no key returns 0.
         softmax_scale: default ``1/sqrt(D)``.
+        attention_factor: the factor ``rope_frequencies`` returns with YaRN's and LongRoPE's
+            frequencies (Hugging Face multiplies it into cos and sin): it scales q's and k's
+            rotated channels, so the rotated part of the scores by its square. Free: the RoPE
+            kernel's cos and sin and the fused kernels' cos/sin tables carry it.
         layout: ``"half"`` (GPT-NeoX, Llama) or ``"interleaved"`` (GPT-J).
         rope_dim: rotated channels (even, default D); the rest pass through.
         return_lse: also return the natural-log log-sum-exp ``[B, HQ, NQ]`` fp32
@@ -565,6 +583,7 @@ def rope_attention(
         q_angles,
         causal,
         softmax_scale,
+        attention_factor,
         layout,
         rope_dim,
         return_lse,
@@ -576,10 +595,11 @@ def rope_attention(
         inv_freq = default_inv_freq(rope_dim, theta, q.device)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     scale = check_softmax_scale(softmax_scale, D)
+    factor = check_scale(attention_factor, "attention_factor")
     if impl == "separate":
         return _rope_then_sdpa(
             q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout,
-            rope_dim,
+            rope_dim, factor,
         )  # fmt: skip
     if angles is not None:  # the kernels' tables take angle rows as they take position rows
         q_pos = _as_rows(angles[..., NK - NQ :, :] if q_angles is None else q_angles, 3)
@@ -590,6 +610,6 @@ def rope_attention(
         q_pos = _as_rows(_query_positions(positions, q_positions, NQ, NK, q.device))
         k_pos = _as_rows(torch.arange(NK, device=q.device) if positions is None else positions)
     o, lse = _fwd_op(
-        q, k, v, inv_freq, q_pos, k_pos, causal, scale, layout == "interleaved", rope_dim
+        q, k, v, inv_freq, q_pos, k_pos, causal, scale, layout == "interleaved", rope_dim, factor
     )
     return (o, lse) if return_lse else o

@@ -557,10 +557,12 @@ def _rope_attn_bwd_dq_kernel(
 
 
 def rope_attention_bwd(
-    do, q, k, v, o, lse, dlse, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim
-):
+    do, q, k, v, o, lse, dlse, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim,
+    attention_factor=1.0,
+):  # fmt: skip
     """Launches the backward: preprocess, dK/dV (key-major, no atomics: each program loops
-    over the query heads of its KV head's group) and dQ (query-major).
+    over the query heads of its KV head's group) and dQ (query-major); the forward's
+    ``attention_factor`` in the tables that rotate q and k and back-rotate dq and dk.
     Returns ``dq, dk, dv`` shaped like ``q, k, v``."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
@@ -588,7 +590,7 @@ def rope_attention_bwd(
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     q_cos, q_sin, k_cos, k_sin, stride_qtb, stride_ktb, q_row_off, k_row_off = _rope_tables(
-        inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype
+        inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype, attention_factor
     )
     # q (with the forward's fold) and k rotated once: the kernels' loops would rotate every
     # tile once per program that streams it

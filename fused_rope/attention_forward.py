@@ -211,10 +211,12 @@ def _rope_attn_fwd_kernel(
 
 
 def rope_attention_fwd(
-    q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim
-):
+    q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim,
+    attention_factor=1.0,
+):  # fmt: skip
     """Launches the forward. ``q_pos``, ``k_pos``: fp32 positions ``[1 | B, N]`` or angles
-    ``[1 | B, N, R/2]``, contiguous, or both None for the default positions (``_rope_tables``).
+    ``[1 | B, N, R/2]``, contiguous, or both None for the default positions (``_rope_tables``);
+    ``attention_factor`` scales the rotated channels (the tables' cos and sin).
     Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
@@ -223,7 +225,7 @@ def rope_attention_fwd(
     q_fold, score_scale = query_fold(softmax_scale, q.dtype)
     meta = _meta(D, rope_dim, interleaved, causal, q.dtype, score_scale)
     q_cos, q_sin, k_cos, k_sin, stride_qtb, stride_ktb, q_row_off, k_row_off = _rope_tables(
-        inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype
+        inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype, attention_factor
     )
     # k rotated once: the key loop would rotate every key tile once per query tile
     k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)

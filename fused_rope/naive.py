@@ -31,6 +31,7 @@ def apply_rope_ref(
     layout: str = "half",
     rope_dim: int | None = None,
     output_scale: float = 1.0,
+    attention_factor: float = 1.0,
 ) -> torch.Tensor:
     """Rotates the first ``rope_dim`` channels of ``x`` by ``angles``; the rest pass through.
 
@@ -41,10 +42,12 @@ def apply_rope_ref(
             ``"interleaved"`` pairs ``2d`` with ``2d + 1`` (GPT-J, the RoFormer paper).
         output_scale: multiplies the whole output, rotated and pass-through channels alike
             (the attention scale folded into Q).
+        attention_factor: ``a``, multiplies cos and sin, so the rotated channels alone (YaRN's
+            and LongRoPE's factor, as Hugging Face's scaled cos/sin apply it).
 
     Returns:
         ``[B, H, N, D]`` in ``x``'s dtype:
-        ``y1 = s (x1 cos - x2 sin)``, ``y2 = s (x2 cos + x1 sin)``, ``y_pass = s x_pass``.
+        ``y1 = s a (x1 cos - x2 sin)``, ``y2 = s a (x2 cos + x1 sin)``, ``y_pass = s x_pass``.
     """
     check_float_tensor(x, "x", ndim=4)
     check_layout(layout)
@@ -55,7 +58,7 @@ def apply_rope_ref(
     xf = x.to(cd)
     a = angles.to(cd)
     a = a[:, None] if a.dim() == 3 else a  # broadcast over heads: [B|1, 1, N, R/2]
-    cos, sin = a.cos(), a.sin()
+    cos, sin = a.cos() * attention_factor, a.sin() * attention_factor
     rot = xf[..., :R]
     if layout == "half":
         x1, x2 = rot[..., : R // 2], rot[..., R // 2 :]
@@ -86,6 +89,7 @@ def rope_attention_ref(
     rope_dim: int | None = None,
     angles: torch.Tensor | None = None,
     q_angles: torch.Tensor | None = None,
+    attention_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k (``apply_rope_ref``), then attention in float32 (float64 for float64 input).
 
@@ -101,6 +105,7 @@ def rope_attention_ref(
             excludes theta's role, ``inv_freq``, ``positions`` and ``q_positions``.
         q_angles: the queries' ``[NQ, R/2]`` or ``[1 | B, NQ, R/2]``, with ``angles`` only;
             default the last NQ rows of ``angles`` (NQ > NK needs them).
+        attention_factor: scales q's and k's rotated channels (``apply_rope_ref``).
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype (0 for a query that sees no key) and the
@@ -136,8 +141,8 @@ def rope_attention_ref(
     elif q_angles is None:
         q_angles = angles[..., NK - NQ :, :]
     cd = _compute_dtype(q)
-    q_rot = apply_rope_ref(q.to(cd), q_angles, layout, R)
-    k_rot = apply_rope_ref(k.to(cd), angles, layout, R)
+    q_rot = apply_rope_ref(q.to(cd), q_angles, layout, R, attention_factor=attention_factor)
+    k_rot = apply_rope_ref(k.to(cd), angles, layout, R, attention_factor=attention_factor)
     group = HQ // HKV
     k_rot = k_rot.repeat_interleave(group, dim=1)
     vf = v.to(cd).repeat_interleave(group, dim=1)

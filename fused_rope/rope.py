@@ -32,7 +32,7 @@ from fused_rope._validation import (
     check_no_tangent,
     check_rope_dim,
     check_same_device,
-    is_finite,
+    check_scale,
     may_overlap,
     runs_eagerly,
     under_functorch,
@@ -175,6 +175,7 @@ def _rope_kernel(
     pos0,
     q_scale,
     k_scale,
+    rotary_scale,
     H_Q: tl.constexpr,
     H_K: tl.constexpr,
     D: tl.constexpr,
@@ -223,8 +224,10 @@ def _rope_kernel(
         theta = tl.load(a_ptrs, mask=mask_n[:, None] & (offs_d < R // 2)[None, :], other=0.0)
     # sin/cos once per (position, frequency) and program, in fp32, reused by all its heads.
     cos, sin = cos_sin_of_angle(theta, FAST_TRIG)
-    cos = cos[None, :, :]
-    sin = sin[None, :, :]
+    # rotary_scale (the scaled schedules' attention factor) scales the rotated channels
+    # alone, as scaled cos/sin do; once per (position, frequency), not per head.
+    cos = (cos * rotary_scale)[None, :, :]
+    sin = (sin * rotary_scale)[None, :, :]
     if CONJUGATE:
         sin = -sin  # R(-theta) = R(theta)^T: the backward of the rotation
     if HEADS_PER_PROGRAM >= H_Q + H_K:
@@ -323,6 +326,7 @@ def _launch(
     rope_dim: int,
     q_scale: float,
     k_scale: float,
+    rotary_scale: float,
     conjugate: bool,
     config: TileConfig | None,
     position_offset: int = 0,
@@ -330,11 +334,14 @@ def _launch(
 ) -> torch.Tensor | None:
     """Rotates ``q`` (and ``k``) into ``q_out`` (``k_out``). ``inputs``: a backward's launch
     (q, k the cotangents) that also forms the angles' gradient from the forward's inputs
-    ``(q, k)``, returned as ``[head chunks, B, N, R/2]`` fp32 (sum it over the chunks)."""
+    ``(q, k)``, returned as ``[head chunks, B, N, R/2]`` fp32 (sum it over the chunks).
+    ``q_scale``/``k_scale`` scale the whole of q's/k's output, ``rotary_scale`` also its
+    rotated channels."""
     B, H_Q, NQ, D = q.shape
     if B > MAX_GRID_AXIS2:  # the batch is the grid's third axis: a launch per slice of it
         return _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale,
-                                    k_scale, conjugate, config, position_offset, inputs)  # fmt: skip
+                                    k_scale, rotary_scale, conjugate, config, position_offset,
+                                    inputs)  # fmt: skip
     H_K = 0 if k is None else k.shape[1]
     N = NQ if k is None else k.shape[2]  # the positions: k's, with q's rows the last NQ
     a_q, a_k = (q, k) if inputs is None else inputs
@@ -362,7 +369,7 @@ def _launch(
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         stride_ab, angles.stride(-2) if angles.dim() > 1 else 0,
-        N, N - NQ, position_offset, float(q_scale), float(k_scale),
+        N, N - NQ, position_offset, float(q_scale), float(k_scale), float(rotary_scale),
         H_Q=H_Q, H_K=H_K, D=D, R=rope_dim,
         HALF_P=next_power_of_2(rope_dim // 2),
         PASS_P=next_power_of_2(max(D - rope_dim, 1)),
@@ -380,7 +387,7 @@ def _launch(
 
 
 def _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale,
-                         conjugate, config, position_offset, inputs):  # fmt: skip
+                         rotary_scale, conjugate, config, position_offset, inputs):  # fmt: skip
     """``_launch`` for more batches than a grid axis takes: one launch per ``MAX_GRID_AXIS2``
     of them (the angles' gradient of each, ``[head chunks, slice, N, R/2]``, joined)."""
     per_batch = angles.dim() == 3 and angles.shape[0] > 1  # else shared by every batch
@@ -390,7 +397,7 @@ def _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale, 
         sliced = [None if x is None else x[rows] for x in (q, q_out, k, k_out)]
         part = _launch(
             *sliced, angles[rows] if per_batch else angles, layout, rope_dim, q_scale,
-            k_scale, conjugate, config, position_offset,
+            k_scale, rotary_scale, conjugate, config, position_offset,
             None if inputs is None else tuple(None if x is None else x[rows] for x in inputs),
         )  # fmt: skip
         d_angles.append(part)
@@ -417,26 +424,28 @@ def rope_fwd(
     q_scale: float,
     k_scale: float,
     *,
+    rotary_scale: float = 1.0,
     conjugate: bool = False,
     config: TileConfig | None = None,
     position_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None. ``angles``:
-    fp32 ``[N, R/2]`` or ``[1 | B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the positions
-    ``position_offset..position_offset+N-1``, ``N`` k's length (q's without k); q's ``NQ <= N``
-    rows take the last ``NQ`` positions.
+    """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None;
+    ``rotary_scale`` also scales the rotated channels (``R`` becomes ``rotary_scale R``).
+    ``angles``: fp32 ``[N, R/2]`` or ``[1 | B, N, R/2]``, or ``inv_freq`` ``[R/2]`` for the
+    positions ``position_offset..position_offset+N-1``, ``N`` k's length (q's without k); q's
+    ``NQ <= N`` rows take the last ``NQ`` positions.
 
     ``conjugate=True`` rotates by ``-theta``: the backward, with the SAME scales (seed 000's
     rule: ``y = s R x`` gives ``dx = s R^T dy``). Outputs come from ``torch.empty_like``: the
     input's strides when it is dense (e.g. a ``[B, N, H, D]`` buffer viewed as
     ``[B, H, N, D]``), contiguous otherwise.
     """
-    return _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, config,
-                    position_offset)[:2]  # fmt: skip
+    return _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate,
+                    config, position_offset)[:2]  # fmt: skip
 
 
-def _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, config, offset,
-             inputs=None):  # fmt: skip
+def _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, config,
+             offset, inputs=None):  # fmt: skip
     """``rope_fwd``'s outputs and ``_launch``'s angles' gradient: ``(q_out, k_out,
     d_angles)`` (``d_angles`` None without ``inputs``)."""
     q = _unit_last_stride(q)
@@ -444,8 +453,8 @@ def _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, config
     q_out = torch.empty_like(q)
     k_out = None if k is None else torch.empty_like(k)
     d_angles = _launch(
-        q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale, conjugate, config,
-        offset, inputs,
+        q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate,
+        config, offset, inputs,
     )  # fmt: skip
     return q_out, k_out, d_angles
 
@@ -480,10 +489,10 @@ def _angles_grad(cross, angles, conjugate, offset) -> torch.Tensor:
     return chain_positions(cross, pos, angles, (False, True))[1]
 
 
-def _saved_inputs(ctx, q, k, angles, q_scale, k_scale) -> None:
+def _saved_inputs(ctx, q, k, angles, q_scale, k_scale, rotary_scale) -> None:
     """Saves the angles, with q and k only where the angles need a gradient (``_angles_grad``
     reads them), and the rotation's scales."""
-    ctx.scales = (q_scale, k_scale)
+    ctx.scales = (q_scale, k_scale, rotary_scale)
     ctx.angles_grad = angles.requires_grad
     ctx.save_for_backward(angles, *((q, k) if ctx.angles_grad else ()))
 
@@ -518,28 +527,29 @@ def _backward_rotation(ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate,
 class _RopeFunction(torch.autograd.Function):
     # forward and setup_context apart: the style torch.func.grad / vjp accept
     @staticmethod
-    def forward(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset):
+    def forward(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, offset):
         return rope_fwd(
-            q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate,
-            position_offset=offset,
+            q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale=rotary_scale,
+            conjugate=conjugate, position_offset=offset,
         )  # fmt: skip
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset = inputs
-        _saved_inputs(ctx, q, k, angles, q_scale, k_scale)
-        ctx.args = (layout, rope_dim, q_scale, k_scale, conjugate, offset)
+        q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, offset = inputs
+        _saved_inputs(ctx, q, k, angles, q_scale, k_scale, rotary_scale)
+        ctx.args = (layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, offset)
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
-        layout, rope_dim, q_scale, k_scale, conjugate, offset = ctx.args
+        layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, offset = ctx.args
         rotate = lambda dq, dk, angles: _RopeFunction.apply(
-            dq, dk, angles, layout, rope_dim, q_scale, k_scale, not conjugate, offset
+            dq, dk, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, not conjugate,
+            offset,
         )  # fmt: skip
         dq, dk, d_angles = _backward_rotation(
             ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate, offset
         )
-        return dq, dk, d_angles, None, None, None, None, None, None
+        return dq, dk, d_angles, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,33 +565,37 @@ def _rope_op(
     layout: str,
     rope_dim: int,
     scale: float,
+    rotary_scale: float,
     conjugate: bool,
     offset: int,
 ) -> torch.Tensor:
     return rope_fwd(
-        x, None, angles, layout, rope_dim, scale, 1.0, conjugate=conjugate, position_offset=offset
-    )[0]
+        x, None, angles, layout, rope_dim, scale, 1.0, rotary_scale=rotary_scale,
+        conjugate=conjugate, position_offset=offset,
+    )[0]  # fmt: skip
 
 
 @_rope_op.register_fake
-def _(x, angles, layout, rope_dim, scale, conjugate, offset):
+def _(x, angles, layout, rope_dim, scale, rotary_scale, conjugate, offset):
     return _empty_out(x)
 
 
 def _rope_setup(ctx, inputs, output):
-    x, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.conjugate, ctx.offset = inputs
-    _saved_inputs(ctx, x, None, angles, ctx.scale, 1.0)
+    x, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.rotary_scale = inputs[:6]
+    ctx.conjugate, ctx.offset = inputs[6:]
+    _saved_inputs(ctx, x, None, angles, ctx.scale, 1.0, ctx.rotary_scale)
 
 
 def _rope_backward(ctx, grad):
     rotate = lambda dx, _, angles: (
-        _rope_op(dx, angles, ctx.layout, ctx.rope_dim, ctx.scale, not ctx.conjugate, ctx.offset),
+        _rope_op(dx, angles, ctx.layout, ctx.rope_dim, ctx.scale, ctx.rotary_scale,
+                 not ctx.conjugate, ctx.offset),
         None,
     )  # fmt: skip
     dx, _, d_angles = _backward_rotation(
         ctx, rotate, grad, None, ctx.layout, ctx.rope_dim, ctx.conjugate, ctx.offset
     )
-    return dx, d_angles, None, None, None, None, None
+    return dx, d_angles, None, None, None, None, None, None
 
 
 _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
@@ -596,35 +610,36 @@ def _rope_qk_op(
     rope_dim: int,
     q_scale: float,
     k_scale: float,
+    rotary_scale: float,
     conjugate: bool,
     offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_fwd(
-        q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate=conjugate,
-        position_offset=offset,
+        q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale=rotary_scale,
+        conjugate=conjugate, position_offset=offset,
     )  # fmt: skip
 
 
 @_rope_qk_op.register_fake
-def _(q, k, angles, layout, rope_dim, q_scale, k_scale, conjugate, offset):
+def _(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, offset):
     return _empty_out(q), _empty_out(k)
 
 
 def _rope_qk_setup(ctx, inputs, output):
     q, k, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale = inputs[:7]
-    ctx.conjugate, ctx.offset = inputs[7:]
-    _saved_inputs(ctx, q, k, angles, ctx.q_scale, ctx.k_scale)
+    ctx.rotary_scale, ctx.conjugate, ctx.offset = inputs[7:]
+    _saved_inputs(ctx, q, k, angles, ctx.q_scale, ctx.k_scale, ctx.rotary_scale)
 
 
 def _rope_qk_backward(ctx, dq_out, dk_out):
     rotate = lambda dq, dk, angles: _rope_qk_op(
-        dq, dk, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale, not ctx.conjugate,
-        ctx.offset,
+        dq, dk, angles, ctx.layout, ctx.rope_dim, ctx.q_scale, ctx.k_scale, ctx.rotary_scale,
+        not ctx.conjugate, ctx.offset,
     )  # fmt: skip
     dq, dk, d_angles = _backward_rotation(
         ctx, rotate, dq_out, dk_out, ctx.layout, ctx.rope_dim, ctx.conjugate, ctx.offset
     )
-    return dq, dk, d_angles, None, None, None, None, None, None
+    return dq, dk, d_angles, None, None, None, None, None, None, None
 
 
 _rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
@@ -632,27 +647,26 @@ _rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
 
 @torch.library.custom_op("fused_rope::rope_", mutates_args=("x",))
 def _rope_inplace_op(
-    x: torch.Tensor, angles: torch.Tensor, layout: str, rope_dim: int, scale: float, offset: int
+    x: torch.Tensor,
+    angles: torch.Tensor,
+    layout: str,
+    rope_dim: int,
+    scale: float,
+    rotary_scale: float,
+    offset: int,
 ) -> None:
-    _launch(x, x, None, None, angles, layout, rope_dim, scale, 1.0, False, None, offset)
+    _launch(x, x, None, None, angles, layout, rope_dim, scale, 1.0, rotary_scale, False, None,
+            offset)  # fmt: skip
 
 
 @_rope_inplace_op.register_fake
-def _(x, angles, layout, rope_dim, scale, offset):
+def _(x, angles, layout, rope_dim, scale, rotary_scale, offset):
     return None
 
 
 # --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
-
-
-def _check_scale(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not is_finite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
 
 
 def _check_kernel_tensor(x, name: str) -> None:
@@ -699,18 +713,24 @@ def _needs_autograd(*xs: torch.Tensor) -> bool:
     return (torch.is_grad_enabled() and any(x.requires_grad for x in xs)) or under_functorch()
 
 
-def _dispatch_rotation(q, k, angles, layout: str, R: int, q_scale: float, k_scale: float, offset):
-    """The checked out-of-place rotation of q (and k, unless None): the custom op under a
-    tracer (``runs_eagerly``), the autograd.Function where autograd records the call, else the
-    launcher directly. Returns ``(q_out, k_out)``, ``k_out`` None without k."""
+def _dispatch_rotation(q, k, angles, layout: str, R: int, scales: tuple[float, float, float],
+                       offset):  # fmt: skip
+    """The checked out-of-place rotation of q (and k, unless None) with ``scales = (q_scale,
+    k_scale, rotary_scale)``: the custom op under a tracer (``runs_eagerly``), the
+    autograd.Function where autograd records the call, else the launcher directly. Returns
+    ``(q_out, k_out)``, ``k_out`` None without k."""
+    q_scale, k_scale, rotary_scale = scales
     xs = (q,) if k is None else (q, k)
     if not runs_eagerly(*xs):
         if k is None:
-            return _rope_op(q, angles, layout, R, q_scale, False, offset), None
-        return _rope_qk_op(q, k, angles, layout, R, q_scale, k_scale, False, offset)
+            return _rope_op(q, angles, layout, R, q_scale, rotary_scale, False, offset), None
+        return _rope_qk_op(q, k, angles, layout, R, *scales, False, offset)
     if _needs_autograd(*xs, angles):
-        return _RopeFunction.apply(q, k, angles, layout, R, q_scale, k_scale, False, offset)
-    return rope_fwd(q, k, angles, layout, R, q_scale, k_scale, position_offset=offset)
+        return _RopeFunction.apply(q, k, angles, layout, R, *scales, False, offset)
+    return rope_fwd(
+        q, k, angles, layout, R, q_scale, k_scale, rotary_scale=rotary_scale,
+        position_offset=offset,
+    )  # fmt: skip
 
 
 def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **inputs):
@@ -748,6 +768,7 @@ def apply_rope(
     layout: str = "half",
     rope_dim: int | None = None,
     output_scale: float = 1.0,
+    attention_factor: float = 1.0,
     inplace: bool = False,
     position_offset: int = 0,
 ) -> torch.Tensor:
@@ -769,6 +790,11 @@ def apply_rope(
             ``2d`` with ``2d + 1``.
         output_scale: multiplies the whole output (rotated and pass-through channels);
             the backward uses the same scale.
+        attention_factor: multiplies the rotated channels alone: the factor that
+            ``rope_frequencies`` returns with YaRN's and LongRoPE's frequencies, which Hugging
+            Face's models multiply into cos and sin (so with ``rope_dim < D`` it is not an
+            output scale: the pass-through channels keep their values). Times
+            ``output_scale`` on the rotated channels.
         inplace: write the result into ``x``'s storage and return ``x``. Forward only:
             refused (``ValueError``) when grad mode is on and ``x`` (or ``angles``, or
             ``inv_freq``) requires grad, when elements of ``x`` may share memory, and for an
@@ -793,12 +819,13 @@ def apply_rope(
     position_offset = _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, x=x)
     check_no_tangent("fused_rope.naive.apply_rope_ref", x=x)
-    scale = _check_scale(output_scale, "output_scale")
+    scale = check_scale(output_scale, "output_scale")
+    factor = check_scale(attention_factor, "attention_factor")
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     offset = position_offset
     if not inplace:
-        return _dispatch_rotation(x, None, angles, layout, R, scale, 1.0, offset)[0]
+        return _dispatch_rotation(x, None, angles, layout, R, (scale, 1.0, factor), offset)[0]
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError(
             "inplace=True overwrites x, but x requires grad and grad mode is on "
@@ -827,11 +854,11 @@ def apply_rope(
             "does not allow for its own in-place ops either; run it under inference_mode"
         )
     if runs_eagerly(x):
-        _launch(x, x, None, None, angles, layout, R, scale, 1.0, False, None, offset)
+        _launch(x, x, None, None, angles, layout, R, scale, 1.0, factor, False, None, offset)
         # Ops that saved x for their backward must see that it changed.
         torch.autograd.graph.increment_version(x)
     else:
-        _rope_inplace_op(x, angles, layout, R, scale, offset)
+        _rope_inplace_op(x, angles, layout, R, scale, factor, offset)
     return x
 
 
@@ -845,6 +872,7 @@ def apply_rope_qk(
     rope_dim: int | None = None,
     q_scale: float = 1.0,
     k_scale: float = 1.0,
+    attention_factor: float = 1.0,
     position_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q and k by the same angles in one launch (Triton); sin/cos computed once.
@@ -862,6 +890,8 @@ def apply_rope_qk(
         layout, rope_dim: as ``apply_rope``.
         q_scale, k_scale: output scales of q and k (e.g. ``q_scale = softmax_scale`` folds the
             attention scale into q; backward uses the same scales).
+        attention_factor: multiplies the rotated channels of both (see ``apply_rope``): YaRN's
+            and LongRoPE's factor from ``rope_frequencies``, as Hugging Face applies it.
         position_offset: with ``inv_freq``, k's first position (see ``apply_rope``): a
             decoding step rotates its new rows with ``position_offset`` = the cached length.
 
@@ -885,6 +915,12 @@ def apply_rope_qk(
     position_offset = _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)
     check_no_tangent("fused_rope.naive.apply_rope_ref", q=q, k=k)
-    qs = _check_scale(q_scale, "q_scale")
-    ks = _check_scale(k_scale, "k_scale")
-    return _dispatch_rotation(q, k, angles, layout, R, qs, ks, position_offset)
+    scales = tuple(
+        check_scale(value, name)
+        for value, name in (
+            (q_scale, "q_scale"),
+            (k_scale, "k_scale"),
+            (attention_factor, "attention_factor"),
+        )
+    )
+    return _dispatch_rotation(q, k, angles, layout, R, scales, position_offset)

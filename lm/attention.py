@@ -25,7 +25,6 @@ it departs from the forward).
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -219,10 +218,8 @@ def _rope_dim(cfg: Any, head_dim: int) -> int:
 
 class RopeAttention(Attention):
     """RoPE on q and k (positions ``0..N-1``), then causal SDPA. The attention factor of the
-    scaled schedules (YaRN's mscale) multiplies q and k, as HF's scaled cos/sin do when the
-    whole head rotates; with ``rope_dim < head_dim`` it scales the pass-through channels too,
-    where HF's scales only the rotated ones (both paths here alike: the kernels take one
-    output scale)."""
+    scaled schedules (YaRN's mscale) multiplies q's and k's rotated channels, as Hugging
+    Face's scaled cos/sin do (``attention_factor`` of the kernels and the reference)."""
 
     def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
         super().__init__(cfg, d_model, n_head, n_kv_head)
@@ -242,14 +239,12 @@ class RopeAttention(Attention):
         if resolve_impl(self.impl, q.device, "rope") == "triton":
             from fused_rope.attention import rope_attention
 
-            # scaling q and k by the factor is scaling the scores by its square
-            scale = factor**2 / math.sqrt(self.head_dim)
             return rope_attention(
                 q,
                 k,
                 v,
                 inv_freq=inv_freq,
-                softmax_scale=scale,
+                attention_factor=factor,
                 layout=self.layout,
                 rope_dim=self.rope_dim,
             )
@@ -293,13 +288,13 @@ class RopeAttention(Attention):
 
             return apply_rope_qk(
                 q, k, inv_freq=inv_freq, position_offset=first, layout=layout, rope_dim=R,
-                q_scale=factor, k_scale=factor,
+                attention_factor=factor,
             )  # fmt: skip
         angles = rope_angles(torch.arange(first, first + NK, device=q.device), inv_freq)
         from fused_rope.naive import apply_rope_ref
 
-        q = apply_rope_ref(q, angles[NK - NQ :], layout, R, output_scale=factor)
-        return q, apply_rope_ref(k, angles, layout, R, output_scale=factor)
+        q = apply_rope_ref(q, angles[NK - NQ :], layout, R, attention_factor=factor)
+        return q, apply_rope_ref(k, angles, layout, R, attention_factor=factor)
 
 
 class CoRopeAttention(Attention):

@@ -40,12 +40,13 @@ def _untuned():
         yield
 
 
-def _torch_same_dtype(q, k, v, *, q_angles, k_angles, causal, scale, layout, rope_dim):
-    """The flash-attention rule's baseline: PyTorch attention in q's dtype (see module doc)."""
+def _torch_same_dtype(q, k, v, *, q_angles, k_angles, causal, scale, layout, rope_dim, factor=1.0):
+    """The flash-attention rule's baseline: PyTorch attention in q's dtype (see module doc);
+    ``factor``: the attention factor."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
-    q_rot = apply_rope_ref(q, q_angles, layout, rope_dim)
-    k_rot = apply_rope_ref(k, k_angles, layout, rope_dim)
+    q_rot = apply_rope_ref(q, q_angles, layout, rope_dim, attention_factor=factor)
+    k_rot = apply_rope_ref(k, k_angles, layout, rope_dim, attention_factor=factor)
     k_rot = k_rot.repeat_interleave(HQ // HKV, dim=1)
     v = v.repeat_interleave(HQ // HKV, dim=1)
     s = (q_rot * scale) @ k_rot.transpose(-1, -2)
@@ -96,6 +97,7 @@ def _check_case(
     theta=10000.0,
     inv_freq=None,
     softmax_scale=None,
+    attention_factor=1.0,
     transposed=False,
     impl="fused",
     learn=False,
@@ -119,7 +121,10 @@ def _check_case(
     q, k, v = make(HQ, NQ), make(HKV, NK), make(HKV, NK)
     R = rope_dim or D
     freqs = (inv_freq if inv_freq is not None else rope_frequencies(R, theta)[0]).to(DEVICE)
-    kw = dict(causal=causal, layout=layout, rope_dim=rope_dim, softmax_scale=softmax_scale)
+    kw = dict(
+        causal=causal, layout=layout, rope_dim=rope_dim, softmax_scale=softmax_scale,
+        attention_factor=attention_factor,
+    )  # fmt: skip
     leaf = lambda x: x if x is None or not learn else x.float().requires_grad_()
     if positions == "mrope":
         kw.update(angles=leaf(_mrope(freqs, B, NK)))
@@ -173,6 +178,7 @@ def _check_case(
         scale=softmax_scale or D**-0.5,
         layout=layout,
         rope_dim=R,
+        factor=attention_factor,
     )
     leaves = [*inputs_b, *rotation.values()]
     grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), leaves)
@@ -254,6 +260,21 @@ CPU_CASES = [
 @pytest.mark.parametrize("B, HQ, HKV, NQ, NK, D, opts", CPU_CASES)
 def test_matches_reference(B, HQ, HKV, NQ, NK, D, opts, dtype):
     _check_case(B, HQ, HKV, NQ, NK, D, dtype=dtype, **opts)
+
+
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+@pytest.mark.parametrize("rope_dim", [None, 20], ids=["full", "partial"])
+def test_attention_factor_scales_the_rotated_channels(rope_dim, impl):
+    """YaRN's and LongRoPE's attention factor, as Hugging Face applies it (cos and sin scaled):
+    q's and k's rotated channels, not the pass-through ones; o, lse and every gradient against
+    the reference, with learned frequencies and a query chunk continuing a cache."""
+    inv_freq = rope_frequencies(rope_dim or 32, 10000.0, {"rope_type": "yarn", "factor": 8.0,
+                                "original_max_position_embeddings": 16})[0]  # fmt: skip
+    for dtype in (torch.float32, torch.float16):
+        _check_case(
+            1, 4, 2, 30, 45, 32, dtype=dtype, rope_dim=rope_dim, inv_freq=inv_freq.to(DEVICE),
+            attention_factor=1.2079, impl=impl, learn=True,
+        )  # fmt: skip
 
 
 def test_inv_freq_theta_and_scale():
@@ -751,6 +772,18 @@ BAD_INPUTS = [
     ),
     ("scale bool", lambda q, k, v: (q, k, v, {"softmax_scale": True}), TypeError, "must be a num"),
     (
+        "attention_factor inf",
+        lambda q, k, v: (q, k, v, {"attention_factor": float("inf")}),
+        ValueError,
+        "attention_factor must be finite",
+    ),
+    (
+        "attention_factor str",
+        lambda q, k, v: (q, k, v, {"attention_factor": "1.2"}),
+        TypeError,
+        "attention_factor must be a float, got str",
+    ),
+    (
         "inv_freq fp16",
         lambda q, k, v: (q, k, v, {"inv_freq": torch.ones(16, device=q.device).half()}),
         TypeError,
@@ -926,6 +959,19 @@ def test_gpu_other_head_dims(D, rope_dim, dtype):
     _check_case(
         1, 4, 1, 100, 700, D, dtype=dtype, rope_dim=rope_dim, causal=False,
         layout="interleaved", impl=impl,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_attention_factor_of_a_partial_rotation(dtype, impl):
+    """Phi-4-mini's shape of LongRoPE: 96 of 128 channels rotate, their scores scaled by the
+    square of the attention factor; both paths, real sizes, the flash-attention rule."""
+    inv_freq = rope_frequencies(96, 10000.0)[0] / torch.linspace(1.0, 40.0, 48)
+    _check_case(
+        2, 24, 8, 700, 700, 128, dtype=dtype, rope_dim=96, inv_freq=inv_freq.to(DEVICE),
+        attention_factor=1.1902, impl=impl,
     )  # fmt: skip
 
 

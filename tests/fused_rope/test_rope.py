@@ -38,12 +38,13 @@ def _angles(batch: int, seq_len: int, rope_dim: int, per_batch: bool) -> torch.T
     return rope_angles(positions, inv_freq.to(DEVICE))
 
 
-def _ref_and_baseline(x, angles, layout, rope_dim, scale, dy=None):
-    """(float64 reference, reference on x's dtype) of the output, or of dx when ``dy`` is given."""
+def _ref_and_baseline(x, angles, layout, rope_dim, scale, dy=None, factor=1.0):
+    """(float64 reference, reference on x's dtype) of the output, or of dx when ``dy`` is given;
+    ``factor`` is the attention factor."""
     results = []
     for xx, aa in ((x.double(), angles.double()), (x, angles)):
         xx = xx.detach().requires_grad_(dy is not None)
-        y = apply_rope_ref(xx, aa, layout, rope_dim, scale)
+        y = apply_rope_ref(xx, aa, layout, rope_dim, scale, attention_factor=factor)
         if dy is None:
             results.append(y)
         else:
@@ -52,8 +53,8 @@ def _ref_and_baseline(x, angles, layout, rope_dim, scale, dy=None):
     return results
 
 
-def _check(name, out, x, angles, layout, rope_dim, scale, dy=None):
-    ref, baseline = _ref_and_baseline(x, angles, layout, rope_dim, scale, dy)
+def _check(name, out, x, angles, layout, rope_dim, scale, dy=None, factor=1.0):
+    ref, baseline = _ref_and_baseline(x, angles, layout, rope_dim, scale, dy, factor)
     assert out.dtype == x.dtype and out.shape == x.shape
     assert_close_to_baseline(name, out, ref, baseline)
 
@@ -185,6 +186,56 @@ def test_inv_freq_gives_the_angle_table_bitwise(B, HQ, HK, N, D, R, layout, dtyp
         assert torch.equal(a, b), name
     assert torch.equal(outs[1][3], outs[1][0]) and torch.equal(outs[1][5], outs[1][2])
     _check("x_out", outs[1][2], q, table, layout, R, 0.5)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("R", [24, 32], ids=["partial", "full"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_factor_scales_the_rotated_channels_alone(R, layout, dtype):
+    """YaRN's and LongRoPE's attention factor multiplies cos and sin (Hugging Face's scaled
+    tables): the rotated channels, not the pass-through ones, in apply_rope (out of place and
+    in place) and apply_rope_qk, forward and backward (q, k and inv_freq), against the
+    reference; the rotated channels equal an output scale of the factor, the pass-through
+    channels the unscaled input (with output_scale, both are scaled)."""
+    B, HQ, HK, NQ, N, D, factor, offset = 2, 3, 1, 9, 21, 32, 1.2431631, 6
+    q = torch.randn(B, HQ, NQ, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, HK, N, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    inv_freq = rope_frequencies(R, 500.0, device=DEVICE)[0].requires_grad_()
+    angles = rope_angles(torch.arange(offset, offset + N, device=DEVICE), inv_freq.detach())
+    rope = dict(inv_freq=inv_freq, position_offset=offset, layout=layout, rope_dim=R)
+    q_out, k_out = apply_rope_qk(q, k, q_scale=0.5, attention_factor=factor, **rope)
+    _check("q_out", q_out, q, angles[N - NQ :], layout, R, 0.5, factor=factor)
+    _check("k_out", k_out, k, angles, layout, R, 1.0, factor=factor)
+    dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
+    dq, dk, dinv = torch.autograd.grad((q_out, k_out), (q, k, inv_freq), (dq_out, dk_out))
+    _check("dq", dq, q, angles[N - NQ :], layout, R, 0.5, dy=dq_out, factor=factor)
+    _check("dk", dk, k, angles, layout, R, 1.0, dy=dk_out, factor=factor)
+
+    def reference_dinv(cast):
+        table = rope_angles(torch.arange(offset, offset + N, device=DEVICE), inv_freq)
+        outs = (
+            apply_rope_ref(cast(x), cast(a), layout, R, s, attention_factor=factor)
+            for x, a, s in ((q, table[N - NQ :], 0.5), (k, table, 1.0))
+        )
+        loss = sum((o.float() * g).sum() for o, g in zip(outs, (dq_out, dk_out), strict=True))
+        return torch.autograd.grad(loss, inv_freq)[0]
+
+    if dtype == torch.float32:
+        # (In half precision both errors are fp32 summation noise over ~500 terms, in orders
+        # that differ; test_gradients_of_angles_and_frequencies holds those dtypes to the rule.)
+        assert_close_to_baseline(
+            "dinv_freq", dinv, reference_dinv(lambda x: x.double()), reference_dinv(lambda x: x)
+        )
+    x = k.detach()
+    plain = dict(rope, inv_freq=inv_freq.detach())
+    y = apply_rope(x, attention_factor=factor, **plain)
+    _check("x_out", y, x, angles, layout, R, 1.0, factor=factor)
+    assert torch.equal(apply_rope(x.clone(), attention_factor=factor, inplace=True, **plain), y)
+    scaled = apply_rope(x, output_scale=factor, **plain)
+    torch.testing.assert_close(y[..., :R], scaled[..., :R], rtol=2e-3, atol=1e-5)
+    assert torch.equal(y[..., R:], x[..., R:])
+    both = apply_rope(x, output_scale=0.5, attention_factor=factor, **plain)
+    assert torch.equal(both[..., R:], x[..., R:] * 0.5)
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
@@ -565,25 +616,28 @@ def test_custom_ops_pass_torch_library_opcheck():
     k = torch.randn(1, 1, 9, 16, device=DEVICE)
     angles = _angles(1, 9, 16, per_batch=False)
     ops = torch.ops.fused_rope
-    torch.library.opcheck(ops.rope, (x.requires_grad_(), angles, "half", 16, 0.5, False, 0))
+    # (..., scale(s), rotary_scale, conjugate, offset)
+    torch.library.opcheck(ops.rope, (x.requires_grad_(), angles, "half", 16, 0.5, 1.0, False, 0))
     torch.library.opcheck(
-        ops.rope_qk, (x, k.requires_grad_(), angles, "interleaved", 16, 2.0, 1.0, False, 0)
+        ops.rope_qk, (x, k.requires_grad_(), angles, "interleaved", 16, 2.0, 1.0, 1.0, False, 0)
     )
-    torch.library.opcheck(ops.rope_, (x.detach().clone(), angles, "half", 16, 0.5, 0))
+    torch.library.opcheck(ops.rope_, (x.detach().clone(), angles, "half", 16, 0.5, 1.3, 0))
     # q of fewer rows than k: its rows are k's last positions
-    torch.library.opcheck(ops.rope_qk, (x[:, :, 5:], k, angles, "half", 16, 2.0, 1.0, False, 0))
+    torch.library.opcheck(
+        ops.rope_qk, (x[:, :, 5:], k, angles[:, :4], "half", 8, 2.0, 1.0, 1.3, False, 0)
+    )
     # Gradients reach the ops with any strides: fake and real outputs must agree on them.
     strided = torch.randn(1, 2, 16, 9, device=DEVICE).transpose(-1, -2).requires_grad_()
-    torch.library.opcheck(ops.rope, (strided, angles, "interleaved", 16, 0.5, True, 0))
+    torch.library.opcheck(ops.rope, (strided, angles, "interleaved", 16, 0.5, 1.0, True, 0))
     # inv_freq with the positions from an offset
     inv_freq = rope_frequencies(16)[0].to(DEVICE)
-    torch.library.opcheck(ops.rope_qk, (x, k, inv_freq, "half", 16, 2.0, 1.0, False, 7))
-    torch.library.opcheck(ops.rope, (x, inv_freq, "interleaved", 16, 0.5, False, 7))
+    torch.library.opcheck(ops.rope_qk, (x, k, inv_freq, "half", 16, 2.0, 1.0, 1.0, False, 7))
+    torch.library.opcheck(ops.rope, (x, inv_freq, "interleaved", 16, 0.5, 1.0, False, 7))
     # angles and frequencies that need a gradient: q and k are saved for it
     torch.library.opcheck(
-        ops.rope_qk, (x, k, angles.requires_grad_(), "half", 16, 2.0, 1.0, False, 0)
+        ops.rope_qk, (x, k, angles.requires_grad_(), "half", 16, 2.0, 1.0, 1.3, False, 0)
     )
-    torch.library.opcheck(ops.rope, (x, inv_freq.requires_grad_(), "half", 16, 0.5, True, 7))
+    torch.library.opcheck(ops.rope, (x, inv_freq.requires_grad_(), "half", 16, 0.5, 1.0, True, 7))
 
 
 def _compile_case(dtype):
@@ -601,7 +655,9 @@ def _compile_case(dtype):
         # ops; linear terms, so that their gradients (conjugate rotations of ones) are not
         # rounded in between
         shifted = apply_rope(q, inv_freq=inv_freq, position_offset=N + 3)
-        sq, sk = apply_rope_qk(q, k, inv_freq=inv_freq, position_offset=2 * N + 5, k_scale=0.7)
+        sq, sk = apply_rope_qk(
+            q, k, inv_freq=inv_freq, position_offset=2 * N + 5, k_scale=0.7, attention_factor=1.2
+        )
         total = q_out.float().square().sum() + single.float().sum()
         return (total + shifted.float().sum() + sq.float().sum() - sk.float().sum()) * 1.5
 
@@ -791,6 +847,11 @@ BAD_INPUTS = [
                  "output_scale must be a float, got str", id="scale-str"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), output_scale=float("nan")),
                  ValueError, "output_scale must be finite", id="scale-nan"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), attention_factor=True), TypeError,
+                 "attention_factor must be a float, got bool", id="factor-bool"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 1, 8, 16), A(),
+                                       attention_factor=float("nan")),
+                 ValueError, "attention_factor must be finite", id="qk-factor-nan"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), inplace=1), TypeError,
                  "inplace must be a bool, got int", id="inplace-int"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(2, 2, 8, 16), A()), ValueError,
