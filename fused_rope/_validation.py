@@ -27,6 +27,8 @@ FREQ_DTYPES = (torch.float32, torch.float64)
 # attention) or a KV group (Co-RoPE) in int32 (fewer registers in the loops): a block they
 # index that way must span fewer elements than this.
 INT32_INDEX_LIMIT = 2**31
+FP32_MAX = torch.finfo(torch.float32).max
+FP16_MAX = torch.finfo(torch.float16).max
 # CUDA's limit on a grid's second axis, where the attention kernels put (batch, head) pairs,
 # and on its third, where the RoPE kernel puts the batch
 MAX_GRID_AXIS1 = MAX_GRID_AXIS2 = 65535
@@ -145,10 +147,17 @@ def may_overlap(x: torch.Tensor) -> bool:
     by stride, each stride passes the furthest offset the smaller ones reach (a sufficient
     test; the rare non-overlapping layouts it cannot prove, such as strides that interleave,
     count as overlapping)."""
+    # By stride alone (two dimensions of one stride overlap in either order), in an insertion
+    # sort: Dynamo traces no sorted() of symbolic strides (torch.compile(dynamic=True)).
+    dims = []
+    for stride, size in zip(x.stride(), x.shape, strict=True):
+        if size > 1:
+            at = 0
+            while at < len(dims) and dims[at][0] <= stride:
+                at += 1
+            dims.insert(at, (stride, size))
     reach = 0
-    for stride, size in sorted(
-        (st, sz) for st, sz in zip(x.stride(), x.shape, strict=True) if sz > 1
-    ):
+    for stride, size in dims:
         if stride <= reach:
             return True
         reach += stride * (size - 1)
@@ -221,13 +230,13 @@ def is_finite(x) -> bool:
     return -math.inf < x < math.inf
 
 
-def check_scale(value, name: str) -> float:
-    """A scale (``output_scale``, ``attention_factor``, ...) as a float: any finite real
-    number, numpy's included."""
+def check_scale(value, name: str, limit: float = FP32_MAX) -> float:
+    """A scale (``output_scale``, ``attention_factor``, ...) as a float: a real number (numpy's
+    included) of magnitude below ``limit``, by default the fp32 range the kernels hold it in."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not is_finite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+    if not -limit < value < limit:  # NaN fails too
+        raise ValueError(f"{name} must be finite, of magnitude below {limit:.6g}, got {value}")
     return float(value)
 
 

@@ -18,6 +18,7 @@ from fused_rope._angle_grads import chain_positions, pair_cross, rows_grad
 from fused_rope._attention_common import rotated_width
 from fused_rope._device import compute_capability, num_sms
 from fused_rope._validation import (
+    FP16_MAX,
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
@@ -387,7 +388,7 @@ def _check_inputs(
     check_bool(causal, "causal")
     check_bool(return_lse, "return_lse")
     check_softmax_scale(softmax_scale, D)
-    check_scale(attention_factor, "attention_factor")
+    check_scale(attention_factor, "attention_factor", FP16_MAX)  # the fused kernels' fp16 tables
     if inv_freq is not None:  # theta is checked where its frequencies are made
         check_inv_freq(inv_freq, rope_dim)
         check_same_device(q=q, inv_freq=inv_freq)
@@ -595,7 +596,7 @@ def rope_attention(
         inv_freq = default_inv_freq(rope_dim, theta, q.device)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     scale = check_softmax_scale(softmax_scale, D)
-    factor = check_scale(attention_factor, "attention_factor")
+    factor = float(attention_factor)
     if impl == "separate":
         return _rope_then_sdpa(
             q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout,

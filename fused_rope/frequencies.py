@@ -327,7 +327,8 @@ def _longrope(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: 
             "and 'long_mscale' too (Phi-3.5-MoE's attention factors, short and long context)"
         )
     if mscales:  # Phi-3.5-MoE: they are the attention factor, as in transformers' Phimoe
-        attention_factor = _number(p, "long_mscale" if long else "short_mscale", "longrope")
+        short, long_ = (_number(p, key, "longrope") for key in ("short_mscale", "long_mscale"))
+        attention_factor = long_ if long else short
     elif "attention_factor" in p:
         attention_factor = _number(p, "attention_factor", "longrope")
     else:

@@ -778,6 +778,12 @@ BAD_INPUTS = [
         "attention_factor must be finite",
     ),
     (
+        "attention_factor past fp16",
+        lambda q, k, v: (q, k, v, {"attention_factor": 70000.0}),
+        ValueError,
+        "attention_factor must be finite, of magnitude below 65504",
+    ),
+    (
         "attention_factor str",
         lambda q, k, v: (q, k, v, {"attention_factor": "1.2"}),
         TypeError,

@@ -595,6 +595,9 @@ def test_longrope_short_and_long_mscale_are_the_attention_factor(seq_len, mscale
     assert torch.equal(su[0], longrope[0]) and su[1] == longrope[1]
     with pytest.raises(ValueError, match="needs the other of 'short_mscale' and 'long_mscale'"):
         rope_frequencies(64, 1e4, {**scaling, "long_mscale": 1.2}, seq_len=seq_len)
+    # both are checked, whichever seq_len picks
+    with pytest.raises(ValueError, match="long_mscale"):
+        rope_frequencies(64, 1e4, {**scaling, **mscales, "long_mscale": "x"}, seq_len=seq_len)
 
 
 def test_scaled_schedules_change_the_frequencies():

@@ -692,8 +692,12 @@ def test_torch_compile_fullgraph_inductor(dtype):
     _check_compiled("inductor", dtype)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=gpu)])
-def test_inplace_under_torch_compile(backend):
+@pytest.mark.parametrize(
+    "backend, dynamic",
+    [("aot_eager", None), ("aot_eager", True), pytest.param("inductor", None, marks=gpu)],
+)
+def test_inplace_under_torch_compile(backend, dynamic):
+    """In place under compile, with symbolic sizes and strides too (``may_overlap``)."""
     torch._dynamo.reset()
     dtype = torch.bfloat16 if backend == "inductor" else torch.float32
     angles = _angles(2, 50, 32, per_batch=False)
@@ -710,7 +714,7 @@ def test_inplace_under_torch_compile(backend):
     expected = apply_rope(x.clone(), angles, output_scale=0.5)
     expected_y = apply_rope(y.clone(), inv_freq=inv_freq, position_offset=77)
     with torch.no_grad():
-        out = torch.compile(fn, fullgraph=True, backend=backend)(x, y)
+        out = torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic)(x, y)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
     torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
@@ -849,6 +853,8 @@ BAD_INPUTS = [
                  ValueError, "output_scale must be finite", id="scale-nan"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), attention_factor=True), TypeError,
                  "attention_factor must be a float, got bool", id="factor-bool"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), attention_factor=1e39), ValueError,
+                 "attention_factor must be finite, of magnitude below 3.40282e", id="factor-fp32"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 1, 8, 16), A(),
                                        attention_factor=float("nan")),
                  ValueError, "attention_factor must be finite", id="qk-factor-nan"),
