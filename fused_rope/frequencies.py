@@ -128,20 +128,36 @@ def _check_theta(theta) -> None:
         raise ValueError(f"theta must be > 1, got {theta!r}")
 
 
-def _check_shared_keys(params: dict, rope_dim: int, kind: str) -> None:
+def _check_shared_keys(params: dict, rope_dim: int, kind: str, head_dim: int | None) -> None:
     """Check and remove from ``params`` the keys of transformers 5 ``rope_parameters`` that any
     type may carry and that leave ``inv_freq`` as it is.
 
     ``partial_rotary_factor`` is the fraction of the head that rotates: the caller's
-    ``rope_dim`` is already ``int(head_dim * partial_rotary_factor)`` and the head size is not
-    known here, so only the factor's range is checked. ``mrope_section`` (checked to sum to
-    ``rope_dim // 2``, which also catches a ``rope_dim`` that forgot the partial factor) and
-    ``mrope_interleaved`` are the ``sections`` and ``interleaved`` of ``mrope_angles``.
+    ``rope_dim`` must already be ``int(head_dim * partial_rotary_factor)``, which is checked
+    where ``head_dim`` is given (else only the factor's range). ``mrope_section`` (checked to
+    sum to ``rope_dim // 2``, which also catches a ``rope_dim`` that forgot the partial factor)
+    and ``mrope_interleaved`` are the ``sections`` and ``interleaved`` of ``mrope_angles``.
     """
+    fraction = None
     if "partial_rotary_factor" in params:
-        _number(params, "partial_rotary_factor", kind, maximum=1.0)
+        fraction = _number(params, "partial_rotary_factor", kind, maximum=1.0)
         if kind != "proportional":  # whose frequencies it sets
             del params["partial_rotary_factor"]
+    if head_dim is not None:
+        # proportional takes the whole head and zeroes the slots past the fraction itself;
+        # without the key (transformers 4 kept it on the config) rope_dim may be any part
+        if kind == "proportional":
+            expected, rule = head_dim, "the whole head for type 'proportional'"
+        elif fraction is not None:
+            expected = int(head_dim * fraction)
+            rule = f"int(head_dim * partial_rotary_factor), with partial_rotary_factor={fraction}"
+        else:
+            expected, rule = min(rope_dim, head_dim), "a part of the head"
+        if rope_dim != expected:
+            raise ValueError(
+                f"rope_dim must be {'at most ' if fraction is None else ''}{expected} for "
+                f"head_dim={head_dim} ({rule}), got {rope_dim}"
+            )
     # The context a checkpoint was trained to (Ministral 3 keeps it here); only longrope,
     # which lists it, reads it.
     if kind != "longrope":
@@ -160,13 +176,22 @@ def _check_shared_keys(params: dict, rope_dim: int, kind: str) -> None:
         _check_sections(params.pop("mrope_section"), rope_dim // 2, "scaling['mrope_section']")
 
 
-def _parse_scaling(scaling: Mapping | None, theta: float, rope_dim: int) -> tuple[str, dict]:
+def _parse_scaling(
+    scaling: Mapping | None, theta: float, rope_dim: int, head_dim: int | None = None
+) -> tuple[str, dict]:
     """The scaling type and its parameters; keys set to None count as absent (but see yarn's
     ``truncate``)."""
     if scaling is None:
-        return "default", {}
+        scaling = {}  # still checked against head_dim
     if not isinstance(scaling, Mapping):
         raise TypeError(f"scaling must be None or a mapping, got {type(scaling).__name__}")
+    nested = [k for k, v in scaling.items() if isinstance(v, Mapping)]
+    if nested:
+        raise ValueError(
+            f"scaling holds mappings under {nested}: rope_parameters per layer type "
+            "(transformers 5's Gemma 3 and others); pass the one of the layers at hand, e.g. "
+            f"scaling=rope_parameters[{nested[0]!r}]"
+        )
     params = {k: v for k, v in scaling.items() if v is not None}
     # transformers takes "type" only where "rope_type" is absent (standardize_rope_params:
     # setdefault("rope_type", get("type"))), so rope_type wins and a differing type is ignored.
@@ -189,7 +214,7 @@ def _parse_scaling(scaling: Mapping | None, theta: float, rope_dim: int) -> tupl
         raise ValueError(
             f"scaling['rope_theta']={scaling['rope_theta']!r} disagrees with theta={theta!r}"
         )
-    _check_shared_keys(params, rope_dim, kind)
+    _check_shared_keys(params, rope_dim, kind, head_dim)
     required, optional = _SCALING_KEYS[kind]
     missing = [k for k in required if k not in params]
     if missing:
@@ -364,6 +389,7 @@ def rope_frequencies(
     scaling: Mapping | None = None,
     *,
     seq_len: int | None = None,
+    head_dim: int | None = None,
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies of RoPE, with the context-extension schedules checkpoints use.
@@ -434,6 +460,11 @@ def rope_frequencies(
         seq_len: the current sequence length (max position + 1), an int (Python's, numpy's
             or a 0-d integer tensor); only
             ``dynamic`` and ``longrope`` depend on it, the other types ignore it.
+        head_dim: the model's head size, optional: given, ``rope_dim`` is checked to be
+            ``int(head_dim * partial_rotary_factor)`` where ``scaling`` holds that key (the
+            whole head for ``proportional``; at most ``head_dim`` otherwise), which catches a
+            ``rope_dim`` that forgot a partial rotation (GLM-4.5's 0.5: 64 frequencies on the
+            128 ladder instead of 32 on the 64 one, all valid numbers).
         device: where ``inv_freq`` goes (default CPU).
 
     Returns:
@@ -452,7 +483,13 @@ def rope_frequencies(
     ):
         raise ValueError(f"seq_len must be None or a positive int, got {seq_len!r}")
     seq_len = None if seq_len is None else int(seq_len)
-    kind, params = _parse_scaling(scaling, theta, rope_dim)
+    if head_dim is not None and (
+        isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1
+    ):
+        raise ValueError(f"head_dim must be None or a positive int, got {head_dim!r}")
+    kind, params = _parse_scaling(
+        scaling, theta, rope_dim, None if head_dim is None else int(head_dim)
+    )
     inv = float(theta) ** -_ladder_exponent(rope_dim)
     inv, attention_factor = _SCHEDULES[kind](inv, params, rope_dim, float(theta), seq_len)
     return inv.to(device=device, dtype=torch.float32), float(attention_factor)

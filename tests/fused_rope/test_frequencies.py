@@ -1059,6 +1059,44 @@ def test_nd_rope_angles_gradients():
         assert_close(f"d freqs group {g}", freqs.grad[:, g], ref_f, atol=1e-2, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "rope_dim, scaling, head_dim, match",
+    [
+        (128, {"rope_type": "default", "partial_rotary_factor": 0.5}, 128, "must be 64 "),
+        (64, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+              "partial_rotary_factor": 0.75}, 64, "must be 48 "),
+        (64, {"rope_type": "proportional", "partial_rotary_factor": 0.25}, 128, "must be 128 "),
+        (160, None, 128, "must be at most 128 "),
+        (64, None, 0, "head_dim must be None or a positive int"),
+        (64, None, 64.0, "head_dim must be None or a positive int"),
+    ],
+)  # fmt: skip
+def test_head_dim_catches_a_rope_dim_that_forgot_the_partial_rotation(
+    rope_dim, scaling, head_dim, match
+):
+    """GLM-4.5's partial_rotary_factor 0.5 in its rope_parameters: rope_dim 128 of a 128 head
+    gives 64 valid-looking frequencies on the wrong ladder; with head_dim it is refused, and the
+    right rope_dim passes."""
+    with pytest.raises(ValueError, match=match):
+        rope_frequencies(rope_dim, 1e4, scaling, head_dim=head_dim)
+    if isinstance(head_dim, int) and head_dim > 0:
+        fraction = (scaling or {}).get("partial_rotary_factor", 1.0)
+        good = head_dim if (scaling or {}).get("rope_type") == "proportional" else None
+        good = good or int(head_dim * fraction)
+        inv, _ = rope_frequencies(good, 1e4, scaling, head_dim=head_dim)
+        assert inv.shape == (good // 2,)
+
+
+def test_per_layer_type_rope_parameters_are_named_in_the_error():
+    """transformers 5 keeps Gemma 3's rope_parameters per layer type: the error says which
+    mapping to pass."""
+    nested = {"full_attention": {"rope_type": "linear", "factor": 8.0},
+              "sliding_attention": {"rope_type": "default"}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"scaling=rope_parameters\['full_attention'\]"):
+        rope_frequencies(64, 1e6, nested)
+    assert rope_frequencies(64, 1e6, nested["full_attention"])[0].shape == (32,)
+
+
 def test_nd_rope_axial_layout_is_the_vision_towers_rope():
     """layout="axial" against transformers' Qwen2-VL vision RoPE (an axis a block of the
     slots, each its own ladder over ``R / n_axes`` channels), cos and sin of random (h, w)
