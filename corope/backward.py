@@ -404,6 +404,12 @@ def _corope_bwd_kernel(
                 QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry_z, local, two_pi, inv_two_pi,
                 stride_pqh, stride_pqd, stride_pkd, G, GP, FAST_TRIG,
             )  # fmt: skip
+            # The forward's scores (and so lse) come from the rotated keys rounded to the
+            # inputs' dtype, its tensor cores' operands: P is recomputed from the same keys
+            # (unrounded, half-precision P drifted from lse with the logits' size: dv off by
+            # 342 at fp16 logits of ~1e3, against 0.2 for a rounded-key reference).
+            kr1 = kr1.to(K.dtype.element_ty).to(tl.float32)
+            kr2 = kr2.to(K.dtype.element_ty).to(tl.float32)
             # Two accumulations: one FMA per element each.
             s3 += q1[:, :, None] * kr1[:, None, :]
             s3 += q2[:, :, None] * kr2[:, None, :]

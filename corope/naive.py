@@ -13,6 +13,8 @@ small enough to be one chunk of at most ``_KEEP_ELEMENTS`` keeps its tensors ins
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -225,10 +227,12 @@ def corope_attention_ref(
         ("return_lse", return_lse),
     ):
         check_bool(flag, name)
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+            raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        chunk_size = int(chunk_size)
     if rotated_key_dtype is not None and (
         not isinstance(rotated_key_dtype, torch.dtype) or not rotated_key_dtype.is_floating_point
     ):
@@ -263,7 +267,7 @@ def corope_attention_ref(
     )
     recompute = (
         torch.is_grad_enabled()
-        and any(t.requires_grad for t in (q, k, v))
+        and any(t.requires_grad for t in (q, k, v, w))  # w: learned frequencies
         and not under_functorch()
         and not one_small_chunk
     )

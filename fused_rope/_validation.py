@@ -249,8 +249,10 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
         return int(head_dim) ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
-    if not (is_finite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
+    if not 0 < softmax_scale < FP32_MAX:  # the kernels hold it in fp32; NaN fails too
+        raise ValueError(
+            f"softmax_scale must be positive and finite in fp32, got {softmax_scale!r}"
+        )
     return float(softmax_scale)
 
 

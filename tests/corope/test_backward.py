@@ -738,6 +738,38 @@ def test_end_to_end_fp16(leader):
     _check_end_to_end(1, 4, 1, 63, 64, torch.float16, leader)
 
 
+def _check_large_logits(HQ, HKV, N, D, dtype, scale):
+    """q and k times ``scale`` (logits of standard deviation about ``scale**2``): the backward
+    recomputes P from the forward's lse, whose scores take the rotated keys rounded to the
+    inputs' dtype (the tensor cores' operands), so it must take them rounded too: unrounded,
+    P drifted from lse with the logits (fp16, scale 10: dv 0.24 off, 65x this baseline's).
+    The baseline is the reference with those keys rounded (``rotated_key_dtype``), run in
+    ``dtype``: what the kernels compute."""
+    q, k, v, do = _inputs(1, HQ, HKV, N, D, dtype)
+    q, k = (x * scale for x in (q, k))
+    truth = _ref_grads(q, k, v, do, torch.float64)
+    baseline = _ref_grads(q, k, v, do, dtype, rotated_key_dtype=dtype)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = corope_attention(*leaves)
+    grads = torch.autograd.grad(o, leaves, do)
+    for name, out, ref, base in zip(
+        ("o", "dq", "dk", "dv"), (o, *grads), truth[:1] + truth[2:], baseline[:1] + baseline[2:],
+        strict=True,
+    ):  # fmt: skip
+        assert_close_to_baseline(name, out, ref, base)
+
+
+@pytest.mark.parametrize("scale", [2.0, 4.0])
+def test_end_to_end_fp16_large_logits(scale):
+    _check_large_logits(4, 2, 40, 32, torch.float16, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_end_to_end_large_logits_gpu(dtype):
+    _check_large_logits(8, 2, 700, 128, dtype, 4.0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("G, N, D", [(4, 1000, 128), (1, 777, 64), (8, 2048, 128)])

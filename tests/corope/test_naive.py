@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,6 +159,13 @@ def test_chunks_are_recomputed_in_the_backward_unless_the_call_is_one_small_chun
     with torch.no_grad():  # nothing to recompute without autograd
         corope_attention_ref(*leaves, chunk_size=5)
     assert len(calls) == 6
+    # learned frequencies alone need a gradient: still checkpointed (numpy's ints are ints)
+    w = corope_inv_freq(16, 10000.0, None, "cpu", torch.float64).clone().requires_grad_()
+    frozen = [x.detach() for x in leaves]
+    corope_attention_ref(*frozen, inv_freq=w, chunk_size=np.int64(5)).sum().backward()
+    assert len(calls) == 11 and w.grad is not None
+    with pytest.raises(TypeError, match="chunk_size must be an int or None, got float"):
+        corope_attention_ref(*frozen, chunk_size=5.0)
 
 
 def test_rows_are_the_full_references_rows():

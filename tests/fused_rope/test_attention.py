@@ -772,6 +772,12 @@ BAD_INPUTS = [
     ),
     ("scale bool", lambda q, k, v: (q, k, v, {"softmax_scale": True}), TypeError, "must be a num"),
     (
+        "scale past fp32",
+        lambda q, k, v: (q, k, v, {"softmax_scale": 1e39}),
+        ValueError,
+        "softmax_scale must be positive and finite in fp32",
+    ),
+    (
         "attention_factor inf",
         lambda q, k, v: (q, k, v, {"attention_factor": float("inf")}),
         ValueError,
