@@ -17,7 +17,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from lm.config import register_configs  # noqa: E402
-from lm.training import train  # noqa: E402
+from lm.training import exit_between_records, train  # noqa: E402
 
 register_configs()
 
@@ -34,7 +34,7 @@ def _terminate(signum, frame):
     A second SIGTERM kills at once: a DDP rank blocked in a collective cannot run this handler,
     and its peers' exit would leave it waiting."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise SystemExit(128 + signum)
+    exit_between_records(128 + signum)  # a record in progress ends first
 
 
 if __name__ == "__main__":

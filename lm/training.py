@@ -76,6 +76,21 @@ from lm.profiling import AttentionTimer, model_flops_per_token, peak_bf16_flops
 
 log = logging.getLogger(__name__)
 
+# A stop (SIGTERM: train.py's handler) that came while a record was being written, held until
+# the record is in both metrics.jsonl and the logger: {"recording": bool, "exit": code or None}
+_STOP = {"recording": False, "exit": None}
+
+
+def exit_between_records(code: int) -> None:
+    """Ends the process with ``SystemExit(code)`` now, or, from a signal handler that ran
+    while ``_Run._record`` was writing, as soon as that record is in both metrics.jsonl
+    and the logger (a SIGTERM between the two left a step in the file that wandb never got).
+    Signal handlers run in the main thread, the trainer's, between its bytecodes."""
+    if _STOP["recording"]:
+        _STOP["exit"] = code
+        return
+    raise SystemExit(code)
+
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Multiplier of the peak learning rate at ``step`` (0-based): linear warmup over
@@ -396,7 +411,7 @@ class _Jsonl:
             kept = [
                 r
                 for r in records
-                if r["step"] <= keep_until and not r.get("stopped_early")  # Trainer._record
+                if r["step"] <= keep_until and not r.get("stopped_early")  # _Run._record
             ]
             text = "".join(json.dumps(r) + "\n" for r in kept)
             replace_atomically(path, lambda tmp: tmp.write_text(text))
@@ -672,9 +687,16 @@ class _Run:
         resumed service run has already, ``logged_through``); ``off_schedule`` (a
         train.max_minutes stop's log or evaluation) marks the record for a resume to drop."""
         extra = {"stopped_early": True} if off_schedule else {}
-        self.jsonl.write({"step": self.step, **metrics, **extra})
-        if self.logged_through is None or self.step > self.logged_through:
-            self.logger.log(metrics, self.step)
+        _STOP["recording"] = True
+        try:
+            self.jsonl.write({"step": self.step, **metrics, **extra})
+            if self.logged_through is None or self.step > self.logged_through:
+                self.logger.log(metrics, self.step)
+        finally:
+            _STOP["recording"] = False
+        if _STOP["exit"] is not None:  # a stop that came while recording
+            code, _STOP["exit"] = _STOP["exit"], None
+            raise SystemExit(code)
 
     def _train_step(self) -> tuple[float, int]:
         """One optimizer step; returns (the global batch's loss, tokens in the global batch).

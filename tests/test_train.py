@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -319,6 +320,32 @@ def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path
         if (item.key or "/".join(item.nested_key)) == "step"
     ]
     assert len(logged) >= 20 and logged == in_wandb
+
+
+def test_a_stop_during_a_record_waits_for_the_record():
+    """SIGTERM's handler (``exit_between_records``) called while a step's record is being
+    written, here from inside the logger's call: the record reaches metrics.jsonl and the
+    logger both, then the run exits with the handler's code (the race that left a step in
+    metrics.jsonl that wandb never got); outside a record it exits at once."""
+    written, logged = [], []
+
+    class Logger:
+        def log(self, metrics, step):
+            lm.training.exit_between_records(143)  # the signal, mid-record
+            logged.append(step)
+
+    trainer = types.SimpleNamespace(
+        step=7, jsonl=types.SimpleNamespace(write=written.append), logged_through=None,
+        logger=Logger(),
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        lm.training._Run._record(trainer, {"train/loss": 1.0})
+    assert stop.value.code == 143 and written == [{"step": 7, "train/loss": 1.0}]
+    assert logged == [7]
+    with pytest.raises(SystemExit):
+        lm.training.exit_between_records(143)
+    trainer.logger = NullLogger()  # a record without a stop ends normally
+    lm.training._Run._record(trainer, {"train/loss": 2.0})
 
 
 @pytest.mark.parametrize(
