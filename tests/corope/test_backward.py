@@ -713,13 +713,19 @@ def test_backward_deterministic_gpu(N, D, detach_mileage, chains, monkeypatch):
                 assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
-def _check_end_to_end(B, HQ, HKV, N, D, dtype, leader, **kw):
+def _check_end_to_end(B, HQ, HKV, N, D, dtype, leader, scale=1.0, rounded_keys=False, **kw):
     """Both kernels through the public function: the backward runs on the forward kernel's
     own o and lse (whose scores take the rotated key in the input dtype), not the reference's.
+    ``scale`` multiplies q and k (logits of standard deviation about ``scale**2``);
+    ``rounded_keys``: the baseline is the reference with the rotated keys rounded to ``dtype``
+    (``rotated_key_dtype``), what the kernels compute, for logits so large that rounding the
+    keys alone takes the kernels past twice the plain baseline's error.
     ``kw``: corope_attention's other options (rope_dim, detach_mileage, theta)."""
     q, k, v, do = _inputs(B, HQ, HKV, N, D, dtype)
+    q, k = (x * scale for x in (q, k))
     truth = _ref_grads(q, k, v, do, torch.float64, leader=leader, **kw)
-    baseline = _ref_grads(q, k, v, do, dtype, leader=leader, **kw)
+    rounding = dict(rotated_key_dtype=dtype) if rounded_keys else {}
+    baseline = _ref_grads(q, k, v, do, dtype, leader=leader, **rounding, **kw)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     o = corope_attention(q, k, v, leader=leader, **kw)
     grads = torch.autograd.grad(o, (q, k, v), do)
@@ -738,36 +744,18 @@ def test_end_to_end_fp16(leader):
     _check_end_to_end(1, 4, 1, 63, 64, torch.float16, leader)
 
 
-def _check_large_logits(HQ, HKV, N, D, dtype, scale):
-    """q and k times ``scale`` (logits of standard deviation about ``scale**2``): the backward
-    recomputes P from the forward's lse, whose scores take the rotated keys rounded to the
-    inputs' dtype (the tensor cores' operands), so it must take them rounded too: unrounded,
-    P drifted from lse with the logits (fp16, scale 10: dv 0.24 off, 65x this baseline's).
-    The baseline is the reference with those keys rounded (``rotated_key_dtype``), run in
-    ``dtype``: what the kernels compute."""
-    q, k, v, do = _inputs(1, HQ, HKV, N, D, dtype)
-    q, k = (x * scale for x in (q, k))
-    truth = _ref_grads(q, k, v, do, torch.float64)
-    baseline = _ref_grads(q, k, v, do, dtype, rotated_key_dtype=dtype)
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    o = corope_attention(*leaves)
-    grads = torch.autograd.grad(o, leaves, do)
-    for name, out, ref, base in zip(
-        ("o", "dq", "dk", "dv"), (o, *grads), truth[:1] + truth[2:], baseline[:1] + baseline[2:],
-        strict=True,
-    ):  # fmt: skip
-        assert_close_to_baseline(name, out, ref, base)
-
-
 @pytest.mark.parametrize("scale", [2.0, 4.0])
 def test_end_to_end_fp16_large_logits(scale):
-    _check_large_logits(4, 2, 40, 32, torch.float16, scale)
+    """The backward recomputes P from the forward's lse, whose scores take the rotated keys
+    rounded to the inputs' dtype: it must take them rounded too (unrounded, P drifted from lse
+    with the logits: fp16, scale 10, dv 0.24 off, 65x the plain baseline's)."""
+    _check_end_to_end(1, 4, 2, 40, 32, torch.float16, "first", scale, rounded_keys=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_end_to_end_large_logits_gpu(dtype):
-    _check_large_logits(8, 2, 700, 128, dtype, 4.0)
+    _check_end_to_end(1, 8, 2, 700, 128, dtype, "first", 4.0, rounded_keys=True)
 
 
 @pytest.mark.gpu
