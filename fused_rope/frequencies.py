@@ -35,6 +35,18 @@ _SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "default": ((), ()),
     "linear": (("factor",), ()),
     "dynamic": (("factor", "original_max_position_embeddings"), ()),
+    # HunYuan's checkpoints also carry the other keys, which transformers ignores for it.
+    "ntk_alpha": (
+        ("alpha",),
+        (
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+        ),
+    ),
     "yarn": (
         ("factor", "original_max_position_embeddings"),
         ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
@@ -59,7 +71,8 @@ SCALING_TYPES = tuple(_SCALING_KEYS)
 # Qwen2-VL / Qwen2.5-VL checkpoints store {"type": "mrope", "mrope_section": [...]}; transformers'
 # configs of those models turn that type into "default" (M-RoPE changes positions, not inv_freq).
 # Phi-3's first long-context checkpoints name LongRoPE "su", which transformers reads as such.
-_TYPE_ALIASES = {"mrope": "default", "su": "longrope"}
+# HunyuanOCR's (HunYuan-VL) "xdrope" is "dynamic" with sections of positions per axis.
+_TYPE_ALIASES = {"mrope": "default", "su": "longrope", "xdrope": "dynamic"}
 
 
 def _is_number(value) -> bool:
@@ -172,8 +185,14 @@ def _check_shared_keys(params: dict, rope_dim: int, kind: str, head_dim: int | N
     for key in ("mrope_interleaved", "interleaved"):
         _flag(params, key, kind, False)
         params.pop(key, None)
-    if "mrope_section" in params:
-        _check_sections(params.pop("mrope_section"), rope_dim // 2, "scaling['mrope_section']")
+    # xdrope_section: HunYuan-VL's older name, which transformers refuses when the two differ.
+    sections = {
+        key: tuple(_check_sections(params.pop(key), rope_dim // 2, f"scaling[{key!r}]"))
+        for key in ("mrope_section", "xdrope_section")
+        if key in params
+    }
+    if len(set(sections.values())) > 1:
+        raise ValueError(f"scaling's mrope_section and xdrope_section differ, got {sections}")
 
 
 def _parse_scaling(
@@ -205,6 +224,13 @@ def _parse_scaling(
         raise ValueError(
             f"scaling[{key!r}] must be one of {SCALING_TYPES + tuple(_TYPE_ALIASES)}, got {kind!r}"
         )
+    if kind == "dynamic" and "alpha" in params:
+        # HunYuan's NTK-alpha: transformers turns "dynamic" with a non-zero alpha into its
+        # static "ntk_alpha" (and reads a zero alpha as none).
+        if params["alpha"] == 0 and not isinstance(params["alpha"], bool):
+            del params["alpha"]
+        else:
+            kind = "ntk_alpha"
     if kind == "yarn" and "truncate" in scaling and scaling["truncate"] is None:
         # None counts as absent elsewhere, as in transformers, but its yarn reads
         # get("truncate", True) and tests `if truncate:`, so there None turns truncation off.
@@ -243,16 +269,26 @@ def _linear(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: in
     return inv / _number(p, "factor", "linear", minimum=1.0, strict=False), 1.0
 
 
+def _ntk_base(theta: float, stretch: float, rope_dim: int, kind: str) -> float:
+    """NTK-aware base ``theta * stretch ** (R / (R - 2))``."""
+    if rope_dim <= 2:
+        raise ValueError(
+            f"{kind} NTK scaling needs rope_dim > 2 (base exponent R/(R-2)), got {rope_dim}"
+        )
+    return theta * stretch ** (rope_dim / (rope_dim - 2))
+
+
 def _dynamic(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
     factor = _number(p, "factor", "dynamic", minimum=1.0, strict=False)
     original = _positive_int(p, "original_max_position_embeddings", "dynamic")
-    if rope_dim <= 2:
-        raise ValueError(
-            f"dynamic NTK scaling needs rope_dim > 2 (base exponent R/(R-2)), got {rope_dim}"
-        )
     length = original if seq_len is None else max(seq_len, original)
-    base = theta * (factor * length / original - (factor - 1)) ** (rope_dim / (rope_dim - 2))
+    base = _ntk_base(theta, factor * length / original - (factor - 1), rope_dim, "dynamic")
     return base ** -_ladder_exponent(rope_dim), 1.0
+
+
+def _ntk_alpha(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
+    alpha = _number(p, "alpha", "ntk_alpha", minimum=1.0, strict=False)
+    return _ntk_base(theta, alpha, rope_dim, "ntk_alpha") ** -_ladder_exponent(rope_dim), 1.0
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -376,6 +412,7 @@ _SCHEDULES = {
     "default": _unscaled,
     "linear": _linear,
     "dynamic": _dynamic,
+    "ntk_alpha": _ntk_alpha,
     "yarn": _yarn,
     "llama3": _llama3,
     "longrope": _longrope,
@@ -418,6 +455,17 @@ def rope_frequencies(
       keep the frequencies of the longest length seen until the length drops below ``L0``
       (a 6000-token call after a 10000-token one gets 6000's frequencies here, 10000's
       there).
+    * ``"ntk_alpha"`` (HunYuan; transformers' name for ``"dynamic"`` with a non-zero
+      ``alpha``, which is how the checkpoints store it): theta becomes
+      ``theta * alpha ** (R / (R - 2))`` at every length (``alpha >= 1``). Keys: ``alpha``;
+      ``factor``, ``L0``, ``beta_fast``, ``beta_slow``, ``mscale`` and ``mscale_all_dim``,
+      which HunYuan's configs carry, are accepted and, as in transformers, not read. Type
+      ``"xdrope"`` (HunyuanOCR) means ``"dynamic"``, and its ``xdrope_section`` is checked
+      as ``mrope_section``. Only the frequencies: XD-RoPE's multi-axis positions give the
+      two halves of a rotated pair different axes (transformers doubles each section, so
+      channels ``d`` and ``d + R/2`` take their angles from different axes), which is not
+      a rotation and which ``mrope_angles`` does not produce; text positions (every axis
+      equal) are plain RoPE.
     * ``"yarn"`` (Peng et al. 2023; DeepSeek-V2/V3, Qwen2.5/Qwen3 long context, gpt-oss):
       slot ``d`` blends
       ``inv_freq`` (extrapolation) into ``inv_freq / f`` (interpolation) by a ramp that is 0

@@ -419,6 +419,18 @@ def test_rope_frequencies_match_transformers(rope_dim, theta, scaling, seq_len, 
     _assert_scalar("attention_factor", factor, hf_factor)
 
 
+# Hunyuan-A13B's rope_scaling (type "dynamic"): NTK-alpha, with YaRN keys its model does not read.
+_HUNYUAN_A13B = {
+    "rope_theta": 10000.0,
+    "alpha": 1000.0,
+    "factor": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
 _PHI4_MINI = {  # Phi-4-mini's shape: head_dim 128 of which 96 rotate, longrope
     "hidden_size": 3072,
     "num_attention_heads": 24,
@@ -516,6 +528,38 @@ _PHI4_MINI = {  # Phi-4-mini's shape: head_dim 128 of which 96 rotate, longrope
             ["partial_rotary_factor", "mrope_section"],
             id="glm-4v-partial",
         ),
+        pytest.param(
+            "hunyuan_v1_dense",
+            "HunYuanDenseV1Config",
+            "HunYuanDenseV1RotaryEmbedding",
+            {
+                "hidden_size": 256,
+                "num_attention_heads": 2,
+                "head_dim": 128,
+                "rope_parameters": {**_HUNYUAN_A13B, "rope_type": "dynamic"},
+            },
+            None,
+            ["alpha", "beta_fast", "mscale_all_dim"],
+            id="hunyuan-ntk-alpha",
+        ),
+        pytest.param(
+            "hunyuan_vl",
+            "HunYuanVLTextConfig",
+            "HunYuanVLRotaryEmbedding",
+            {
+                "hidden_size": 256,
+                "num_attention_heads": 2,
+                "head_dim": 128,
+                "rope_parameters": {
+                    **_HUNYUAN_A13B,
+                    "type": "xdrope",
+                    "xdrope_section": [16, 16, 16, 16],
+                },
+            },
+            None,
+            ["alpha", "mrope_section"],
+            id="hunyuan-ocr-xdrope",
+        ),
     ],
 )
 def test_transformers_rope_parameters_are_accepted(
@@ -546,6 +590,45 @@ def test_transformers_rope_parameters_are_accepted(
     inv, factor = rope_frequencies(rope_dim, scaling["rope_theta"], scaling, seq_len=seq_len)
     _assert_ratio_one("inv_freq / transformers'", inv, hf_inv, FREQ_RTOL)
     _assert_scalar("attention_factor", factor, hf_factor)
+
+
+def test_hunyuan_ocr_checkpoint_scaling_gives_its_model_frequencies():
+    """HunyuanOCR's rope_scaling as its checkpoint stores it (type ``"xdrope"``, legacy
+    ``xdrope_section``, NTK-alpha and unread YaRN keys) gives transformers' HunYuan-VL
+    frequencies; transformers' config renames both keys before its model sees them."""
+    config_cls, rotary_cls = _hf_classes(
+        "hunyuan_vl", "HunYuanVLTextConfig", "HunYuanVLRotaryEmbedding"
+    )
+    checkpoint = {**_HUNYUAN_A13B, "type": "xdrope", "xdrope_section": [16, 16, 16, 16]}
+    config = config_cls(
+        hidden_size=256, num_attention_heads=2, head_dim=128, rope_parameters=dict(checkpoint)
+    )
+    rotary = rotary_cls(config)
+    inv, factor = rope_frequencies(128, 10000.0, checkpoint, head_dim=128)
+    _assert_ratio_one("inv_freq / transformers'", inv, rotary.inv_freq, FREQ_RTOL)
+    _assert_scalar("attention_factor", factor, rotary.attention_scaling)
+
+
+@pytest.mark.parametrize("rope_dim", [4, 64, 128])
+def test_ntk_alpha_is_a_fixed_stretch_of_the_base(rope_dim):
+    """``theta * alpha ** (R / (R - 2))`` at every ``seq_len`` (the formula, without
+    transformers); ``"dynamic"`` with a non-zero ``alpha`` is it, with a zero ``alpha``
+    plain dynamic NTK."""
+    theta, alpha = 10000.0, 1000.0
+    base = theta * alpha ** (rope_dim / (rope_dim - 2))
+    expected = (base ** -(torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)).float()
+    for seq_len in (None, 10, 10**6):
+        for scaling in (
+            {"rope_type": "ntk_alpha", "alpha": alpha},
+            {**_HUNYUAN_A13B, "type": "dynamic"},
+        ):
+            inv, factor = rope_frequencies(rope_dim, theta, scaling, seq_len=seq_len)
+            assert torch.equal(inv, expected) and factor == 1.0
+    dynamic = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+    assert torch.equal(
+        rope_frequencies(rope_dim, theta, {**dynamic, "alpha": 0}, seq_len=100)[0],
+        rope_frequencies(rope_dim, theta, dynamic, seq_len=100)[0],
+    )
 
 
 @pytest.mark.parametrize(
@@ -758,6 +841,28 @@ LONGROPE = {
         ({"scaling": {"type": "linear", "factor": 2.0, "facter": 3}}, ValueError, "facter"),
         ({"scaling": {"type": "default", "factor": 2.0}}, ValueError, "factor"),
         ({"scaling": {"type": "dynamic", "factor": 2.0}}, ValueError, "original_max_position"),
+        ({"scaling": {"type": "dynamic", "alpha": 0.5}}, ValueError, "alpha"),
+        ({"scaling": {"type": "dynamic", "alpha": "1000"}}, ValueError, "alpha"),
+        ({"scaling": {"type": "ntk_alpha", "factor": 1.0}}, ValueError, "alpha"),
+        ({"scaling": {"type": "dynamic", "alpha": 9.0, "low_freq_factor": 1}}, ValueError, "low"),
+        ({"rope_dim": 2, "scaling": {"type": "ntk_alpha", "alpha": 9.0}}, ValueError, "rope_dim"),
+        (
+            {"scaling": {"type": "xdrope", "alpha": 9.0, "xdrope_section": [8, 8, 8, 6]}},
+            ValueError,
+            "xdrope_section",
+        ),
+        (
+            {
+                "scaling": {
+                    "type": "xdrope",
+                    "alpha": 9.0,
+                    "xdrope_section": [8, 8, 8, 8],
+                    "mrope_section": [16, 16],
+                }
+            },
+            ValueError,
+            "differ",
+        ),
         (
             {"rope_dim": 2, "scaling": {**YARN, "type": "dynamic"}},
             ValueError,
