@@ -259,6 +259,12 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
 def check_rope_dim(rope_dim: int | None, head_dim: int) -> int:
     """Resolves ``rope_dim`` (default: the head dim) and checks it is even and at most D."""
     if rope_dim is None:
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(
+                f"the head dim (the inputs' last dimension) must be even and positive to "
+                f"rotate all its channels (rope_dim=None), got {head_dim}; or pass an even "
+                "rope_dim below it"
+            )
         rope_dim = int(head_dim)  # a Python int under torch.compile(dynamic=True), as above
     if isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral):
         raise TypeError(f"rope_dim must be an int, got {type(rope_dim).__name__}")

@@ -384,6 +384,7 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         (lambda: _small(), {"detach_mileage": "False"}, TypeError, "detach_mileage must be a bool"),
         (lambda: _small(), {"deterministic": 1}, TypeError, "deterministic must be a bool"),
         (lambda: _small(HQ=0, HKV=1), {}, ValueError, "positive multiple"),
+        (lambda: _small(D=33), {}, ValueError, r"head dim .* must be even .*got 33"),
     ],
     ids=[
         "HQ-not-multiple",
@@ -407,6 +408,7 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         "detach-mileage-str",
         "deterministic-int",
         "HQ0",
+        "odd-D",
     ],
 )
 def test_bad_inputs_raise(make, kwargs, exc, words):

@@ -819,6 +819,8 @@ BAD_INPUTS = [
                  "rope_dim must be even.*got 7", id="odd-rope-dim"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), rope_dim=18), ValueError,
                  "rope_dim .*at most the head dim 16, got 18", id="rope-dim-too-large"),
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 15), A(half=7)), ValueError,
+                 r"head dim .* must be even .*\(rope_dim=None\), got 15", id="odd-head-dim"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), rope_dim=8.0), TypeError,
                  "rope_dim must be an int", id="float-rope-dim"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(n=9)), ValueError,
