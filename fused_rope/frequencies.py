@@ -450,7 +450,8 @@ def rope_frequencies(
     * ``"dynamic"`` (dynamic NTK, bloc97/emozilla; transformers' ``dynamic``): theta becomes
       ``theta * (f L / L0 - (f - 1)) ** (R / (R - 2))`` with ``L = max(seq_len, L0)``
       (``L0`` when ``seq_len`` is None: unscaled). Keys: ``factor``, ``L0`` (transformers
-      reads it from ``config.max_position_embeddings``). Recompute as ``seq_len`` changes:
+      reads it from ``config.max_position_embeddings``); with a non-zero ``alpha`` it is
+      ``"ntk_alpha"``. Recompute as ``seq_len`` changes:
       this function is stateless, a function of ``seq_len`` alone, where transformers' models
       keep the frequencies of the longest length seen until the length drops below ``L0``
       (a 6000-token call after a 10000-token one gets 6000's frequencies here, 10000's
