@@ -15,6 +15,7 @@ from fused_rope.frequencies import (
     nd_rope_frequencies,
     rope_angles,
     rope_frequencies,
+    scaling_type,
 )
 from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from fused_rope.rope import apply_rope, apply_rope_qk
@@ -31,4 +32,5 @@ __all__ = [
     "rope_attention",
     "rope_attention_ref",
     "rope_frequencies",
+    "scaling_type",
 ]

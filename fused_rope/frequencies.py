@@ -195,11 +195,9 @@ def _check_shared_keys(params: dict, rope_dim: int, kind: str, head_dim: int | N
         raise ValueError(f"scaling's mrope_section and xdrope_section differ, got {sections}")
 
 
-def _parse_scaling(
-    scaling: Mapping | None, theta: float, rope_dim: int, head_dim: int | None = None
-) -> tuple[str, dict]:
-    """The scaling type and its parameters; keys set to None count as absent (but see yarn's
-    ``truncate``)."""
+def _scaling_type(scaling: Mapping | None) -> tuple[str, str, dict]:
+    """``(key, kind, params)``: the key that names the type (``"rope_type"`` or ``"type"``),
+    the schedule it resolves to, and the other keys (None counts as absent)."""
     if scaling is None:
         scaling = {}  # still checked against head_dim
     if not isinstance(scaling, Mapping):
@@ -231,6 +229,25 @@ def _parse_scaling(
             del params["alpha"]
         else:
             kind = "ntk_alpha"
+    return key, kind, params
+
+
+def scaling_type(scaling: Mapping | None) -> str:
+    """The schedule ``rope_frequencies`` applies for ``scaling``, one of ``SCALING_TYPES``:
+    its ``"rope_type"`` (or ``"type"``) with the aliases resolved (``"mrope"`` is
+    ``"default"``, ``"su"`` ``"longrope"``, ``"xdrope"`` ``"dynamic"``) and ``"dynamic"``
+    with a non-zero ``alpha`` as ``"ntk_alpha"``. Only ``"dynamic"`` and ``"longrope"`` depend
+    on ``seq_len``."""
+    return _scaling_type(scaling)[1]
+
+
+def _parse_scaling(
+    scaling: Mapping | None, theta: float, rope_dim: int, head_dim: int | None = None
+) -> tuple[str, dict]:
+    """The scaling type and its parameters; keys set to None count as absent (but see yarn's
+    ``truncate``)."""
+    key, kind, params = _scaling_type(scaling)
+    scaling = scaling or {}
     if kind == "yarn" and "truncate" in scaling and scaling["truncate"] is None:
         # None counts as absent elsewhere, as in transformers, but its yarn reads
         # get("truncate", True) and tests `if truncate:`, so there None turns truncation off.

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from fused_rope.frequencies import rope_angles, rope_frequencies
+from fused_rope.frequencies import rope_angles, rope_frequencies, scaling_type
 from fused_rope.sdpa import sdpa_attention
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class RotaryFrequencies(nn.Module):
     def __init__(self, rope_dim: int, theta: float, scaling: dict | None, learn: bool = False):
         super().__init__()
         self.rope_dim, self.theta, self.scaling = rope_dim, theta, scaling
-        self.dynamic = scaling is not None and scaling.get("type") == "dynamic"
+        self.dynamic = scaling_type(scaling) == "dynamic"  # "xdrope" too
         inv_freq, self.attention_factor = rope_frequencies(rope_dim, theta, scaling)
         self.learn = learn
         if not learn:

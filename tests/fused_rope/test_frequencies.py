@@ -22,6 +22,7 @@ from fused_rope.frequencies import (
     nd_rope_frequencies,
     rope_angles,
     rope_frequencies,
+    scaling_type,
 )
 from tests.helpers import DEVICE, assert_close
 
@@ -607,6 +608,23 @@ def test_hunyuan_ocr_checkpoint_scaling_gives_its_model_frequencies():
     inv, factor = rope_frequencies(128, 10000.0, checkpoint, head_dim=128)
     _assert_ratio_one("inv_freq / transformers'", inv, rotary.inv_freq, FREQ_RTOL)
     _assert_scalar("attention_factor", factor, rotary.attention_scaling)
+
+
+@pytest.mark.parametrize(
+    "scaling, kind",
+    [
+        (None, "default"),
+        ({"type": "mrope", "mrope_section": [16, 24, 24]}, "default"),
+        ({"type": "su"}, "longrope"),
+        ({"type": "xdrope", "factor": 2.0}, "dynamic"),
+        ({"type": "dynamic", "alpha": 0}, "dynamic"),
+        ({"type": "dynamic", "alpha": None}, "dynamic"),
+        ({"type": "xdrope", "alpha": 1000.0}, "ntk_alpha"),
+        ({"type": "linear", "rope_type": "yarn"}, "yarn"),  # rope_type wins, as transformers
+    ],
+)
+def test_scaling_type_resolves_aliases(scaling, kind):
+    assert scaling_type(scaling) == kind
 
 
 @pytest.mark.parametrize("rope_dim", [4, 64, 128])

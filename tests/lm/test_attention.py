@@ -105,8 +105,9 @@ def test_corope_torch_path_is_the_reference():
     assert_close("corope", attn.attend(q, k, v), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_dynamic_ntk_recomputes_beyond_the_training_length():
-    scaling = {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 32}
+@pytest.mark.parametrize("kind", ["dynamic", "xdrope"])  # xdrope: HunyuanOCR's name of it
+def test_dynamic_ntk_recomputes_beyond_the_training_length(kind):
+    scaling = {"type": kind, "factor": 4.0, "original_max_position_embeddings": 32}
     freqs = RotaryFrequencies(16, 10000.0, scaling)
     assert torch.equal(freqs.for_length(32)[0], rope_frequencies(16)[0])
     longer = freqs.for_length(128)[0]
