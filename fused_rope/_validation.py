@@ -294,6 +294,73 @@ def check_angles(angles, batch: int, seq_len: int, rope_dim: int, name: str = "a
         raise ValueError(f"{name} has batch {angles.shape[0]} but the input has B={batch} (or 1)")
 
 
+def check_position_tensor(positions, name: str, ndim: tuple[int, ...] | None = None) -> None:
+    """Integer (not bool) or floating-point tensor with one of ``ndim`` dimensions."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dtype in (torch.bool, torch.float16, torch.bfloat16) or positions.is_complex():
+        raise TypeError(
+            f"{name} must be an integer, fp32 or fp64 tensor, got dtype {positions.dtype} "
+            "(half precision holds integers exactly only up to 2048 (fp16) or 256 (bf16))"
+        )
+    if ndim is not None and positions.dim() not in ndim:
+        raise ValueError(
+            f"{name} must have {' or '.join(map(str, ndim))} dimensions, "
+            f"got shape {tuple(positions.shape)}"
+        )
+
+
+def check_attention_shapes(q, k, v) -> None:
+    """``q [B, HQ, NQ, D]``, ``k`` and ``v`` ``[B, HKV, NK, D]`` of one shape, ``HQ`` a
+    positive multiple of ``HKV`` (GQA); the tensors' own checks come first."""
+    B, HQ, _, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D or v.shape != k.shape:
+        raise ValueError(
+            f"k and v must be [B={B}, HKV, NK, D={D}] and equal, got k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    HKV = k.shape[1]
+    if HKV == 0 or HQ % HKV:
+        raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads (GQA)")
+
+
+def _check_position_rows(pos, name: str, batch: int, length: int, device) -> None:
+    if pos is None:
+        return
+    check_position_tensor(pos, name, ndim=(1, 2))  # as rope_angles: no half precision
+    if pos.shape[-1] != length or (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
+        expected = f"[{length}] or [1, {length}]" + (
+            f" or [{batch}, {length}]" if batch > 1 else ""
+        )
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(pos.shape)}")
+    if pos.device != device:
+        raise ValueError(f"{name} is on {pos.device} but q is on {device}")
+
+
+def check_rotation_inputs(
+    q, nk: int, rope_dim: int, *, inv_freq, positions, q_positions, angles, q_angles
+) -> None:
+    """Attention's rotation arguments for ``q [B, HQ, NQ, D]`` and ``nk`` keys: ``inv_freq``
+    ``[R/2]``; ``positions`` ``[NK]`` or ``[1 | B, NK]`` and ``q_positions`` ``[NQ]`` or
+    ``[1 | B, NQ]`` (``q_positions`` needed for NQ > NK with explicit positions); or
+    ``angles`` and ``q_angles`` in their place (``check_angle_options``); all on q's device."""
+    B, _, NQ, _ = q.shape
+    if inv_freq is not None:  # theta is checked where its frequencies are made
+        check_inv_freq(inv_freq, rope_dim)
+        check_same_device(q=q, inv_freq=inv_freq)
+    _check_position_rows(positions, "positions", B, nk, q.device)
+    _check_position_rows(q_positions, "q_positions", B, NQ, q.device)
+    check_angle_options(
+        angles, q_angles, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
+        batch=B, nq=NQ, nk=nk, rope_dim=rope_dim,
+    )  # fmt: skip
+    check_same_device(q=q, angles=angles, q_angles=q_angles)
+    if q_positions is None and positions is not None and NQ > nk:
+        raise ValueError(
+            f"NQ={NQ} > NK={nk}: queries cannot take the last NQ key positions; pass q_positions"
+        )
+
+
 def check_angle_options(
     angles, q_angles, *, inv_freq, positions, q_positions, batch: int, nq: int, nk: int,
     rope_dim: int,

@@ -22,15 +22,15 @@ from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
-    check_angle_options,
+    check_attention_shapes,
     check_bool,
     check_float_tensor,
-    check_inv_freq,
     check_kernel_device,
     check_layout,
     check_no_functorch,
     check_no_tangent,
     check_rope_dim,
+    check_rotation_inputs,
     check_same_device,
     check_scale,
     check_softmax_scale,
@@ -45,7 +45,7 @@ from fused_rope.attention_backward import (
     rope_attention_bwd,
 )
 from fused_rope.attention_forward import _FWD_CONFIGS, _rope_attn_fwd_kernel, rope_attention_fwd
-from fused_rope.frequencies import check_position_tensor, default_inv_freq, rope_angles
+from fused_rope.frequencies import default_inv_freq, rope_angles
 from fused_rope.sdpa import _lower_right_backend, sdpa_attention
 
 MAX_HEAD_DIM = 256
@@ -210,19 +210,6 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------- public API
 
 
-def _check_positions(pos, name: str, batch: int, length: int, device: torch.device):
-    if pos is None:
-        return
-    check_position_tensor(pos, name, ndim=(1, 2))  # as rope_angles: no half precision
-    if pos.shape[-1] != length or (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
-        expected = f"[{length}] or [1, {length}]" + (
-            f" or [{batch}, {length}]" if batch > 1 else ""
-        )
-        raise ValueError(f"{name} must have shape {expected}, got {tuple(pos.shape)}")
-    if pos.device != device:
-        raise ValueError(f"{name} is on {pos.device} but q is on {device}")
-
-
 def _as_rows(rows: torch.Tensor, batched_ndim: int = 2) -> torch.Tensor:
     """Positions ``[N]`` or ``[1 | B, N]`` as fp32 ``[1 | B, N]`` (``batched_ndim`` 2), angles
     ``[N, R/2]`` or ``[1 | B, N, R/2]`` as fp32 ``[1 | B, N, R/2]`` (3), contiguous: the kernels'
@@ -372,15 +359,9 @@ def _check_inputs(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     device = check_same_device(q=q, k=k, v=v)
+    check_attention_shapes(q, k, v)
     B, HQ, NQ, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D or v.shape != k.shape:
-        raise ValueError(
-            f"k and v must be [B={B}, HKV, NK, D={D}] and equal, got k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}"
-        )
-    HKV, NK = k.shape[1], k.shape[2]
-    if HKV == 0 or HQ % HKV:
-        raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads (GQA)")
+    NK = k.shape[2]
     if min(NQ, NK) == 0:
         raise ValueError(f"q and k need at least one position, got NQ={NQ}, NK={NK}")
     check_layout(layout)
@@ -389,25 +370,12 @@ def _check_inputs(
     check_bool(return_lse, "return_lse")
     check_softmax_scale(softmax_scale, D)
     check_scale(attention_factor, "attention_factor", FP16_MAX)  # the fused kernels' fp16 tables
-    if inv_freq is not None:  # theta is checked where its frequencies are made
-        check_inv_freq(inv_freq, rope_dim)
-        check_same_device(q=q, inv_freq=inv_freq)
     rotation = dict(
         inv_freq=inv_freq, positions=positions, q_positions=q_positions, angles=angles,
         q_angles=q_angles,
     )  # fmt: skip
-    _check_positions(positions, "positions", B, NK, device)
-    _check_positions(q_positions, "q_positions", B, NQ, device)
-    check_angle_options(
-        angles, q_angles, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
-        batch=B, nq=NQ, nk=NK, rope_dim=rope_dim,
-    )  # fmt: skip
-    check_same_device(q=q, angles=angles, q_angles=q_angles)
+    check_rotation_inputs(q, NK, rope_dim, **rotation)
     check_no_tangent("fused_rope.naive.rope_attention_ref", q=q, k=k, v=v, **rotation)
-    if q_positions is None and positions is not None and NQ > NK:
-        raise ValueError(
-            f"NQ={NQ} > NK={NK}: queries cannot take the last NQ key positions; pass q_positions"
-        )
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     blocker = _separate_blocker(return_lse, causal, NQ, NK)
@@ -432,14 +400,15 @@ def _check_inputs(
         # fused kernel on square shapes, except under deterministic algorithms, where SDPA
         # leaves cuDNN and the fused kernel takes 0.50-0.87x its time forward+backward (H200).
         bottom_right = causal and NQ != NK
-        fused_first = bottom_right and (
-            _fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v)
-        )
         # Not under torch.func, which the fused kernel's op refuses and the separate path takes.
-        # (`or`, not `|=`: Dynamo 2.11 writes `True |= ...` for `|=` on a traced constant
+        # (One expression: Dynamo 2.11 writes `True |= ...` for `|=` on a traced constant
         # when NQ is symbolic, a SyntaxError under torch.compile(dynamic=True).)
-        fused_first = fused_first or (
-            causal and NQ == NK and not under_functorch() and _sdpa_is_slowed_by_determinism(q)
+        fused_first = not under_functorch() and (
+            (
+                bottom_right
+                and (_fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v))
+            )
+            or (causal and NQ == NK and _sdpa_is_slowed_by_determinism(q))
         )
         # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
         # which may be a materialized one) beats an error; not under compile, which cannot

@@ -24,6 +24,7 @@ from fused_rope._validation import (
     FREQ_DTYPES,
     check_bool,
     check_float_tensor,
+    check_position_tensor,
     check_same_device,
     is_finite,
     runs_eagerly,
@@ -559,22 +560,6 @@ def rope_frequencies(
     inv = float(theta) ** -_ladder_exponent(rope_dim)
     inv, attention_factor = _SCHEDULES[kind](inv, params, rope_dim, float(theta), seq_len)
     return inv.to(device=device, dtype=torch.float32), float(attention_factor)
-
-
-def check_position_tensor(positions, name: str, ndim: tuple[int, ...] | None = None) -> None:
-    """Integer (not bool) or floating-point tensor with one of ``ndim`` dimensions."""
-    if not isinstance(positions, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
-    if positions.dtype in (torch.bool, torch.float16, torch.bfloat16) or positions.is_complex():
-        raise TypeError(
-            f"{name} must be an integer, fp32 or fp64 tensor, got dtype {positions.dtype} "
-            "(half precision holds integers exactly only up to 2048 (fp16) or 256 (bf16))"
-        )
-    if ndim is not None and positions.dim() not in ndim:
-        raise ValueError(
-            f"{name} must have {' or '.join(map(str, ndim))} dimensions, "
-            f"got shape {tuple(positions.shape)}"
-        )
 
 
 def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:

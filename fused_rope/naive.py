@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from fused_rope._validation import (
-    check_angle_options,
     check_angles,
+    check_attention_shapes,
     check_float_tensor,
     check_layout,
     check_rope_dim,
+    check_rotation_inputs,
 )
 from fused_rope.frequencies import rope_angles, rope_frequencies
 
@@ -114,21 +115,17 @@ def rope_attention_ref(
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(x, name, ndim=4)
+    check_attention_shapes(q, k, v)
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
-    if HQ % HKV:
-        raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads")
     R = check_rope_dim(rope_dim, D)
-    check_angle_options(
-        angles, q_angles, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
-        batch=B, nq=NQ, nk=NK, rope_dim=R,
+    check_rotation_inputs(
+        q, NK, R, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
+        angles=angles, q_angles=q_angles,
     )  # fmt: skip
     if angles is None:
         if inv_freq is None:
             inv_freq, _ = rope_frequencies(R, theta, device=q.device)
-        inv_freq = inv_freq.to(q.device)
-        if q_positions is None and positions is not None and NQ > NK:
-            raise ValueError(f"NQ={NQ} > NK={NK} with explicit positions: pass q_positions")
         if positions is None:
             positions = torch.arange(NK, device=q.device)
         if q_positions is None:

@@ -1056,11 +1056,14 @@ def test_sdpa_is_slowed_by_determinism_follows_the_strict_switch_on_hopper():
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-def test_auto_under_deterministic_algorithms_and_torch_func(separate_calls, monkeypatch):
+@pytest.mark.parametrize("nq", [37, 20])  # 20: a causal prefill, NQ < NK
+def test_auto_under_torch_func_takes_the_separate_path(nq, separate_calls, monkeypatch):
     """Under torch.func, which the fused kernel's custom op refuses, "auto" keeps the separate
-    path even where deterministic algorithms would take the fused kernel (stubbed)."""
+    path even where deterministic algorithms (NQ == NK) or a prefill on a GPU it fills or
+    without SDPA's bottom-right kernel (NQ < NK) would take the fused kernel (stubbed)."""
     monkeypatch.setattr(attention_module, "_sdpa_is_slowed_by_determinism", lambda q: True)
-    q, k, v = _qkv(torch.float32, nq=37, nk=37, d=32)
+    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: True)
+    q, k, v = _qkv(torch.float32, nq=nq, nk=37, d=32)
     grad = torch.func.grad(lambda q: rope_attention(q, k, v).square().sum())(q)
     assert len(separate_calls) == 1
     (expected,) = torch.autograd.grad(

@@ -158,3 +158,30 @@ def test_attention_reference_aligns_queries_bottom_right(NQ, NK):
     if NQ > NK:
         with pytest.raises(ValueError, match="pass q_positions"):
             rope_attention_ref(q, k, v, positions=torch.arange(NK))
+
+
+def _ref_qkv(b_kv=1, hkv=1, nk=12, d=16, d_v=16):
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    k = torch.randn(b_kv, hkv, nk, d, dtype=torch.float64)
+    return q, k, torch.randn(b_kv, hkv, nk, d_v, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "qkv, kwargs, match",
+    [
+        (_ref_qkv(b_kv=3), {}, r"k and v must be \[B=1, HKV, NK, D=16\]"),
+        (_ref_qkv(d=8, d_v=8), {}, r"k and v must be \[B=1, HKV, NK, D=16\]"),
+        (_ref_qkv(d_v=8), {}, r"k and v must be .* and equal"),
+        (_ref_qkv(hkv=0), {}, "must be a multiple of k's 0 heads"),
+        (_ref_qkv(), {"positions": torch.arange(13)}, r"positions must have shape \[12\]"),
+        (_ref_qkv(), {"q_positions": torch.arange(7)}, r"q_positions must have shape \[8\]"),
+        (_ref_qkv(), {"inv_freq": torch.ones(3)}, "inv_freq must have rope_dim // 2 = 8"),
+        (_ref_qkv(), {"positions": torch.arange(12.0).half()}, "positions must be an integer"),
+    ],
+)
+def test_attention_reference_refuses_what_rope_attention_refuses(qkv, kwargs, match):
+    """The reference checks its inputs as ``rope_attention`` does (one shared check), and
+    names the argument at fault: it broadcast a batch of 1 against k's 3 and blamed the
+    angles for a wrong ``positions`` or ``inv_freq``."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        rope_attention_ref(*qkv, **kwargs)
