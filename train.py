@@ -34,9 +34,17 @@ def _terminate(signum, frame):
     A second SIGTERM kills at once: a DDP rank blocked in a collective cannot run this handler,
     and its peers' exit would leave it waiting."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    exit_between_records(128 + signum)  # a record in progress ends first
+    exit_between_records(SystemExit(128 + signum))  # a record in progress ends first
+
+
+def _interrupt(signum, frame):
+    """Ctrl-C (SIGINT): ``KeyboardInterrupt``, as Python's own handler raises, but after a
+    record in progress; a second Ctrl-C interrupts at once."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    exit_between_records(KeyboardInterrupt())
 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _interrupt)
     main()

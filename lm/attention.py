@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
+from fused_rope._validation import interpreting
 from fused_rope.frequencies import rope_angles, rope_frequencies, scaling_type
 from fused_rope.sdpa import sdpa_attention
 
@@ -63,6 +64,17 @@ def scaling_dict(scaling: Any) -> dict | None:
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"attention.impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_impl_device(impl: str | None, device: torch.device) -> None:
+    """``attention.impl=triton`` runs the Triton kernels: on CUDA, or on the CPU in Triton's
+    interpreter (``TRITON_INTERPRET=1``); refused elsewhere at start-up, not at the first
+    forward pass."""
+    if impl == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"attention.impl=triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU, "
+            f"slowly), got {device.type}; use attention.impl=auto or torch"
+        )
 
 
 def resolve_impl(impl: str, device: torch.device, variant: str) -> str:

@@ -35,6 +35,7 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -52,7 +53,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lm import distributed
-from lm.attention import attention_class, resolve_impl
+from lm.attention import attention_class, check_impl_device, resolve_impl
 from lm.checkpoint import (
     checkpoint_path,
     config_changes,
@@ -78,18 +79,19 @@ log = logging.getLogger(__name__)
 
 # A stop (SIGTERM: train.py's handler) that came while a record was being written, held until
 # the record is in both metrics.jsonl and the logger: {"recording": bool, "exit": code or None}
-_STOP = {"recording": False, "exit": None}
+_STOP: dict[str, Any] = {"recording": False, "exit": None}
 
 
-def exit_between_records(code: int) -> None:
-    """Ends the process with ``SystemExit(code)`` now, or, from a signal handler that ran
-    while ``_Run._record`` was writing, as soon as that record is in both metrics.jsonl
-    and the logger (a SIGTERM between the two left a step in the file that wandb never got).
-    Signal handlers run in the main thread, the trainer's, between its bytecodes."""
+def exit_between_records(stop: BaseException) -> None:
+    """Raises ``stop`` (``SystemExit(code)`` for SIGTERM, ``KeyboardInterrupt()`` for Ctrl-C)
+    now, or, from a signal handler that ran while ``_Run._record`` was writing, as soon as
+    that record is in metrics.jsonl, the logger and logged.json (a signal between the two
+    writes left a step in the file that wandb never got). Signal handlers run in the main
+    thread, the trainer's, between its bytecodes."""
     if _STOP["recording"]:
-        _STOP["exit"] = code
+        _STOP["exit"] = stop
         return
-    raise SystemExit(code)
+    raise stop
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -423,6 +425,39 @@ class _Jsonl:
             f.write(json.dumps(record) + "\n")
 
 
+class _LoggedSteps:
+    """``logged.json``: the last step of each kind of record (``"train"``, ``"eval"``) that
+    the logger's service run (wandb's, by its id) holds, so that a resume into that run logs
+    only what it lacks. metrics.jsonl cannot tell: every start cuts it back to the
+    checkpoint's step (killed twice before the first kill's step, a resume logged those steps
+    again), and a step's training and evaluation are two records (killed during an
+    evaluation, the resume skipped that step's evaluation, its training record being in the
+    file). Written only for a logger with a run id; a resume of a run from before this file
+    takes the last step in its old metrics.jsonl for both kinds."""
+
+    def __init__(self, path: Path, run_id: str | None, resumed: bool, recorded_through) -> None:
+        self.path, self.run_id = path, run_id
+        self.through: dict[str, int] = {}
+        if resumed:
+            stored = json.loads(path.read_text()) if path.exists() else {}
+            if stored.get("run_id") == run_id:
+                self.through = stored["through"]
+            elif recorded_through is not None:
+                self.through = {"train": recorded_through, "eval": recorded_through}
+        else:  # another service run's, or none
+            path.unlink(missing_ok=True)
+
+    def has(self, kind: str, step: int) -> bool:
+        return step <= self.through.get(kind, 0)
+
+    def add(self, kind: str, step: int) -> None:
+        self.through[kind] = step
+        if self.run_id is not None:  # small and per record: replaced, not synced to disk
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({"run_id": self.run_id, "through": self.through}))
+            os.replace(tmp, self.path)
+
+
 def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     """Trains the model ``cfg`` describes; returns the summary metrics (also ``summary.json``).
 
@@ -443,8 +478,12 @@ def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
             ``failed.json``; a start removes an earlier run's ``summary.json`` and ``failed.json``.
     """
     _check_options(cfg)
-    with deterministic_algorithms(cfg.train.deterministic):
-        return _train(cfg, output_dir)
+    threads = torch.get_num_threads()  # train.cpu_threads: this run's only (a sweep's next
+    try:  # job with null gets torch's default again)
+        with deterministic_algorithms(cfg.train.deterministic):
+            return _train(cfg, output_dir)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _train(cfg: DictConfig, output_dir: str | None) -> dict[str, Any]:
@@ -462,6 +501,7 @@ def _train(cfg: DictConfig, output_dir: str | None) -> dict[str, Any]:
             raise FileExistsError(taken)
         # before the data loads
         ckpt = _checkpoint_to_resume(cfg, ckpt_path, out_dir, info.world_size)
+        check_impl_device(cfg.attention.get("impl"), info.device)
         if info.device.type == "cpu" and cfg.train.cpu_threads is not None:
             torch.set_num_threads(cfg.train.cpu_threads)
         torch.manual_seed(cfg.seed)
@@ -594,7 +634,10 @@ class _Run:
                 ckpt_path.unlink(missing_ok=True)
             _write_run_record(out_dir, self.run_config)
             self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
-            self.logged_through = self.jsonl.recorded_through if resumed_run else None
+            self.logged = _LoggedSteps(
+                out_dir / "logged.json", self.logger.run_id, resumed_run,
+                self.jsonl.recorded_through,
+            )  # fmt: skip
         # Last: a check above that fails leaves no DDP wrapper behind (see train()'s finally).
         self.ddp = (
             DistributedDataParallel(
@@ -682,21 +725,23 @@ class _Run:
             )
         self.last_ckpt_step = self.step
 
-    def _record(self, metrics: dict[str, float], off_schedule: bool = False) -> None:
-        """``metrics`` at this step into metrics.jsonl and the logger (but for the steps a
-        resumed service run has already, ``logged_through``); ``off_schedule`` (a
-        train.max_minutes stop's log or evaluation) marks the record for a resume to drop."""
+    def _record(self, metrics: dict[str, float], kind: str, off_schedule: bool = False) -> None:
+        """``metrics``, a record of ``kind`` (``"train"`` or ``"eval"``) at this step, into
+        metrics.jsonl and the logger (unless a resumed service run has it: ``self.logged``);
+        ``off_schedule`` (a train.max_minutes stop's log or evaluation) marks the record for a
+        resume to drop."""
         extra = {"stopped_early": True} if off_schedule else {}
         _STOP["recording"] = True
         try:
             self.jsonl.write({"step": self.step, **metrics, **extra})
-            if self.logged_through is None or self.step > self.logged_through:
+            if not self.logged.has(kind, self.step):
                 self.logger.log(metrics, self.step)
+                self.logged.add(kind, self.step)
         finally:
             _STOP["recording"] = False
         if _STOP["exit"] is not None:  # a stop that came while recording
-            code, _STOP["exit"] = _STOP["exit"], None
-            raise SystemExit(code)
+            stop, _STOP["exit"] = _STOP["exit"], None
+            raise stop
 
     def _train_step(self) -> tuple[float, int]:
         """One optimizer step; returns (the global batch's loss, tokens in the global batch).
@@ -826,12 +871,14 @@ class _Run:
                         "lr": self.lr,
                         **speed,
                     }
-                    self._record(record, off_schedule=self.stopped_early and not scheduled_log)
+                    self._record(record, "train", self.stopped_early and not scheduled_log)
                     losses.clear()
                 if last or scheduled_eval:
                     if info.main:
                         eval_metrics = self._eval()
-                        self._record(eval_metrics, self.stopped_early and not scheduled_eval)
+                        self._record(
+                            eval_metrics, "eval", self.stopped_early and not scheduled_eval
+                        )
                     self.state["best_val_loss"] = distributed.broadcast(
                         self.state["best_val_loss"], info
                     )

@@ -288,12 +288,51 @@ def test_resume_logs_each_step_once_into_the_same_service_run(tmp_path, monkeypa
     assert RecordingLogger.logged == [(step, metrics) for step, metrics in full if step > 3]
 
 
+def test_resume_logs_what_the_service_run_lacks_after_a_kill_in_an_evaluation_or_two_kills(
+    tmp_path, monkeypatch
+):
+    """Killed in step 4's evaluation (its training record logged already), the resume logs that
+    evaluation; killed after step 5, then again after step 4 of the resume (metrics.jsonl cut
+    back to the checkpoint's step 3 each time), the next resume logs no step twice. Either way
+    the service's run holds the uninterrupted run's records, each once (logged.json; the last
+    step of metrics.jsonl lost the evaluation and, after two kills, logged step 5 twice)."""
+    monkeypatch.setattr(lm.training, "instantiate", lambda _, **kwargs: RecordingLogger(**kwargs))
+    monkeypatch.setattr(RecordingLogger, "logged", [])
+    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=8", "train.ckpt_every=3",
+                      "train.log_every=1", "train.eval_every=4")  # fmt: skip
+    train(cfg, output_dir=str(tmp_path / "full"))
+    full, RecordingLogger.logged[:] = list(RecordingLogger.logged), []
+
+    def killed_in_evaluation(*args, **kwargs):
+        raise KeyboardInterrupt("simulated kill")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lm.training, "evaluate", killed_in_evaluation)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, output_dir=str(tmp_path / "eval"))
+    assert [step for step, _ in RecordingLogger.logged] == [1, 2, 3, 4]
+    cfg.train.resume = True
+    train(cfg, output_dir=str(tmp_path / "eval"))
+    assert RecordingLogger.logged == full
+
+    RecordingLogger.logged[:] = []
+    cfg.train.resume = False
+    train_killed_at_step(cfg, tmp_path / "twice", 5)
+    cfg.train.resume = True
+    train_killed_at_step(cfg, tmp_path / "twice", 4)
+    train(cfg, output_dir=str(tmp_path / "twice"))
+    assert RecordingLogger.logged == full
+    assert train_losses(tmp_path / "twice") == train_losses(tmp_path / "full")
+
+
 @pytest.mark.slow
-def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path, signum):
     """SIGTERM to the run's process group (a scheduler's stop, ``run_parallel``'s timeout, a
     preemption; wandb's service process gets it too) ends train.py through its error path,
     which closes the wandb run: the offline run file holds every step metrics.jsonl has (the
-    default handler lost the service's buffer, and a resume then skipped those steps)."""
+    default handler lost the service's buffer, and a resume then skipped those steps). Ctrl-C
+    (SIGINT to the foreground process group) likewise."""
     args = [*SMALL, "logger=wandb", "logger.mode=offline", "train.steps=100000",
             "train.log_every=1", "train.progress=false", f"hydra.run.dir={tmp_path}"]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=cli_env(),
@@ -305,8 +344,9 @@ def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        os.killpg(proc.pid, signum)
+        # Python ends an uncaught KeyboardInterrupt by SIGINT itself, as a shell expects
+        assert proc.wait(timeout=60) == (128 + signum if signum == signal.SIGTERM else -signum)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -322,30 +362,34 @@ def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path
     assert len(logged) >= 20 and logged == in_wandb
 
 
-def test_a_stop_during_a_record_waits_for_the_record():
-    """SIGTERM's handler (``exit_between_records``) called while a step's record is being
-    written, here from inside the logger's call: the record reaches metrics.jsonl and the
-    logger both, then the run exits with the handler's code (the race that left a step in
-    metrics.jsonl that wandb never got); outside a record it exits at once."""
-    written, logged = [], []
+def test_a_stop_during_a_record_waits_for_the_record(tmp_path):
+    """SIGTERM's and Ctrl-C's handlers (``exit_between_records``) called while a step's record
+    is being written, here from inside the logger's call: the record reaches metrics.jsonl,
+    the logger and logged.json, then the run stops as the handler asked (the race that left a
+    step in metrics.jsonl that wandb never got); outside a record it stops at once."""
 
     class Logger:
+        run_id = "run-1"
+
         def log(self, metrics, step):
-            lm.training.exit_between_records(143)  # the signal, mid-record
+            lm.training.exit_between_records(stop)  # the signal, mid-record
             logged.append(step)
 
-    trainer = types.SimpleNamespace(
-        step=7, jsonl=types.SimpleNamespace(write=written.append), logged_through=None,
-        logger=Logger(),
-    )  # fmt: skip
-    with pytest.raises(SystemExit) as stop:
-        lm.training._Run._record(trainer, {"train/loss": 1.0})
-    assert stop.value.code == 143 and written == [{"step": 7, "train/loss": 1.0}]
-    assert logged == [7]
-    with pytest.raises(SystemExit):
-        lm.training.exit_between_records(143)
+    for stop in (SystemExit(143), KeyboardInterrupt()):  # SIGTERM's, Ctrl-C's
+        written, logged = [], []
+        trainer = types.SimpleNamespace(
+            step=7, jsonl=types.SimpleNamespace(write=written.append), logger=Logger(),
+            logged=lm.training._LoggedSteps(tmp_path / "logged.json", "run-1", False, None),
+        )  # fmt: skip
+        with pytest.raises(type(stop)) as raised:
+            lm.training._Run._record(trainer, {"train/loss": 1.0}, "train")
+        assert raised.value is stop and written == [{"step": 7, "train/loss": 1.0}]
+        assert logged == [7]
+        assert json.loads((tmp_path / "logged.json").read_text())["through"] == {"train": 7}
+        with pytest.raises(type(stop)):
+            lm.training.exit_between_records(stop)
     trainer.logger = NullLogger()  # a record without a stop ends normally
-    lm.training._Run._record(trainer, {"train/loss": 2.0})
+    lm.training._Run._record(trainer, {"train/loss": 2.0}, "train")
 
 
 @pytest.mark.parametrize(
@@ -1451,3 +1495,27 @@ def test_wandb_logger_passes_the_run_options(monkeypatch):
     assert calls[-1] == ("log", {"train/loss": 1.5, "step": 7})
     logger.finish({"valid/loss": 1.25})
     assert logger.run.summary == {"final/valid/loss": 1.25} and calls[-1] == ("finish", 0)
+
+
+def test_triton_impl_off_cuda_is_refused_at_start_up(tmp_path, monkeypatch):
+    """``attention.impl=triton`` on the CPU without Triton's interpreter fails before the run
+    writes anything, naming the option (it failed at the first forward pass, naming q, after
+    a resumed run's summary.json had been removed); with the interpreter it runs."""
+    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=2", "train.eval_every=0")
+    train(cfg, output_dir=str(tmp_path))
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".lock"}
+    cfg.train.resume, cfg.attention.impl = True, "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="attention.impl=triton needs a CUDA device"):
+        train(cfg, output_dir=str(tmp_path))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".lock"} == written
+
+
+def test_cpu_threads_hold_for_their_run_only(tmp_path):
+    """``train.cpu_threads`` sets torch's threads for its run; the next run in the process
+    (a sweep's job with ``null``) has the threads there were before (it kept the last run's)."""
+    before = torch.get_num_threads()
+    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=1", "train.eval_every=0",
+                      f"train.cpu_threads={before + 1}")  # fmt: skip
+    train(cfg, output_dir=str(tmp_path))
+    assert torch.get_num_threads() == before
