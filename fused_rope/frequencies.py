@@ -305,8 +305,14 @@ def _dynamic(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: i
 
 
 def _ntk_alpha(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: int | None):
-    alpha = _number(p, "alpha", "ntk_alpha", minimum=1.0, strict=False)
-    return _ntk_base(theta, alpha, rope_dim, "ntk_alpha") ** -_ladder_exponent(rope_dim), 1.0
+    alpha = _number(p, "alpha", "ntk_alpha")
+    base = _ntk_base(theta, alpha, rope_dim, "ntk_alpha")
+    if not base > 1:  # the ladder falls with d only above 1 (as theta's)
+        raise ValueError(
+            f"scaling['alpha']={alpha!r} for type 'ntk_alpha' takes theta={theta!r} to a base "
+            f"theta * alpha ** (R / (R - 2)) = {base!r}, which must be > 1"
+        )
+    return base ** -_ladder_exponent(rope_dim), 1.0
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -476,7 +482,8 @@ def rope_frequencies(
       there).
     * ``"ntk_alpha"`` (HunYuan; transformers' name for ``"dynamic"`` with a non-zero
       ``alpha``, which is how the checkpoints store it): theta becomes
-      ``theta * alpha ** (R / (R - 2))`` at every length (``alpha >= 1``). Keys: ``alpha``;
+      ``theta * alpha ** (R / (R - 2))`` at every length (``alpha > 0``, the base > 1).
+      Keys: ``alpha``;
       ``factor``, ``L0``, ``beta_fast``, ``beta_slow``, ``mscale`` and ``mscale_all_dim``,
       which HunYuan's configs carry, are accepted and, as in transformers, not read. Type
       ``"xdrope"`` (HunyuanOCR) means ``"dynamic"``, and its ``xdrope_section`` is checked

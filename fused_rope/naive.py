@@ -119,6 +119,8 @@ def rope_attention_ref(
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
     R = check_rope_dim(rope_dim, D)
+    if isinstance(inv_freq, torch.Tensor):  # rope_frequencies' CPU tensor for a CUDA q, say
+        inv_freq = inv_freq.to(q.device)
     check_rotation_inputs(
         q, NK, R, inv_freq=inv_freq, positions=positions, q_positions=q_positions,
         angles=angles, q_angles=q_angles,

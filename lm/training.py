@@ -89,7 +89,8 @@ def exit_between_records(stop: BaseException) -> None:
     writes left a step in the file that wandb never got). Signal handlers run in the main
     thread, the trainer's, between its bytecodes."""
     if _STOP["recording"]:
-        _STOP["exit"] = stop
+        if _STOP["exit"] is None:  # the first signal's stop (its exit code)
+            _STOP["exit"] = stop
         return
     raise stop
 
@@ -432,20 +433,34 @@ class _LoggedSteps:
     checkpoint's step (killed twice before the first kill's step, a resume logged those steps
     again), and a step's training and evaluation are two records (killed during an
     evaluation, the resume skipped that step's evaluation, its training record being in the
-    file). Written only for a logger with a run id; a resume of a run from before this file
-    takes the last step in its old metrics.jsonl for both kinds."""
+    file). Written only for a logger with a run id, and kept for that id: a start with
+    another logger (none, say) leaves it for a later resume into that run. A resume of a run
+    from before this file, or whose file cannot be read, takes the last step in its old
+    metrics.jsonl for both kinds."""
 
     def __init__(self, path: Path, run_id: str | None, resumed: bool, recorded_through) -> None:
         self.path, self.run_id = path, run_id
         self.through: dict[str, int] = {}
         if resumed:
-            stored = json.loads(path.read_text()) if path.exists() else {}
+            stored = self._read()
             if stored.get("run_id") == run_id:
                 self.through = stored["through"]
             elif recorded_through is not None:
                 self.through = {"train": recorded_through, "eval": recorded_through}
-        else:  # another service run's, or none
-            path.unlink(missing_ok=True)
+
+    def _read(self) -> dict:
+        try:
+            stored = json.loads(self.path.read_text())
+            if not all(isinstance(v, int) for v in stored["through"].values()):
+                raise ValueError(f"steps that are not ints: {stored['through']}")
+            return stored
+        except FileNotFoundError:
+            return {}
+        except (ValueError, KeyError, TypeError, AttributeError) as error:  # a crash mid-write
+            log.warning(
+                "%s is unreadable (%s): the resume logs from metrics.jsonl", self.path, error
+            )
+            return {}
 
     def has(self, kind: str, step: int) -> bool:
         return step <= self.through.get(kind, 0)
@@ -737,6 +752,13 @@ class _Run:
             if not self.logged.has(kind, self.step):
                 self.logger.log(metrics, self.step)
                 self.logged.add(kind, self.step)
+        except BaseException as error:
+            # A stop that came while recording is the run's end, even when the record failed
+            # (and not a stale stop for the next run in this process, a sweep's next job).
+            stop, _STOP["exit"] = _STOP["exit"], None
+            if stop is not None:
+                raise stop from error
+            raise
         finally:
             _STOP["recording"] = False
         if _STOP["exit"] is not None:  # a stop that came while recording

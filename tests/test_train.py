@@ -315,14 +315,30 @@ def test_resume_logs_what_the_service_run_lacks_after_a_kill_in_an_evaluation_or
     train(cfg, output_dir=str(tmp_path / "eval"))
     assert RecordingLogger.logged == full
 
-    RecordingLogger.logged[:] = []
-    cfg.train.resume = False
-    train_killed_at_step(cfg, tmp_path / "twice", 5)
-    cfg.train.resume = True
-    train_killed_at_step(cfg, tmp_path / "twice", 4)
-    train(cfg, output_dir=str(tmp_path / "twice"))
-    assert RecordingLogger.logged == full
-    assert train_losses(tmp_path / "twice") == train_losses(tmp_path / "full")
+    for between in ("recording", "none"):  # the second start logs to the service, or nowhere
+        RecordingLogger.logged[:] = []
+        cfg.train.resume = False
+        train_killed_at_step(cfg, tmp_path / between, 5)
+        cfg.train.resume = True
+        with pytest.MonkeyPatch.context() as patch:
+            if between == "none":
+                patch.setattr(lm.training, "instantiate", lambda _, **kwargs: NullLogger())
+            train_killed_at_step(cfg, tmp_path / between, 4)
+        train(cfg, output_dir=str(tmp_path / between))
+        assert RecordingLogger.logged == full
+        assert train_losses(tmp_path / between) == train_losses(tmp_path / "full")
+
+
+def test_an_unreadable_logged_json_falls_back_to_metrics_jsonl(tmp_path, caplog):
+    """``logged.json`` is replaced without a sync: left empty by a crash, a resume warns and
+    takes metrics.jsonl's last step (as for a run from before the file) rather than failing."""
+    path = tmp_path / "logged.json"
+    for text in ("", '{"run_id": "run-1"}', '{"run_id": "run-1", "through": {"train": "5"}}'):
+        path.write_text(text)
+        logged = lm.training._LoggedSteps(path, "run-1", True, 5)
+        assert logged.has("train", 5) and logged.has("eval", 5) and not logged.has("eval", 6)
+        assert "unreadable" in caplog.text
+        caplog.clear()
 
 
 @pytest.mark.slow
@@ -390,6 +406,19 @@ def test_a_stop_during_a_record_waits_for_the_record(tmp_path):
             lm.training.exit_between_records(stop)
     trainer.logger = NullLogger()  # a record without a stop ends normally
     lm.training._Run._record(trainer, {"train/loss": 2.0}, "train")
+
+    class FailingLogger(Logger):  # a stop, then the record fails: the stop ends the run
+        def log(self, metrics, step):
+            lm.training.exit_between_records(SystemExit(143))
+            lm.training.exit_between_records(KeyboardInterrupt())  # the first stop counts
+            raise RuntimeError("service down")
+
+    trainer.logger, trainer.step = FailingLogger(), 8
+    with pytest.raises(SystemExit) as raised:
+        lm.training._Run._record(trainer, {"train/loss": 3.0}, "train")
+    assert raised.value.code == 143 and isinstance(raised.value.__cause__, RuntimeError)
+    trainer.logger = NullLogger()  # no stale stop is left for the next record (a sweep's job)
+    lm.training._Run._record(trainer, {"train/loss": 4.0}, "train")
 
 
 @pytest.mark.parametrize(

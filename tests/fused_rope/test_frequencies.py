@@ -642,6 +642,8 @@ def test_ntk_alpha_is_a_fixed_stretch_of_the_base(rope_dim):
         ):
             inv, factor = rope_frequencies(rope_dim, theta, scaling, seq_len=seq_len)
             assert torch.equal(inv, expected) and factor == 1.0
+    slower = rope_frequencies(rope_dim, theta, {"type": "ntk_alpha", "alpha": 0.5})[0]
+    assert (slower[1:] > rope_frequencies(rope_dim, theta)[0][1:]).all()  # alpha < 1: faster
     dynamic = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
     assert torch.equal(
         rope_frequencies(rope_dim, theta, {**dynamic, "alpha": 0}, seq_len=100)[0],
@@ -859,7 +861,8 @@ LONGROPE = {
         ({"scaling": {"type": "linear", "factor": 2.0, "facter": 3}}, ValueError, "facter"),
         ({"scaling": {"type": "default", "factor": 2.0}}, ValueError, "factor"),
         ({"scaling": {"type": "dynamic", "factor": 2.0}}, ValueError, "original_max_position"),
-        ({"scaling": {"type": "dynamic", "alpha": 0.5}}, ValueError, "alpha"),
+        ({"scaling": {"type": "dynamic", "alpha": -2.0}}, ValueError, "alpha"),
+        ({"scaling": {"type": "dynamic", "alpha": 1e-5}}, ValueError, "must be > 1"),
         ({"scaling": {"type": "dynamic", "alpha": "1000"}}, ValueError, "alpha"),
         ({"scaling": {"type": "ntk_alpha", "factor": 1.0}}, ValueError, "alpha"),
         ({"scaling": {"type": "dynamic", "alpha": 9.0, "low_freq_factor": 1}}, ValueError, "low"),

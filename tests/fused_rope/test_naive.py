@@ -185,3 +185,11 @@ def test_attention_reference_refuses_what_rope_attention_refuses(qkv, kwargs, ma
     angles for a wrong ``positions`` or ``inv_freq``."""
     with pytest.raises((ValueError, TypeError), match=match):
         rope_attention_ref(*qkv, **kwargs)
+
+
+def test_attention_reference_moves_inv_freq_to_the_inputs_device():
+    """``rope_frequencies`` makes CPU frequencies; the reference takes them for inputs on
+    another device (meta here, a GPU in use) as it always did."""
+    q, k, v = (torch.empty(1, 2, 5, 8, device="meta") for _ in range(3))
+    o, lse = rope_attention_ref(q, k, v, inv_freq=rope_frequencies(8)[0])
+    assert o.device.type == "meta" and o.shape == q.shape and lse.shape == (1, 2, 5)
