@@ -17,7 +17,10 @@ of how a run is carried out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resu
 ``train.max_minutes`` but for those that change its speed (``SPEED_KEYS``: ``attention.impl``,
 ``train.device``, ``train.cpu_threads``, ``train.compile``, ``train.grad_accum_steps``,
 ``train.deterministic``), and those of ``--ignore``; each with the keys under it: runs of
-two launches that differ only in those share a cell; the shared overrides head the table). A
+two launches that differ only in those share a cell; the shared overrides head the table).
+What a run ran on counts as overrides too: ``world_size`` (torchrun's processes, each taking
+``train.batch_size`` rows) and ``device_name`` (the GPU's name, or ``cpu``), from runs that
+record them. A
 seed run twice in a cell (a subset re-run into the same root) counts once: the run with the most
 steps, then the newest; the others are listed like failed runs. The task of a cell is its varying
 ``experiment`` / ``data`` / ``data.*`` overrides (or ``summary["data"]``), its variant the rest (``attention=...``).
@@ -78,6 +81,9 @@ SPEED_KEYS = (
     "train.deterministic",
 )
 NO_CELL_KEYS = tuple(k for k in RUN_CONDUCT_KEYS if k not in SPEED_KEYS)
+# What a run ran on (its summary's and run.json's), taken as overrides: runs of another number
+# of processes (another global batch) or on another device are other cells (--ignore merges).
+RUN_FACTS = ("world_size", "device_name")
 _OVERRIDES_PARSER = OverridesParser.create()
 
 
@@ -122,7 +128,8 @@ def _run_record(run_dir: Path) -> tuple[dict, list[str]] | None:
     if record.exists():
         try:
             data = json.loads(record.read_text())
-            return data["config"], data["overrides"]
+            facts = [f"{k}={data[k]}" for k in RUN_FACTS if data.get(k) is not None]
+            return data["config"], [*data["overrides"], *facts]
         except (json.JSONDecodeError, KeyError, TypeError) as error:  # written by hand, or cut
             print(f"collect: {record} unreadable ({error!r}); reading .hydra/", file=sys.stderr)
     hydra = run_dir / ".hydra"
@@ -169,9 +176,9 @@ def _failure(run_dir: Path) -> str | None:
 
 def load_runs(root: Path) -> tuple[list[Run], list[LeftOut]]:
     """Every run under ``root``: finished ones (``summary.json``) and stopped ones that
-    evaluated at least once (``metrics.jsonl``), then the failed ones (``failed.json``);
-    others (failed at start-up, or stopped before the first evaluation) are named on stderr
-    and left out."""
+    evaluated at least once (``metrics.jsonl``), then those left out: the failed ones
+    (``failed.json``) and the others (failed at start-up, stopped or still running before the
+    first evaluation)."""
     # .hydra, stdout.log (run_parallel.py's): a run that failed early
     markers = ("summary.json", "metrics.jsonl", "failed.json", ".hydra", "stdout.log")
     dirs = sorted({p.parent for name in markers for p in root.rglob(name)})
@@ -181,15 +188,17 @@ def load_runs(root: Path) -> tuple[list[Run], list[LeftOut]]:
             failed.append(LeftOut(d, reason))
         elif (d / "summary.json").exists():
             summary = json.loads((d / "summary.json").read_text())
+            facts = [f"{k}={summary[k]}" for k in RUN_FACTS if summary.get(k) is not None]
+            summary["overrides"] = [*summary.get("overrides", []), *facts]
             runs.append(Run(d, summary, partial=bool(summary.get("stopped_early"))))
         elif (summary := _partial_summary(d)) is not None:
             runs.append(Run(d, summary, partial=True))
-        else:
-            print(f"collect: {d} has no summary and no evaluation yet; left out", file=sys.stderr)
+        else:  # listed under the tables too: a cell's seed count drops without it
+            failed.append(LeftOut(d, "has no summary and no evaluation yet"))
     if not runs:
         raise FileNotFoundError(
             f"no summary.json or metrics.jsonl of a run that did not fail under {root} "
-            f"({len(failed)} failed; is it a run root?)"
+            f"({len(failed)} left out; is it a run root?)"
         )
     return runs, failed
 

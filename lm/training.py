@@ -388,14 +388,29 @@ def _clear_outcome(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
-def _write_run_record(out_dir: Path, run_config: dict) -> None:
-    """``run.json``: what the run in ``out_dir`` is (its resolved config and overrides, and the
-    directory it started in), for collect.py to read a run stopped before its summary. Written once the run has passed its
-    checks, unlike Hydra's ``.hydra/``, which a refused launch into the same directory (another
-    grid's job, a resume with another config) has already rewritten with its own."""
+def _hardware(info) -> dict[str, Any]:
+    """What the run ran on, beyond its config: the number of processes (each takes
+    ``train.batch_size`` rows) and the device's name (the GPU's, or ``cpu``): collect.py
+    keeps runs that differ in them apart."""
+    cuda = info.device.type == "cuda"
+    name = torch.cuda.get_device_name(info.device) if cuda else info.device.type
+    return {"world_size": info.world_size, "device_name": name}
+
+
+def _write_run_record(out_dir: Path, run_config: dict, info) -> None:
+    """``run.json``: what the run in ``out_dir`` is (its resolved config and overrides, the
+    directory it started in, its ``_hardware``), for collect.py to read a run stopped before
+    its summary. Written once the run has passed its checks, unlike Hydra's ``.hydra/``,
+    which a refused launch into the same directory (another grid's job, a resume with another
+    config) has already rewritten with its own."""
     # launch_dir: where relative data paths resolved (lm.trained rebuilds the data from it)
     # (Hydra's original directory: with hydra.job.chdir=true the process is in out_dir by now)
-    record = {"config": run_config, "overrides": _overrides(), "launch_dir": str(resolve_path("."))}
+    record = {
+        "config": run_config,
+        "overrides": _overrides(),
+        "launch_dir": str(resolve_path(".")),
+        **_hardware(info),
+    }
     write_json(out_dir / "run.json", record)
 
 
@@ -647,7 +662,7 @@ class _Run:
                 # Replaced now, not at the first save: a run killed before that save would
                 # leave the old run's weights for a later resume to continue under its metrics.
                 ckpt_path.unlink(missing_ok=True)
-            _write_run_record(out_dir, self.run_config)
+            _write_run_record(out_dir, self.run_config, info)
             self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
             self.logged = _LoggedSteps(
                 out_dir / "logged.json", self.logger.run_id, resumed_run,
@@ -961,7 +976,7 @@ class _Run:
             "data": self.cfg.data.name,
             "seed": self.cfg.seed,
             "device": str(self.info.device),
-            "world_size": self.info.world_size,
+            **_hardware(self.info),
             "overrides": _overrides(),
         }
 

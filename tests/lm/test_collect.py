@@ -141,6 +141,26 @@ def test_the_keys_that_change_the_speed_split_cells(tmp_path, key, values):
     assert "Left out" not in table
 
 
+@pytest.mark.parametrize(
+    "fact, values", [("world_size", (1, 2)), ("device_name", ("NVIDIA H100", "NVIDIA H200"))]
+)
+def test_runs_on_other_hardware_are_other_cells(tmp_path, capsys, fact, values):
+    """torchrun's process count (each process takes train.batch_size rows) and the device,
+    from the summaries and a stopped run's run.json, split cells as overrides do (they were
+    one cell, and a seed of one was left out as a repeat of the other's); --ignore merges."""
+    _run(tmp_path, "000", ["attention=rope", "seed=0"], 0.5, data="counting", **{fact: values[0]})
+    d = _stopped_run(tmp_path, "001", "rope", 0, 0.25)
+    config = {"attention": {"name": "rope"}, "data": {"name": "counting"}, "seed": 0}
+    record = {"config": config, "overrides": ["attention=rope", "seed=0"], fact: values[1]}
+    (d / "run.json").write_text(json.dumps(record))
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert all(f"| {fact}={value} | 1 |" in table for value in values), table
+    assert "Left out" not in table and "repeats" not in capsys.readouterr().err
+    merged = main([str(tmp_path), "--metrics", "test/err", "--ignore", fact, "--out",
+                   str(tmp_path / "merged")]).split("Made by")[0]  # fmt: skip
+    assert "repeats seed 0" in merged and fact not in merged.split("Left out")[0]
+
+
 def test_failed_runs_are_listed_not_averaged(tmp_path, capsys):
     _run(tmp_path, "000", ["attention=rope", "seed=0"], 0.5)
     _run(tmp_path, "001", ["attention=nope", "seed=0"], 1.0)

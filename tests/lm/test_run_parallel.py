@@ -131,8 +131,9 @@ def test_parallel_jobs_then_collect(tmp_path):
 
     collect = run_script("experiments/collect.py", str(runs))
     assert collect.returncode == 0, collect.stderr[-3000:]
-    assert "no summary and no evaluation yet; left out" in collect.stderr
+    assert "left out: has no summary and no evaluation yet" in collect.stderr
     table = (runs / "results.md").read_text()
+    assert f"{jobs[3]['dir']}`: has no summary and no evaluation yet" in table  # listed there
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| attention=")]
     assert [(r[0], r[1]) for r in rows] == [
         ("| attention=corope train.steps=2", "1"),
