@@ -298,7 +298,8 @@ def precompile(shapes: dict, dtypes: list[str], workers: int, only=None) -> None
 def verdicts(rows: list[dict]) -> list[dict]:
     """One row per (shape, dtype, mode): rope_attention against the floor and the alternatives;
     any provider's wrong output (an "ACC FAIL" note) misses the targets, since a comparison
-    with it is no result."""
+    with it is no result. ``commits``: those of the rows compared (the CSV keeps each
+    provider's latest run, so a ratio may divide times of two commits)."""
     out = []
     keys = dict.fromkeys((r["shape"], r["dtype"], r["mode"]) for r in rows)
     for shape, dtype, mode in keys:
@@ -306,6 +307,9 @@ def verdicts(rows: list[dict]) -> list[dict]:
         ms = {r["provider"]: r["ms"] for r in cell if r.get("ms")}
         if MAIN not in ms or "sdpa_no_rope" not in ms:
             continue
+        compared = (MAIN, "sdpa_no_rope", "liger_rope+sdpa", "compile(rope+sdpa)", "fused",
+                    "triton_rope+sdpa")  # fmt: skip
+        commits = sorted({r.get("commit") or "?" for r in cell if r["provider"] in compared})
         vs_floor = ms[MAIN] / ms["sdpa_no_rope"]
         alts = [ms[p] for p in ("liger_rope+sdpa", "compile(rope+sdpa)") if p in ms]
         vs_alt = ms[MAIN] / min(alts) if alts else None
@@ -330,6 +334,7 @@ def verdicts(rows: list[dict]) -> list[dict]:
                 if "fused" in ms and "triton_rope+sdpa" in ms
                 else None,
                 target=f"MISSED ({' and '.join(missed)})" if missed else met,
+                commits=", ".join(commits),
             )
         )
     return out
@@ -397,7 +402,8 @@ def main() -> None:
     # the header names the machine and versions of the rows (runs split by --shapes add up)
     env = merged_environment(rows, env)
     summary = verdicts(rows)
-    columns = ["shape", "dtype", "mode", "provider", "ms", "tflops", "peak_mem_mib", "note"]
+    columns = ["shape", "dtype", "mode", "provider", "ms", "tflops", "peak_mem_mib", "commit",
+               "note"]  # fmt: skip
     v_columns = [
         "shape",
         "dtype",
@@ -408,6 +414,7 @@ def main() -> None:
         "vs_best_alt",
         "fused_vs_separate",
         "target",
+        "commits",
     ]
     met = sum(v["target"].startswith("met") for v in summary)
     floor_met = sum(not v["target"].startswith("MISSED (floor") for v in summary)

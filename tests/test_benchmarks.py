@@ -277,6 +277,10 @@ def test_rope_attention_verdicts_name_the_missed_target():
         "d": "met (floor; no alternative runs it)",
         "e": "MISSED (floor)",
     }
+    # Each provider's latest run stays in the CSV: a ratio across two commits says so.
+    for row, commit in zip(cells[:3], ("abc", "abc", "def"), strict=True):
+        row["commit"] = commit
+    assert {v["shape"]: v["commits"] for v in verdicts(cells)}["a"] == "abc, def"
 
 
 def test_sincos_rate_polynomial_matches_fp64():
