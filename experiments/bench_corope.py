@@ -41,6 +41,7 @@ from experiments.results_io import (  # noqa: E402
     accuracy_failed,
     add_output_arguments,
     environment,
+    gpu_suffix,
     markdown_table,
     quick_and_output,
     read_rows,
@@ -269,13 +270,14 @@ def main() -> None:
     # by --shape / --min-n / --max-n add up to one table.
     rows = read_rows(csv_path, OP, env["gpu"])
     lines = verdict(rows)
-    write_markdown(args.out / "bench_corope.md", rows, env, lines)
+    suffix = gpu_suffix(args.out / "bench_corope.md", env["gpu"])  # another GPU's: kept
+    write_markdown(args.out / f"bench_corope{suffix}.md", rows, env, lines)
+    print(f"wrote {args.out / f'bench_corope{suffix}.md'}")
     try:
         from experiments.plot_benchmarks import plot_op
 
-        plot_op(
-            OP, csv_path=csv_path, out=args.out / "bench_corope.png", gpu=env["gpu"], metric="ms"
-        )
+        png = args.out / f"bench_corope{suffix}.png"
+        plot_op(OP, csv_path=csv_path, out=png, gpu=env["gpu"], metric="ms")
     except Exception as e:  # plotting is a convenience; the CSV and markdown are the record
         print(f"plot skipped: {e!r}")
     print()

@@ -46,6 +46,7 @@ from experiments.results_io import (  # noqa: E402
     accuracy_note,
     add_output_arguments,
     environment,
+    gpu_suffix,
     markdown_table,
     merged_environment,
     quick_and_output,
@@ -311,10 +312,11 @@ def main() -> None:
     order = [shape_id(s) for s in SHAPES + QUICK_SHAPES]
     op_rows = read_rows(csv_path, OP, env["gpu"], shape_order=order)
     lines = verdict(op_rows, copy_gbps)
-    write_markdown(
-        args.out / "bench_rope.md", op_rows, copy_gbps, merged_environment(op_rows, env), lines
-    )
-    plot_op(OP, csv_path=csv_path, out=args.out / "bench_rope.png", gpu=env["gpu"])
+    suffix = gpu_suffix(args.out / "bench_rope.md", env["gpu"])  # another GPU's: kept
+    md = args.out / f"bench_rope{suffix}.md"
+    write_markdown(md, op_rows, copy_gbps, merged_environment(op_rows, env), lines)
+    plot_op(OP, csv_path=csv_path, out=args.out / f"bench_rope{suffix}.png", gpu=env["gpu"])
+    print(f"wrote {md}")
     print()
     print(markdown_table(op_rows, ["shape", "dtype", "mode", "provider", "ms", "gbps", "note"]))
     print("\n".join(lines))

@@ -62,6 +62,7 @@ from experiments.results_io import (  # noqa: E402
     accuracy_note,
     add_output_arguments,
     environment,
+    gpu_suffix,
     markdown_table,
     merged_environment,
     quick_and_output,
@@ -430,13 +431,15 @@ def main() -> None:
         f"{markdown_table(rows, columns)}\n## Targets\n\n{markdown_table(summary, v_columns)}"
         f"\n{verdict}\n"
     )
-    (out / "bench_rope_attention.md").write_text(text)
+    suffix = gpu_suffix(out / "bench_rope_attention.md", gpu)  # another GPU's: kept
+    (out / f"bench_rope_attention{suffix}.md").write_text(text)
+    print(f"wrote {out / f'bench_rope_attention{suffix}.md'}")
     try:
         from experiments.plot_benchmarks import plot_op
 
         figures = {
-            f"{OP}.png": {},
-            f"{OP}_vs_floor.png": dict(relative_to="sdpa_no_rope", target=1.1),
+            f"{OP}{suffix}.png": {},
+            f"{OP}_vs_floor{suffix}.png": dict(relative_to="sdpa_no_rope", target=1.1),
         }
         for name, relative in figures.items():  # vs_floor: the targets' ratio, 1.10x drawn
             png = plot_op(OP, csv_path, out / name, "ms", gpu, shape_order=order, **relative)

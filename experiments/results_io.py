@@ -13,6 +13,7 @@ import argparse
 import csv
 import datetime
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -33,6 +34,22 @@ def output_dir(out: Path | None, quick: bool, script: str) -> Path:
     if out is not None:
         return out
     return Path(tempfile.gettempdir()) / f"{script}_quick" if quick else RESULTS
+
+
+def gpu_suffix(report: Path, gpu: str) -> str:
+    """``""`` where ``report`` (a benchmark's markdown, whose third line starts with the GPU's
+    name) is absent or of ``gpu``, else ``gpu``'s short name (``"_h100"`` for ``NVIDIA H100
+    80GB HBM3``) to put before the suffixes of this run's report and plots: a run on one GPU
+    does not replace another GPU's committed report (``bench_corope.md`` of an H100,
+    ``bench_corope_h200.md``)."""
+    if not report.exists():
+        return ""
+    lines = report.read_text().splitlines()
+    if len(lines) > 2 and lines[2].startswith(f"{gpu},"):
+        return ""
+    model = re.search(r"\b[A-Z]+\d+[A-Za-z]*\b", gpu)
+    short = model.group(0) if model else gpu
+    return "_" + re.sub(r"[^a-z0-9]+", "_", short.lower()).strip("_")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:

@@ -730,3 +730,16 @@ def test_deterministic_dispatch_reports_the_path_auto_takes(monkeypatch):
     for slowed in (True, False):
         monkeypatch.setattr(attention, "_sdpa_is_slowed_by_determinism", lambda q, s=slowed: s)
         assert deterministic_dispatch._auto_path(inputs) == ("fused" if slowed else "separate")
+
+
+def test_a_report_of_another_gpu_is_kept(tmp_path):
+    """A benchmark run on one GPU writes its report and plots beside another GPU's committed
+    report, under the GPU's short name, instead of replacing it (an H100 run replaced the H200
+    report the README cites); its own GPU's report, or none, is written in place."""
+    report = tmp_path / "bench_rope_attention.md"
+    assert results_io.gpu_suffix(report, "NVIDIA H200") == ""
+    report.write_text("# rope_attention benchmark\n\nNVIDIA H200, torch 2.11.0, triton 3.6.0\n")
+    assert results_io.gpu_suffix(report, "NVIDIA H200") == ""
+    assert results_io.gpu_suffix(report, "NVIDIA H100 80GB HBM3") == "_h100"
+    assert results_io.gpu_suffix(report, "NVIDIA A100-SXM4-80GB") == "_a100"
+    assert results_io.gpu_suffix(report, "cpu") == "_cpu"
