@@ -38,6 +38,7 @@ from corope import corope_attention, corope_attention_ref  # noqa: E402
 from corope.naive import corope_inv_freq  # noqa: E402
 from experiments.results_io import (  # noqa: E402
     ACC_FAIL,
+    QUICK_IGNORES,
     accuracy_failed,
     add_output_arguments,
     environment,
@@ -46,6 +47,7 @@ from experiments.results_io import (  # noqa: E402
     quick_and_output,
     read_rows,
     upsert_rows,
+    warn_ignored,
 )
 from experiments.timing import peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.naive import apply_rope_ref  # noqa: E402
@@ -255,6 +257,8 @@ def main() -> None:
         parser.error(f"--min-n {args.min_n} is above --max-n {args.max_n}: no N to run")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick, args.out = quick_and_output(args, device, "bench_corope")
+    if quick:
+        warn_ignored(parser, args, ["shape", "min_n", "max_n"], QUICK_IGNORES)
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # interpreter: no bf16
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)

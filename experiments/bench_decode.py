@@ -37,6 +37,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from experiments.bench_rope import copy_bandwidth  # noqa: E402
 from experiments.results_io import (  # noqa: E402
+    QUICK_IGNORES,
     add_output_arguments,
     environment,
     markdown_table,
@@ -44,6 +45,7 @@ from experiments.results_io import (  # noqa: E402
     quick_and_output,
     read_rows,
     upsert_rows,
+    warn_ignored,
 )
 from lm.config import ATTENTION_SCHEMAS, ModelConfig  # noqa: E402
 from lm.generation import KVCache  # noqa: E402
@@ -116,6 +118,8 @@ def main() -> None:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick, args.out = quick_and_output(args, device, "bench_decode")
+    if quick:
+        warn_ignored(parser, args, ["steps"], QUICK_IGNORES)
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / "benchmarks.csv"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

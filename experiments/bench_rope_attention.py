@@ -58,6 +58,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from experiments.results_io import (  # noqa: E402
+    QUICK_IGNORES,
     accuracy_failed,
     accuracy_note,
     add_output_arguments,
@@ -68,6 +69,7 @@ from experiments.results_io import (  # noqa: E402
     quick_and_output,
     read_rows,
     upsert_rows,
+    warn_ignored,
 )
 from experiments.timing import input_sets, peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
@@ -382,6 +384,11 @@ def main() -> None:
         unknown = [p for p in args.providers if p not in known]
         if unknown:
             raise SystemExit(f"--providers {unknown}: the providers are {list(known)}")
+    if args.report:
+        warn_ignored(parser, args, ["shapes", "providers", "dtypes", "precompile"],
+                     "a report times nothing: it tabulates every row of its GPU")  # fmt: skip
+    elif quick:
+        warn_ignored(parser, args, ["dtypes"], QUICK_IGNORES)
     dtypes = ["fp16"] if quick else args.dtypes
     if args.precompile and device.type == "cuda" and not args.report:
         precompile(shapes, dtypes, args.precompile, args.providers)

@@ -15,6 +15,7 @@ import datetime
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,19 @@ def gpu_suffix(report: Path, gpu: str) -> str:
     model = re.search(r"\b[A-Z]+\d+[A-Za-z]*\b", gpu)
     short = model.group(0) if model else gpu
     return "_" + re.sub(r"[^a-z0-9]+", "_", short.lower()).strip("_")
+
+
+QUICK_IGNORES = "a quick run (which a CPU forces) times its fixed tiny cases"
+
+
+def warn_ignored(parser: argparse.ArgumentParser, args, dests: list[str], why: str) -> None:
+    """Says on stderr which of the options ``dests`` (argparse's names) were set away from
+    their defaults although this run ignores them, ``why`` (a quick run times its fixed tiny
+    cases; a report times nothing): accepted silently, they looked obeyed."""
+    given = [d for d in dests if getattr(args, d) != parser.get_default(d)]
+    if given:
+        names = ", ".join("--" + d.replace("_", "-") for d in given)
+        print(f"{names} ignored: {why}", file=sys.stderr, flush=True)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ and pass its own accuracy check; a wrong output must fail that check."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import subprocess
@@ -743,3 +744,16 @@ def test_a_report_of_another_gpu_is_kept(tmp_path):
     assert results_io.gpu_suffix(report, "NVIDIA H100 80GB HBM3") == "_h100"
     assert results_io.gpu_suffix(report, "NVIDIA A100-SXM4-80GB") == "_a100"
     assert results_io.gpu_suffix(report, "cpu") == "_cpu"
+
+
+def test_options_a_run_ignores_are_named(capsys):
+    """An option set away from its default that the run ignores (a quick run's fixed cases, a
+    report that times nothing) is named on stderr; options left at their defaults are not."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--min-n", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=32)
+    results_io.warn_ignored(parser, parser.parse_args(["--min-n", "4096"]), ["min_n", "steps"],
+                            results_io.QUICK_IGNORES)  # fmt: skip
+    assert capsys.readouterr().err == f"--min-n ignored: {results_io.QUICK_IGNORES}\n"
+    results_io.warn_ignored(parser, parser.parse_args([]), ["min_n", "steps"], "why")
+    assert capsys.readouterr().err == ""
