@@ -259,16 +259,24 @@ class RecordingLogger:
         pass
 
 
-def test_resume_logs_each_step_once_into_the_same_service_run(tmp_path, monkeypatch):
-    """The killed run logged steps 4 and 5 past its checkpoint (step 3) to the service; the
-    resumed run recomputes them into metrics.jsonl but does not log them again, so the
-    service's run holds each step once, with the uninterrupted run's values."""
+def _uninterrupted_logged_run(out_dir, monkeypatch):
+    """``(cfg, logged)``: a run of 8 steps (checkpoints every 3, logs every step, evaluations
+    every 4) into ``out_dir``, and what a RecordingLogger got from it (emptied for the test's
+    next runs, which log to it too)."""
     monkeypatch.setattr(lm.training, "instantiate", lambda _, **kwargs: RecordingLogger(**kwargs))
     monkeypatch.setattr(RecordingLogger, "logged", [])
     cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=8", "train.ckpt_every=3",
                       "train.log_every=1", "train.eval_every=4")  # fmt: skip
-    train(cfg, output_dir=str(tmp_path / "full"))
+    train(cfg, output_dir=str(out_dir))
     full, RecordingLogger.logged[:] = list(RecordingLogger.logged), []
+    return cfg, full
+
+
+def test_resume_logs_each_step_once_into_the_same_service_run(tmp_path, monkeypatch):
+    """The killed run logged steps 4 and 5 past its checkpoint (step 3) to the service; the
+    resumed run recomputes them into metrics.jsonl but does not log them again, so the
+    service's run holds each step once, with the uninterrupted run's values."""
+    cfg, full = _uninterrupted_logged_run(tmp_path / "full", monkeypatch)
     train_killed_at_step(cfg, tmp_path / "cut", 5)
     assert max(step for step, _ in RecordingLogger.logged) == 5
     assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["step"] == 3
@@ -296,12 +304,7 @@ def test_resume_logs_what_the_service_run_lacks_after_a_kill_in_an_evaluation_or
     back to the checkpoint's step 3 each time), the next resume logs no step twice. Either way
     the service's run holds the uninterrupted run's records, each once (logged.json; the last
     step of metrics.jsonl lost the evaluation and, after two kills, logged step 5 twice)."""
-    monkeypatch.setattr(lm.training, "instantiate", lambda _, **kwargs: RecordingLogger(**kwargs))
-    monkeypatch.setattr(RecordingLogger, "logged", [])
-    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=8", "train.ckpt_every=3",
-                      "train.log_every=1", "train.eval_every=4")  # fmt: skip
-    train(cfg, output_dir=str(tmp_path / "full"))
-    full, RecordingLogger.logged[:] = list(RecordingLogger.logged), []
+    cfg, full = _uninterrupted_logged_run(tmp_path / "full", monkeypatch)
 
     def killed_in_evaluation(*args, **kwargs):
         raise KeyboardInterrupt("simulated kill")
