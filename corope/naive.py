@@ -27,6 +27,7 @@ from fused_rope._validation import (
     under_functorch,
 )
 from fused_rope.frequencies import default_inv_freq
+from fused_rope.naive import full_precision
 
 LEADERS = ("first", "mean")
 
@@ -172,6 +173,7 @@ def _chunk_rows(
     return o, lse
 
 
+@full_precision
 def corope_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,

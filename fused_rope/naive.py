@@ -9,6 +9,8 @@ with respect to positions or frequencies sees it (differentiate them in fp32 ter
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fused_rope._validation import (
@@ -75,6 +77,23 @@ def apply_rope_ref(
     return out.to(x.dtype)
 
 
+def full_precision(reference):
+    """``reference`` (a reference attention) computed in the precision it states even under
+    ``torch.autocast``, which would run its matrix products in bf16 (the harness trains and
+    generates under bf16 autocast on CUDA, where its torch path is this ground truth)."""
+
+    @functools.wraps(reference)
+    def wrapped(q, *args, **kwargs):
+        # autocast's device types of this project (meta, for one, has none)
+        if not isinstance(q, torch.Tensor) or q.device.type not in ("cpu", "cuda"):
+            return reference(q, *args, **kwargs)
+        with torch.autocast(q.device.type, enabled=False):
+            return reference(q, *args, **kwargs)
+
+    return wrapped
+
+
+@full_precision
 def rope_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -193,3 +193,14 @@ def test_attention_reference_moves_inv_freq_to_the_inputs_device():
     q, k, v = (torch.empty(1, 2, 5, 8, device="meta") for _ in range(3))
     o, lse = rope_attention_ref(q, k, v, inv_freq=rope_frequencies(8)[0])
     assert o.device.type == "meta" and o.shape == q.shape and lse.shape == (1, 2, 5)
+
+
+def test_attention_reference_keeps_its_precision_under_autocast():
+    """Under bf16 autocast the reference's products stay fp32 (fp64 for fp64 inputs)."""
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    expected = rope_attention_ref(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = rope_attention_ref(q, k, v)
+    for name, a, b in zip(("o", "lse"), got, expected, strict=True):
+        assert a.dtype == torch.float32
+        assert_close(name, a, b, atol=1e-6, rtol=1e-6)
