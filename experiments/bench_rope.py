@@ -230,7 +230,8 @@ def verdict(rows: list[dict], copy_gbps: float) -> list[str]:
 
 def write_markdown(path: Path, rows, copy_gbps, env, lines) -> None:
     """The table of ``rows`` (every run's, from the CSV: each row names its commit), the
-    verdict ``lines`` and the plot; ``env`` merges the rows' versions and dates."""
+    verdict ``lines`` and the plot (``path``'s stem + ``.png``, beside it); ``env`` merges the
+    rows' versions and dates."""
     cols = ["shape", "dtype", "mode", "provider", "ms", "ms_p20", "ms_p80", "gbps",
             "peak_mem_mib", "commit", "note"]  # fmt: skip
     text = (
@@ -244,7 +245,7 @@ def write_markdown(path: Path, rows, copy_gbps, env, lines) -> None:
         + markdown_table(rows, cols)
         + "\n"
         + "\n".join(f"- {line}" for line in lines)
-        + "\n\n![bench_rope](bench_rope.png)\n"
+        + f"\n\n![bench_rope]({path.stem}.png)\n"
     )
     path.write_text(text)
 

@@ -120,23 +120,24 @@ def _records(run_dir: Path) -> list[dict]:
         return []
 
 
-def _run_record(run_dir: Path) -> tuple[dict, list[str]] | None:
-    """``(resolved config, overrides)`` of the run in ``run_dir``: its ``run.json``, which only
-    a run that started writes, or for runs older than it, ``.hydra/`` (which a refused launch
-    into the directory rewrites); None without either."""
+def _run_record(run_dir: Path) -> tuple[dict, list[str], dict] | None:
+    """``(resolved config, overrides, RUN_FACTS it records)`` of the run in ``run_dir``: its
+    ``run.json``, which only a run that started writes, or for runs older than it, ``.hydra/``
+    (which a refused launch into the directory rewrites, and which records no facts); None
+    without either."""
     record = run_dir / "run.json"
     if record.exists():
         try:
             data = json.loads(record.read_text())
-            facts = [f"{k}={data[k]}" for k in RUN_FACTS if data.get(k) is not None]
-            return data["config"], [*data["overrides"], *facts]
+            facts = {k: data[k] for k in RUN_FACTS if data.get(k) is not None}
+            return data["config"], data["overrides"], facts
         except (json.JSONDecodeError, KeyError, TypeError) as error:  # written by hand, or cut
             print(f"collect: {record} unreadable ({error!r}); reading .hydra/", file=sys.stderr)
     hydra = run_dir / ".hydra"
     if not (hydra / "overrides.yaml").exists():
         return None
     config = yaml.safe_load((hydra / "config.yaml").read_text())
-    return config, yaml.safe_load((hydra / "overrides.yaml").read_text()) or []
+    return config, yaml.safe_load((hydra / "overrides.yaml").read_text()) or [], {}
 
 
 def _partial_summary(run_dir: Path) -> dict | None:
@@ -148,7 +149,7 @@ def _partial_summary(run_dir: Path) -> dict | None:
     record = _run_record(run_dir)
     if not evals or record is None:
         return None
-    config, overrides = record
+    config, overrides, facts = record
     last = evals[-1]
     first_loss = next(k for k in last if k.endswith("/loss"))
     return {
@@ -161,6 +162,7 @@ def _partial_summary(run_dir: Path) -> dict | None:
         "data": config["data"]["name"],
         "seed": config["seed"],
         "overrides": overrides,
+        **facts,
     }
 
 
@@ -172,6 +174,26 @@ def _failure(run_dir: Path) -> str | None:
         return None
     failed = json.loads(path.read_text())
     return f"failed after step {failed['step']}: {failed['error']}: {failed['message']}"
+
+
+def _add_run_facts(runs: list[Run]) -> None:
+    """Appends each of ``RUN_FACTS`` to the runs' overrides where every run records it; where
+    only some do (runs from before run.json held them, stopped runs read from ``.hydra/``), to
+    none, saying so: absent would read as another value and split cells."""
+    for fact in RUN_FACTS:
+        having = sum(r.summary.get(fact) is not None for r in runs)
+        if having == len(runs):
+            for r in runs:
+                r.summary["overrides"] = [
+                    *r.summary.get("overrides", []),
+                    f"{fact}={r.summary[fact]}",
+                ]
+        elif having:
+            print(
+                f"collect: {fact} left out of the cells: {len(runs) - having} of {len(runs)} "
+                "runs do not record it (older runs)",
+                file=sys.stderr,
+            )
 
 
 def load_runs(root: Path) -> tuple[list[Run], list[LeftOut]]:
@@ -188,13 +210,12 @@ def load_runs(root: Path) -> tuple[list[Run], list[LeftOut]]:
             failed.append(LeftOut(d, reason))
         elif (d / "summary.json").exists():
             summary = json.loads((d / "summary.json").read_text())
-            facts = [f"{k}={summary[k]}" for k in RUN_FACTS if summary.get(k) is not None]
-            summary["overrides"] = [*summary.get("overrides", []), *facts]
             runs.append(Run(d, summary, partial=bool(summary.get("stopped_early"))))
         elif (summary := _partial_summary(d)) is not None:
             runs.append(Run(d, summary, partial=True))
         else:  # listed under the tables too: a cell's seed count drops without it
             failed.append(LeftOut(d, "has no summary and no evaluation yet"))
+    _add_run_facts(runs)
     if not runs:
         raise FileNotFoundError(
             f"no summary.json or metrics.jsonl of a run that did not fail under {root} "

@@ -39,18 +39,23 @@ def output_dir(out: Path | None, quick: bool, script: str) -> Path:
 
 def gpu_suffix(report: Path, gpu: str) -> str:
     """``""`` where ``report`` (a benchmark's markdown, whose third line starts with the GPU's
-    name) is absent or of ``gpu``, else ``gpu``'s short name (``"_h100"`` for ``NVIDIA H100
-    80GB HBM3``) to put before the suffixes of this run's report and plots: a run on one GPU
-    does not replace another GPU's committed report (``bench_corope.md`` of an H100,
-    ``bench_corope_h200.md``)."""
-    if not report.exists():
-        return ""
-    lines = report.read_text().splitlines()
-    if len(lines) > 2 and lines[2].startswith(f"{gpu},"):
+    name) is absent or of ``gpu``, else a name of ``gpu`` to put before the suffixes of this
+    run's report and plots: its model (``"_h100"`` for ``NVIDIA H100 80GB HBM3``), or its
+    whole name where the model's report is another GPU's (``"_nvidia_h100_pcie"`` beside an
+    ``NVIDIA H100 80GB HBM3`` one). A run on one GPU does not replace another GPU's
+    committed report (``bench_corope.md`` of an H100, ``bench_corope_h200.md``)."""
+
+    def someone_elses(path: Path) -> bool:
+        lines = path.read_text().splitlines() if path.exists() else []
+        return bool(lines) and not (len(lines) > 2 and lines[2].startswith(f"{gpu},"))
+
+    slug = lambda name: "_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    if not someone_elses(report):
         return ""
     model = re.search(r"\b[A-Z]+\d+[A-Za-z]*\b", gpu)
-    short = model.group(0) if model else gpu
-    return "_" + re.sub(r"[^a-z0-9]+", "_", short.lower()).strip("_")
+    short = slug(model.group(0) if model else gpu)
+    taken = someone_elses(report.with_name(f"{report.stem}{short}{report.suffix}"))
+    return slug(gpu) if taken else short
 
 
 QUICK_IGNORES = "a quick run (which a CPU forces) times its fixed tiny cases"

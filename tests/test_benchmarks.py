@@ -744,6 +744,20 @@ def test_a_report_of_another_gpu_is_kept(tmp_path):
     assert results_io.gpu_suffix(report, "NVIDIA H100 80GB HBM3") == "_h100"
     assert results_io.gpu_suffix(report, "NVIDIA A100-SXM4-80GB") == "_a100"
     assert results_io.gpu_suffix(report, "cpu") == "_cpu"
+    # The model's report is a sibling's (another H100): the whole name, not an overwrite.
+    h100 = tmp_path / "bench_rope_attention_h100.md"
+    h100.write_text("# rope_attention benchmark\n\nNVIDIA H100 80GB HBM3, torch 2.11.0\n")
+    assert results_io.gpu_suffix(report, "NVIDIA H100 80GB HBM3") == "_h100"
+    assert results_io.gpu_suffix(report, "NVIDIA H100 PCIe") == "_nvidia_h100_pcie"
+
+
+def test_bench_rope_report_embeds_its_own_plot(tmp_path):
+    """A report written under a GPU's name embeds the plot of that name (it embedded
+    bench_rope.png, another GPU's)."""
+    md = tmp_path / "bench_rope_h100.md"
+    env = dict(gpu="NVIDIA H100", torch="2.11", triton="3.6", commit="abc", date="today")
+    bench_rope.write_markdown(md, [], 3000.0, env, [])
+    assert "![bench_rope](bench_rope_h100.png)" in md.read_text()
 
 
 def test_options_a_run_ignores_are_named(capsys):

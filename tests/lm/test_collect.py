@@ -161,6 +161,17 @@ def test_runs_on_other_hardware_are_other_cells(tmp_path, capsys, fact, values):
     assert "repeats seed 0" in merged and fact not in merged.split("Left out")[0]
 
 
+def test_a_fact_only_some_runs_record_forms_no_cell(tmp_path, capsys):
+    """A finished run's summary records world_size (every harness version did), a stopped run
+    read from .hydra/ (or an older run.json) records nothing: they share a cell, and stderr
+    says the fact was left out (absent read as another value, and split them)."""
+    _run(tmp_path, "000", ["attention=rope", "seed=0"], 0.5, data="counting", world_size=1)
+    _stopped_run(tmp_path, "001", "rope", 1, 0.25)
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert "| (all runs) | 2 |" in table and "world_size" not in table, table
+    assert "world_size left out of the cells: 1 of 2 runs" in capsys.readouterr().err
+
+
 def test_failed_runs_are_listed_not_averaged(tmp_path, capsys):
     _run(tmp_path, "000", ["attention=rope", "seed=0"], 0.5)
     _run(tmp_path, "001", ["attention=nope", "seed=0"], 1.0)
