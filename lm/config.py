@@ -62,8 +62,9 @@ class RopeScalingConfig:
     ``rope_frequencies`` for the rest.
     """
 
-    type: str | None = None  # linear | dynamic | yarn | llama3
+    type: str | None = None  # linear | dynamic | ntk_alpha | yarn | llama3
     factor: float | None = None
+    alpha: float | None = None  # ntk_alpha's (HunYuan): theta * alpha ** (R / (R - 2))
     original_max_position_embeddings: int | None = None
     beta_fast: float | None = None
     beta_slow: float | None = None

@@ -14,10 +14,13 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 import lm.distributed
+from fused_rope.frequencies import rope_frequencies
+from lm.attention import build_attention
 from lm.config import launch_time, rank_suffix, rank_zero_only, register_configs, unknown_keys
 from lm.data import build_dataset
 from lm.model import GPT
 from lm.training import _config_choice
+from tests.helpers import assert_close
 from tests.lm.harness import CONFIGS, TINY, compose_cfg
 
 ATTENTION_FILES = sorted(p.stem for p in (CONFIGS / "attention").glob("*.yaml"))
@@ -162,6 +165,18 @@ def test_a_scaling_schedule_can_be_swept_from_the_plain_preset():
         "attention=rope", "attention.scaling.type=linear", "attention.scaling.factor=2"
     )
     assert (swept.attention.scaling.type, swept.attention.scaling.factor) == ("linear", 2.0)
+
+
+def test_ntk_alpha_is_a_static_schedule_of_the_harness():
+    """``attention.scaling.type=ntk_alpha attention.scaling.alpha=...`` (HunYuan's) gives
+    rope_frequencies' frequencies, fixed (not recomputed per length), and can be learned."""
+    cfg = compose_cfg("attention=rope", *TINY, "attention.scaling.type=ntk_alpha",
+                      "attention.scaling.alpha=8", "attention.learn_freq=true")  # fmt: skip
+    attn = build_attention(cfg.attention, cfg.model.d_model, cfg.model.n_head, cfg.model.n_kv_head)
+    expected = rope_frequencies(attn.rope_dim, 10000.0, {"type": "ntk_alpha", "alpha": 8.0})[0]
+    assert not attn.freqs.dynamic
+    # exp of the learned log frequencies: a rounding apart
+    assert_close("inv_freq", attn.freqs.for_length(10**6)[0], expected, atol=1e-7, rtol=1e-6)
 
 
 @pytest.mark.parametrize("data", sorted(SMALL_DATA))
