@@ -57,17 +57,22 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
-def replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
-    """``write`` to a file beside ``path``, flushed to disk, then moved over it: a process
-    killed mid-write (or a machine that loses power after the move) leaves the old file or
-    the new one, never a truncated one; a write that raises leaves no temporary file."""
+def replace_atomically(
+    path: str | Path, write: Callable[[Path], None], *, sync: bool = True
+) -> None:
+    """``write`` to a file beside ``path``, flushed to disk (``sync``), then moved over it: a
+    process killed mid-write (or, with ``sync``, a machine that loses power after the move)
+    leaves the old file or the new one, never a truncated one; a write that raises leaves no
+    temporary file. ``sync=False`` for small files written often (a record a step), whose
+    loss to a power cut costs little."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if sync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

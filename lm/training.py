@@ -35,7 +35,6 @@ import gc
 import json
 import logging
 import math
-import os
 import re
 import sys
 import time
@@ -482,10 +481,9 @@ class _LoggedSteps:
 
     def add(self, kind: str, step: int) -> None:
         self.through[kind] = step
-        if self.run_id is not None:  # small and per record: replaced, not synced to disk
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps({"run_id": self.run_id, "through": self.through}))
-            os.replace(tmp, self.path)
+        if self.run_id is not None:
+            text = json.dumps({"run_id": self.run_id, "through": self.through})
+            replace_atomically(self.path, lambda tmp: tmp.write_text(text), sync=False)
 
 
 def train(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
@@ -767,18 +765,14 @@ class _Run:
             if not self.logged.has(kind, self.step):
                 self.logger.log(metrics, self.step)
                 self.logged.add(kind, self.step)
-        except BaseException as error:
-            # A stop that came while recording is the run's end, even when the record failed
-            # (and not a stale stop for the next run in this process, a sweep's next job).
+        finally:
+            # A stop that came while recording ends the run now, even where the record failed
+            # (whose error becomes its __context__): never a stale stop for the next run in
+            # this process (a sweep's next job).
+            _STOP["recording"] = False
             stop, _STOP["exit"] = _STOP["exit"], None
             if stop is not None:
-                raise stop from error
-            raise
-        finally:
-            _STOP["recording"] = False
-        if _STOP["exit"] is not None:  # a stop that came while recording
-            stop, _STOP["exit"] = _STOP["exit"], None
-            raise stop
+                raise stop
 
     def _train_step(self) -> tuple[float, int]:
         """One optimizer step; returns (the global batch's loss, tokens in the global batch).

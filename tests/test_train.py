@@ -419,7 +419,7 @@ def test_a_stop_during_a_record_waits_for_the_record(tmp_path):
     trainer.logger, trainer.step = FailingLogger(), 8
     with pytest.raises(SystemExit) as raised:
         lm.training._Run._record(trainer, {"train/loss": 3.0}, "train")
-    assert raised.value.code == 143 and isinstance(raised.value.__cause__, RuntimeError)
+    assert raised.value.code == 143 and isinstance(raised.value.__context__, RuntimeError)
     trainer.logger = NullLogger()  # no stale stop is left for the next record (a sweep's job)
     lm.training._Run._record(trainer, {"train/loss": 4.0}, "train")
 
