@@ -98,16 +98,22 @@ class Attention(nn.Module):
 
     input_pe: str | None = None
 
-    def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
+    def __init__(
+        self, cfg: Any, d_model: int, n_head: int, n_kv_head: int, head_dim: int | None = None
+    ) -> None:
         super().__init__()
-        if d_model % n_head:
-            raise ValueError(f"model.d_model={d_model} must be a multiple of model.n_head={n_head}")
+        if head_dim is None and d_model % n_head:
+            raise ValueError(
+                f"model.d_model={d_model} must be a multiple of model.n_head={n_head}, "
+                f"or set model.head_dim"
+            )
         if n_kv_head < 1 or n_head % n_kv_head:
             raise ValueError(
                 f"model.n_head={n_head} must be a multiple of model.n_kv_head={n_kv_head}"
             )
         self.n_head, self.n_kv_head = n_head, n_kv_head
-        self.head_dim = d_model // n_head
+        # Gemma's and Qwen3's head width is not d_model / n_head; the projections carry it.
+        self.head_dim = d_model // n_head if head_dim is None else head_dim
         self.wq = nn.Linear(d_model, n_head * self.head_dim, bias=False)
         self.wkv = nn.Linear(d_model, 2 * n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
@@ -217,7 +223,7 @@ class RotaryFrequencies(nn.Module):
 def _rope_dim(cfg: Any, head_dim: int) -> int:
     if cfg.rope_dim is None and head_dim % 2:
         raise ValueError(
-            f"the head dim (model.d_model / model.n_head) must be even for a rotation of all "
+            f"the head dim (model.head_dim, or model.d_model / model.n_head) must be even for a rotation of all "
             f"its channels, got {head_dim}; or set attention.rope_dim to an even part of it"
         )
     rope_dim = head_dim if cfg.rope_dim is None else cfg.rope_dim
@@ -233,8 +239,8 @@ class RopeAttention(Attention):
     scaled schedules (YaRN's mscale) multiplies q's and k's rotated channels, as Hugging
     Face's scaled cos/sin do (``attention_factor`` of the kernels and the reference)."""
 
-    def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
-        super().__init__(cfg, d_model, n_head, n_kv_head)
+    def __init__(self, cfg: Any, *dims: int | None) -> None:
+        super().__init__(cfg, *dims)
         check_impl(cfg.impl)
         if cfg.layout not in ("half", "interleaved"):
             raise ValueError(
@@ -317,8 +323,8 @@ class CoRopeAttention(Attention):
     rather than dropped; ``attention.scaling.attention_factor=1.0`` takes its frequencies
     alone."""
 
-    def __init__(self, cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> None:
-        super().__init__(cfg, d_model, n_head, n_kv_head)
+    def __init__(self, cfg: Any, *dims: int | None) -> None:
+        super().__init__(cfg, *dims)
         check_impl(cfg.impl)
         if cfg.leader not in ("first", "mean"):
             raise ValueError(f"attention.leader must be 'first' or 'mean', got {cfg.leader!r}")
@@ -374,6 +380,9 @@ def attention_class(cfg: Any) -> type[Attention]:
     return ATTENTIONS[name]
 
 
-def build_attention(cfg: Any, d_model: int, n_head: int, n_kv_head: int) -> Attention:
-    """The attention module ``cfg`` names, for a model of width ``d_model``."""
-    return attention_class(cfg)(cfg, d_model, n_head, n_kv_head)
+def build_attention(
+    cfg: Any, d_model: int, n_head: int, n_kv_head: int, head_dim: int | None = None
+) -> Attention:
+    """The attention module ``cfg`` names, for a model of width ``d_model``, with heads of
+    ``head_dim`` channels (None: ``d_model // n_head``)."""
+    return attention_class(cfg)(cfg, d_model, n_head, n_kv_head, head_dim)

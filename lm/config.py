@@ -140,6 +140,7 @@ class ModelConfig:
     n_layer: int = 2
     n_head: int = 4
     n_kv_head: int = 2  # grouped-query attention: n_head % n_kv_head == 0
+    head_dim: int | None = None  # channels a head; null = d_model / n_head
     mlp_hidden: int | None = None  # SwiGLU hidden width; null = 8/3 d_model rounded up to 32
     tie_embeddings: bool = True
     dropout: float = 0.0

@@ -37,7 +37,9 @@ class Block(nn.Module):
         super().__init__()
         hidden = cfg.mlp_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32)
         self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = build_attention(attn_cfg, cfg.d_model, cfg.n_head, cfg.n_kv_head)
+        self.attn = build_attention(
+            attn_cfg, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.get("head_dim")
+        )
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, hidden)
         self.drop = nn.Dropout(cfg.dropout)

@@ -350,6 +350,8 @@ def _check_options(cfg: DictConfig) -> None:
         check_int(f"model.{key}", m[key], 1)
     if m.mlp_hidden is not None:  # null: 8/3 d_model
         check_int("model.mlp_hidden", m.mlp_hidden, 1)
+    if m.get("head_dim") is not None:  # null: d_model / n_head
+        check_int("model.head_dim", m.head_dim, 1)
     _check_below_one("model.dropout", m.dropout)
     for key in ("norm_eps", "init_std"):
         _check_positive(f"model.{key}", m[key])
@@ -936,8 +938,9 @@ class _Run:
         if peak is not None and timed:
             cfg = self.cfg.model
             seq_len = s["timed_tokens"] / (s["timed_steps"] * self.t.batch_size * info.world_size)
+            attn = self.model.blocks[0].attn
             flops = model_flops_per_token(
-                self.model.matmul_params(), cfg.n_layer, cfg.d_model, seq_len
+                self.model.matmul_params(), cfg.n_layer, attn.n_head * attn.head_dim, seq_len
             )
             mfu = flops * tokens_per_s / (peak * info.world_size)
         return {

@@ -834,6 +834,7 @@ def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path
         (["optim.beta2=1.0"], "optim.beta2 must be in [0, 1), got 1.0"),
         (["optim.eps=-1"], "optim.eps must be a positive number, got -1.0"),
         (["model.mlp_hidden=0"], "model.mlp_hidden must be >= 1, got 0"),
+        (["model.head_dim=0"], "model.head_dim must be >= 1, got 0"),
         (["model.dropout=1.5"], "model.dropout must be in [0.0, 1.0], got 1.5"),
         (["model.init_std=-1"], "model.init_std must be a positive number, got -1.0"),
         (["model.n_layer=0"], "model.n_layer must be >= 1, got 0"),

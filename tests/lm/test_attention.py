@@ -184,7 +184,9 @@ def test_bad_attention_settings_name_the_key(name, overrides, match):
 def test_an_odd_head_dim_names_the_model_sizes(name):
     """d_model 60 over 4 heads: head dim 15, which a full rotation cannot take; the message
     names the sizes, not the rope_dim the user never set. An even rope_dim inside it runs."""
-    with pytest.raises(ValueError, match=r"model.d_model / model.n_head\) must be even.*got 15"):
+    with pytest.raises(
+        ValueError, match=r"model.head_dim, or model.d_model / model.n_head\) must be even.*got 15"
+    ):
         build_attention(attn_cfg(name), 60, 4, 2)
     build_attention(attn_cfg(name, rope_dim=14), 60, 4, 2)
 

@@ -127,6 +127,28 @@ def test_optimizer_decays_matrices_but_no_embedding_table():
     assert decayed  # the attention and MLP matrices still decay
 
 
+@pytest.mark.parametrize("attention", ["rope", "corope"])
+def test_head_dim_sets_the_heads_width_apart_from_d_model(attention):
+    """model.head_dim 12 with d_model 32 and 4 heads: the attention is 48 channels wide (32
+    does not divide into 4 heads of 12), the rotation covers the 12, the model stays causal;
+    a checkpoint's config from before the key builds with d_model / n_head."""
+    model = make_model(attention, head_dim=12)
+    attn = model.blocks[0].attn
+    assert (attn.head_dim, attn.rope_dim) == (12, 12)
+    assert attn.wq.weight.shape == (48, 32) and attn.wo.weight.shape == (32, 48)
+    x = torch.randint(0, 11, (2, 13), device=DEVICE)
+    y = x.clone()
+    y[:, 9:] = (y[:, 9:] + 1) % 11
+    torch.testing.assert_close(model(x)[:, :9], model(y)[:, :9], atol=1e-5, rtol=1e-5)
+    old_cfg = OmegaConf.create({"d_model": 32, "n_layer": 1, "n_head": 4, "n_kv_head": 2,
+                                "mlp_hidden": None, "dropout": 0.0, "norm_eps": 1e-6,
+                                "tie_embeddings": True, "init_std": 0.02})  # fmt: skip
+    attn_cfg = OmegaConf.merge(
+        OmegaConf.structured(ATTENTION_SCHEMAS[attention]), {"impl": "torch"}
+    )
+    assert GPT(old_cfg, attn_cfg, vocab_size=11, max_len=40).blocks[0].attn.head_dim == 8
+
+
 def test_mlp_hidden_defaults_to_8_3_of_d_model_rounded_up_to_32():
     """SwiGLU's hidden width: ``mlp_hidden`` when set, else 8/3 d_model rounded up to a
     multiple of 32 (d_model 32: 85.3 -> 96; 64: 170.7 -> 192)."""
