@@ -115,11 +115,15 @@ def rope_attention_ref(
 
     Args:
         q: ``[B, HQ, NQ, D]``; k, v: ``[B, HKV, NK, D]`` with ``HQ`` a multiple of ``HKV``.
+        theta: the base of the default frequencies.
         inv_freq: ``[R/2]``; default ``rope_frequencies(R, theta)``.
         positions: keys' positions ``[NK]`` or ``[1 | B, NK]`` (default ``0..NK-1``).
         q_positions: ``[NQ]`` or ``[1 | B, NQ]``; default the last NQ key positions
             (``NK-NQ..NK-1`` when NQ > NK and the positions are the default).
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right).
+        softmax_scale: the scores' scale; default ``1 / sqrt(D)``.
+        layout: ``"half"`` (pairs ``(i, i + R/2)``) or ``"interleaved"`` (``(2i, 2i + 1)``).
+        rope_dim: ``R``, the rotated leading channels (even, at most D); default D.
         angles: the keys' rotation angles ``[NK, R/2]`` or ``[1 | B, NK, R/2]`` in place of
             ``positions * inv_freq`` (M-RoPE, N-D RoPE: ``mrope_angles``, ``nd_rope_angles``);
             excludes theta's role, ``inv_freq``, ``positions`` and ``q_positions``.
