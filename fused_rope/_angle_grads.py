@@ -55,5 +55,6 @@ def chain_positions(
         d_pos = rows_grad((grad * inv_freq.to(grad.dtype)).sum(-1), positions)
     if want[1]:
         pos = positions.to(grad.dtype)
-        d_freq = (grad * pos.reshape(-1, pos.shape[-1], 1)).sum((0, 1)).to(inv_freq.dtype)
+        pos = (pos if pos.dim() > 1 else pos[None])[..., None]  # [1 | B, N, 1], N = 0 too
+        d_freq = (grad * pos).sum((0, 1)).to(inv_freq.dtype)
     return d_pos, d_freq

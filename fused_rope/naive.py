@@ -14,12 +14,14 @@ import functools
 import torch
 
 from fused_rope._validation import (
+    FREQ_DTYPES,
     check_angles,
     check_attention_shapes,
     check_float_tensor,
     check_layout,
     check_rope_dim,
     check_rotation_inputs,
+    check_scale,
 )
 from fused_rope.frequencies import rope_angles, rope_frequencies
 
@@ -56,7 +58,11 @@ def apply_rope_ref(
     check_layout(layout)
     B, _, N, D = x.shape
     R = check_rope_dim(rope_dim, D)
+    # fp32 or fp64, as the kernels': half-precision angles of far positions are whole radians off
+    check_float_tensor(angles, "angles", dtypes=FREQ_DTYPES)
     check_angles(angles, B, N, R)
+    output_scale = check_scale(output_scale, "output_scale")
+    attention_factor = check_scale(attention_factor, "attention_factor")
     cd = _compute_dtype(x)
     xf = x.to(cd)
     a = angles.to(cd)

@@ -450,6 +450,8 @@ def _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, con
     d_angles)`` (``d_angles`` None without ``inputs``)."""
     q = _unit_last_stride(q)
     k = None if k is None else _unit_last_stride(k)
+    if inputs is not None:  # a double backward's: the first backward's cotangents, any strides
+        inputs = tuple(None if x is None else _unit_last_stride(x) for x in inputs)
     q_out = torch.empty_like(q)
     k_out = None if k is None else torch.empty_like(k)
     d_angles = _launch(

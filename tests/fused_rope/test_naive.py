@@ -187,6 +187,22 @@ def test_attention_reference_refuses_what_rope_attention_refuses(qkv, kwargs, ma
         rope_attention_ref(*qkv, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"angles": torch.zeros(5, 4).half()}, TypeError, "angles must have dtype in"),
+        ({"output_scale": "2"}, TypeError, "output_scale must be a float, got str"),
+        ({"attention_factor": float("nan")}, ValueError, "attention_factor must be finite"),
+    ],
+)
+def test_rotation_reference_refuses_what_the_kernel_refuses(kwargs, error, match):
+    """Half-precision angles (far positions' angles whole radians off) and scales that are not
+    finite numbers: refused by name, as by ``apply_rope``; the reference took them before."""
+    args = {"angles": torch.zeros(5, 4), **kwargs}
+    with pytest.raises(error, match=match):
+        apply_rope_ref(torch.randn(1, 2, 5, 8), **args)
+
+
 def test_attention_reference_moves_inv_freq_to_the_inputs_device():
     """``rope_frequencies`` makes CPU frequencies; the reference takes them for inputs on
     another device (meta here, a GPU in use) as it always did."""

@@ -519,6 +519,31 @@ def test_angle_gradients_of_the_kernel_and_of_a_recorded_backward_agree(layout):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("cotangent", ["sum", "strided"])
+def test_double_backward_through_cotangents_of_any_strides(cotangent):
+    """The first backward rotates the cotangent as it comes: ``y.sum()``'s is expanded (every
+    stride 0), a slice's has a last stride of 2. Its own backward, which forms the angles'
+    gradient from that cotangent in the kernel, takes it densely (it read past it before)."""
+    x = torch.randn(2, 3, 5, 16, device=DEVICE, requires_grad=True)
+    angles = _angles(1, 5, 16, per_batch=False).requires_grad_()
+    v = torch.randn(2, 3, 5, 16, device=DEVICE)
+    g = torch.randn(2, 3, 5, 32, device=DEVICE)[..., ::2] if cotangent == "strided" else None
+
+    def second(rotate, x, a):
+        y = rotate(x, a)
+        if g is None:
+            dx = torch.autograd.grad(y.sum(), x, create_graph=True)[0]
+        else:  # the cotangent as given, strides included
+            dx = torch.autograd.grad(y, x, g.to(y.dtype), create_graph=True)[0]
+        return torch.autograd.grad((dx * v.to(dx.dtype)).sum(), a)[0]
+
+    x64, a64 = (t.detach().double().requires_grad_() for t in (x, angles))
+    assert_close_to_baseline(
+        "d_angles", second(apply_rope, x, angles), second(apply_rope_ref, x64, a64),
+        second(apply_rope_ref, x, angles),
+    )  # fmt: skip
+
+
 def test_inplace_rotation_refuses_angles_that_require_grad():
     x = torch.randn(1, 2, 9, 16, device=DEVICE)
     angles = _angles(1, 9, 16, per_batch=False).requires_grad_()
@@ -966,6 +991,20 @@ def test_empty_inputs():
     assert q_out.shape == (0, 3, 5, 16) and k_out.shape == (0, 1, 5, 16)
     no_heads = torch.randn(2, 0, 5, 16, device=DEVICE)
     assert apply_rope(no_heads, torch.zeros(5, 8, device=DEVICE)).shape == (2, 0, 5, 16)
+
+
+@pytest.mark.parametrize("qk", [False, True])
+def test_empty_sequence_gives_learned_frequencies_a_zero_gradient(qk):
+    """N = 0 with a learnable ``inv_freq``: the backward's chain through the positions takes
+    an empty position vector (its reshape to ``[-1, 0, 1]`` raised before)."""
+    x = torch.randn(2, 3, 0, 16, device=DEVICE, requires_grad=True)
+    inv_freq = rope_frequencies(16, device=DEVICE)[0].requires_grad_()
+    outs = (
+        apply_rope_qk(x, x[:, :1], inv_freq=inv_freq) if qk else (apply_rope(x, inv_freq=inv_freq),)
+    )
+    sum(o.sum() for o in outs).backward()
+    assert torch.equal(inv_freq.grad, torch.zeros_like(inv_freq))
+    assert x.grad.shape == x.shape
 
 
 # Compiles the kernel for sm_90 in a subprocess without TRITON_INTERPRET (works without a GPU)
