@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="of the sampling (default 0)")
     p.add_argument("--device", default="auto", help="auto (cuda if there), cpu, cuda, cuda:1")
+    p.add_argument(
+        "--impl",
+        choices=("auto", "triton", "torch"),
+        help="overrides the run's attention.impl (rope, corope); torch: the PyTorch path, for "
+        "a model whose shapes the kernels do not take",
+    )
     return p.parse_args(argv)
 
 
@@ -84,10 +90,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--tokens must be >= 0, got {args.tokens}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise SystemExit(
+            f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: this torch has no CUDA device")
-    _, model, dataset = load_run(args.run, device=device)
+    _, model, dataset = load_run(args.run, device=device, impl=args.impl)
     if args.prompt is None:
         ids, expected = default_prompt(dataset)
     else:

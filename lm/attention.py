@@ -54,11 +54,24 @@ def _as_dict(cfg: Any) -> dict:
 
 def scaling_dict(scaling: Any) -> dict | None:
     """The config's scaling node as ``rope_frequencies``'s dict: null fields dropped,
-    None when no type is set."""
+    None when no type is set. A field set without a type is refused: it would train the
+    unscaled model under the field's name (a sweep over ``attention.scaling.factor``)."""
     if scaling is None:
         return None
     d = {k: v for k, v in _as_dict(scaling).items() if v is not None}
-    return d if d.get("type") is not None else None
+    if d.get("type") is None and d:
+        fields = ", ".join(f"attention.scaling.{k}={v}" for k, v in d.items())
+        raise ValueError(
+            f"{fields} set but attention.scaling.type is null (no scaling); set a type "
+            f"(linear, dynamic, ntk_alpha, yarn, llama3) or leave the fields null"
+        )
+    if d and scaling_type(d) == "longrope":
+        raise ValueError(
+            f"attention.scaling.type={d['type']} (LongRoPE) is not available in the harness: "
+            f"its per-frequency lists (short_factor, long_factor, searched for a checkpoint) "
+            f"have no config keys; fused_rope.rope_frequencies takes them"
+        )
+    return d or None
 
 
 def check_impl(impl: str) -> None:
@@ -118,6 +131,10 @@ class Attention(nn.Module):
         self.wkv = nn.Linear(d_model, 2 * n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
         self.timer = None  # an lm.profiling.AttentionTimer, set by the trainer
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuses, before the first step, a configuration this attention cannot run on
+        ``device`` (``impl=auto`` runs the Triton kernels on CUDA, the torch path elsewhere)."""
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
@@ -340,6 +357,17 @@ class CoRopeAttention(Attention):
                 "scale is also the gates' temperature): set attention.scaling.attention_factor="
                 "1.0 to take the schedule's frequencies alone"
             )
+
+    def check_device(self, device: torch.device) -> None:
+        from corope.forward import SUPPORTED_HEAD_DIMS
+
+        if resolve_impl(self.impl, device, "corope") == "triton":
+            if self.head_dim not in SUPPORTED_HEAD_DIMS:
+                raise ValueError(
+                    f"Co-RoPE's Triton kernels take head dims {SUPPORTED_HEAD_DIMS}, got "
+                    f"{self.head_dim} (model.head_dim, or model.d_model / model.n_head); set one "
+                    f"of those, or attention.impl=torch (its PyTorch path, slower)"
+                )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         inv_freq, _ = self.freqs.for_length(k.shape[2])  # the factor is 1 (checked above)

@@ -114,4 +114,5 @@ def load_run(
     dataset = build_run_dataset(cfg, Path(path) if Path(path).is_dir() else ckpt.parent)
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
     model.load_state_dict(state["model"])
+    model.blocks[0].attn.check_device(torch.device(device))
     return cfg, model.to(device, dtype).eval(), dataset

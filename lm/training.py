@@ -537,6 +537,7 @@ def _train(cfg: DictConfig, output_dir: str | None) -> dict[str, Any]:
         torch.manual_seed(cfg.seed)
         dataset = build_dataset(cfg.data)
         model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len).to(info.device)
+        model.blocks[0].attn.check_device(info.device)  # every block's attention is alike
         run = _Run(cfg, info, out_dir, dataset, model, ckpt_path, ckpt)
         try:
             summary = run.loop()

@@ -52,6 +52,20 @@ def test_no_cache_reaches_generate(trained_run, capsys, monkeypatch):
     assert calls == [True, False] and capsys.readouterr().out == cached
 
 
+def test_impl_overrides_the_runs_attention_impl(trained_run, capsys, monkeypatch):
+    """``--impl torch`` reaches ``load_run``, whose model then runs the PyTorch path (a model
+    the kernels do not take, trained on a CPU, samples on a GPU); without it the run's own."""
+    impls = []
+    real = sample.load_run
+    monkeypatch.setattr(
+        sample, "load_run", lambda *a, **kw: (impls.append(kw["impl"]), real(*a, **kw))[1]
+    )
+    args = [str(trained_run), "--tokens", "2", "--temperature", "0", "--device", "cpu"]
+    sample.main([*args, "--impl", "torch"])
+    sample.main(args)
+    assert impls == ["torch", None]
+
+
 def test_prompt_samples_and_seed(trained_run, capsys):
     args = [str(trained_run / "checkpoint.pt"), "--prompt", "x = 1 ;", "--tokens", "5"]
     sample.main([*args, "--samples", "3", "--seed", "1", "--top-k", "4", "--device", "cpu"])
@@ -107,6 +121,8 @@ def test_missing_checkpoint_and_bad_arguments_fail_by_name(tmp_path, trained_run
     with pytest.raises(SystemExit, match=f"max_len is {model.max_len}: no room for a new one"):
         long_prompt = " ".join(["x"] * model.max_len)
         sample.main([str(trained_run), "--prompt", long_prompt, "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--device must be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        sample.main([str(trained_run), "--device", "gpu"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--device cuda: this torch has no CUDA device"):
             sample.main([str(trained_run), "--device", "cuda"])

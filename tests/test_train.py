@@ -1544,6 +1544,18 @@ def test_triton_impl_off_cuda_is_refused_at_start_up(tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".lock"} == written
 
 
+def test_corope_head_dim_its_kernels_lack_is_refused_at_start_up(tmp_path):
+    """Co-RoPE's Triton kernels take head dims 32-256; a model of another (16 here) is refused
+    before the run writes anything, naming the model's keys (it failed at step 0, naming D)."""
+    cfg = compose_cfg(*SMALL, "attention=corope", "attention.impl=triton", "train.device=cpu",
+                      "model.d_model=64", "model.n_head=4", "model.n_kv_head=2")  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"head dims \(32, 64, 128, 256\), got 16 \(model.head_dim"
+    ):
+        train(cfg, output_dir=str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir() if p.suffix != ".lock"] == []
+
+
 def test_cpu_threads_hold_for_their_run_only(tmp_path):
     """``train.cpu_threads`` sets torch's threads for its run; the next run in the process
     (a sweep's job with ``null``) has the threads there were before (it kept the last run's)."""

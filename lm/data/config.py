@@ -81,7 +81,8 @@ class FlipFlopConfig(DataConfig):
 class StdlibConfig(DataConfig):
     """The Python standard library's ``*.py`` files as a byte-level corpus, split by file.
 
-    Files are taken in the order of a hash of their relative path until ``max_bytes``;
+    Files are taken in the order of a hash of their relative path while they fit in
+    ``max_bytes`` (one that does not is skipped, smaller ones after it still taken);
     the same hash assigns each file to train, valid (``valid_fraction``) or test
     (``test_fraction``).
     """

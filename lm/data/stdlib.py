@@ -2,8 +2,9 @@
 
 The ``*.py`` files under ``sysconfig.get_paths()["stdlib"]`` (site-packages excluded),
 keyed by their path relative to that root. A SHA-256 of the relative path orders the
-files (they are read in that order until ``max_bytes``, so a cap samples the whole
-library rather than its first packages alphabetically) and, through other bytes of the
+files (they are taken in that order while they fit in ``max_bytes``, a file that does not
+fit skipped and smaller ones after it still taken, so a cap samples the whole library
+rather than its first packages alphabetically) and, through other bytes of the
 digest, puts each file in train, valid or test. The split depends only on the path, so
 it is the same on every machine; the contents follow the Python version.
 

@@ -154,6 +154,17 @@ def test_corope_detach_mileage_reaches_the_reference():
     assert (want[True] - want[False]).abs().max() > 1e-3
 
 
+def test_corope_checks_its_kernels_head_dims_for_the_device():
+    """Head dim 16: the torch path takes it anywhere; the Triton kernels (``impl=triton``, or
+    ``auto`` on CUDA) do not, and the check says so before a step runs."""
+    auto = build_attention(attn_cfg("corope", impl="auto"), 64, 4, 2)
+    auto.check_device(torch.device("cpu"))
+    with pytest.raises(ValueError, match="got 16 .model.head_dim"):
+        auto.check_device(torch.device("cuda"))
+    build_attention(attn_cfg("corope", impl="torch"), 64, 4, 2).check_device(torch.device("cuda"))
+    build_attention(attn_cfg("corope", impl="triton"), 128, 4, 2).check_device(torch.device("cpu"))
+
+
 def test_scaling_dict_drops_unset_keys():
     cfg = attn_cfg("rope", scaling={"type": "linear", "factor": 2.0})
     assert scaling_dict(cfg.scaling) == {"type": "linear", "factor": 2.0}
@@ -173,6 +184,9 @@ def test_scaling_dict_drops_unset_keys():
             {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
             r"attention factor of 1.139.*attention.scaling.attention_factor=1.0",
         ),
+        ("rope", {"scaling": {"factor": 4.0}}, r"attention.scaling.factor=4.0 set but .*type"),
+        ("corope", {"scaling": {"alpha": 2.0}}, r"attention.scaling.alpha=2.0 set but .*type"),
+        ("rope", {"scaling": {"type": "su"}}, r"type=su \(LongRoPE\) is not available"),
     ],
 )
 def test_bad_attention_settings_name_the_key(name, overrides, match):
