@@ -135,12 +135,16 @@ def test_backward_fp16(B, HQ, HKV, N, D, rope_dim, leader):
     _check(B, HQ, HKV, N, D, rope_dim, leader, dtype=torch.float16)
 
 
-def test_backward_strided_inputs():
-    # [B, N, H, D] storage viewed as [B, H, N, D]: the kernel reads any strides.
+@pytest.mark.parametrize("storage", ["BNHD", "BHDN"])
+def test_backward_strided_inputs(storage):
+    # [B, N, H, D] storage viewed as [B, H, N, D], or [B, H, D, N] (the channels' stride N):
+    # the kernel reads any strides.
     B, HQ, HKV, N, D = 1, 4, 2, 50, 64
-    q, k, v, do = (
-        torch.randn(B, N, h, D, device=DEVICE).transpose(1, 2) for h in (HQ, HKV, HKV, HQ)
-    )
+    view = {
+        "BNHD": lambda h: torch.randn(B, N, h, D, device=DEVICE).transpose(1, 2),
+        "BHDN": lambda h: torch.randn(B, h, D, N, device=DEVICE).transpose(-1, -2),
+    }[storage]
+    q, k, v, do = (view(h) for h in (HQ, HKV, HKV, HQ))
     o, lse, *_ = _ref_grads(q, k, v, do, torch.float32)
     w = corope_inv_freq(D, 10000.0, None, q.device)
     args = (w, D**-0.5, D, "first", False, True)  # deterministic: on the GPU atomics reorder

@@ -237,19 +237,29 @@ def test_public_matches_reference_with_options():
     assert not torch.equal(out, corope_attention(q, k, v, rope_dim=32, leader="mean"))
 
 
+@pytest.mark.parametrize("channels_strided", [False, True], ids=["dense", "channels-strided"])
 @pytest.mark.parametrize("detach_mileage", [False, True])
-def test_autograd_through_public_function(detach_mileage):
-    """The public function's autograd, the options carried to the backward included
-    (``detach_mileage`` reaches it through the custom op's saved arguments)."""
-    q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 19, 64, torch.float32))
-    do = torch.randn_like(q)
+def test_autograd_through_public_function(detach_mileage, channels_strided):
+    """The public function's autograd by the 2x rule, the options carried to the backward
+    included (``detach_mileage`` reaches it through the custom op's saved arguments); q, k, v
+    and the cotangent also as ``[B, H, D, N]`` buffers seen transposed (channel stride N)."""
+    strided = lambda x: x.mT.contiguous().mT if channels_strided else x
+    q, k, v = (strided(x).requires_grad_() for x in _inputs(1, 4, 2, 19, 64, torch.float32))
+    do = strided(torch.randn_like(q))
     kw = dict(leader="mean", detach_mileage=detach_mileage)
-    grads = torch.autograd.grad(corope_attention(q, k, v, **kw), (q, k, v), do)
-    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    o64 = corope_attention_ref(qd, kd, vd, **kw)
-    refs = torch.autograd.grad(o64, (qd, kd, vd), do.double())
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
-        assert_close(name, g, r, atol=1e-4, rtol=1e-5)
+
+    def grads(attention, cast):
+        leaves = [cast(x).detach().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(attention(*leaves, **kw), leaves, cast(do))
+
+    same = lambda x: x
+    kernel = grads(corope_attention, same)
+    refs, baseline = (
+        grads(corope_attention_ref, torch.Tensor.double),
+        grads(corope_attention_ref, same),
+    )
+    for name, g, r, b in zip(("dq", "dk", "dv"), kernel, refs, baseline, strict=True):
+        assert_close_to_baseline(name, g, r, b)
 
 
 def test_backward_options_reach_the_kernel(monkeypatch):

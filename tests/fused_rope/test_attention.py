@@ -99,6 +99,7 @@ def _check_case(
     softmax_scale=None,
     attention_factor=1.0,
     transposed=False,
+    strided_channels=False,
     impl="fused",
     learn=False,
 ):
@@ -108,14 +109,18 @@ def _check_case(
         "mrope" (``angles`` [B, NK, R/2] of random 3-axis M-RoPE positions, ``_mrope``).
     q_positions: pass explicit (random) query positions (with "mrope": ``q_angles``).
     transposed: q, k, v are [B, N, H, D] tensors seen through .transpose(1, 2).
+    strided_channels: q, k, v and the cotangent are [B, H, D, N] tensors seen through
+        .transpose(-1, -2): the channels' stride is N, not 1 (the kernels take any strides).
     impl: rope_attention's; the fused kernel returns lse (checked), "separate" and "auto" not.
     learn: the rotation's inputs require grad and their gradients are checked too: the angles
         (with "mrope"), else ``inv_freq`` and the explicit positions as fp32.
     """
 
-    def make(h, n):
+    def make(h, n, dtype=dtype):
         if transposed:
             return torch.randn(B, n, h, D, device=DEVICE, dtype=dtype).transpose(1, 2)
+        if strided_channels:
+            return torch.randn(B, h, D, n, device=DEVICE, dtype=dtype).transpose(-1, -2)
         return torch.randn(B, h, n, D, device=DEVICE, dtype=dtype)
 
     q, k, v = make(HQ, NQ), make(HKV, NK), make(HKV, NK)
@@ -158,7 +163,7 @@ def _check_case(
     o, lse = out if with_lse else (out, torch.zeros(B, HQ, NQ, device=DEVICE))
     assert o.shape == q.shape and o.dtype == dtype
     assert lse.shape == (B, HQ, NQ) and lse.dtype == torch.float32
-    do = torch.randn(o.shape, device=DEVICE)
+    do = make(HQ, NQ, torch.float32)
     dlse = torch.randn(lse.shape, device=DEVICE) if with_lse else torch.zeros_like(lse)
     leaves = [*inputs, *rotation.values()]
     grads = torch.autograd.grad(_loss(o, lse, do, dlse), leaves)
@@ -252,6 +257,16 @@ CPU_CASES = [
         128,
         dict(layout="interleaved", transposed=True),
         id="D128-inter-transposed",
+    ),
+    pytest.param(
+        1,
+        4,
+        2,
+        37,
+        37,
+        32,
+        dict(strided_channels=True, learn=True),
+        id="GQA2-N37-channels-strided-learn",
     ),
 ]
 
@@ -438,27 +453,10 @@ SEPARATE_CASES = [  # (NQ, NK, options): square, prefill (bottom-right mask), qu
 @pytest.mark.parametrize("hkv", [4, 1])
 @pytest.mark.parametrize("NQ, NK, opts", SEPARATE_CASES)
 def test_separate_path(NQ, NK, opts, hkv):
-    """impl='separate' (Triton RoPE + SDPA) against the reference, fp32: the same positions,
-    query positions and bottom-right causal mask as the fused kernel."""
+    """impl='separate' (Triton RoPE + SDPA) by the 2x rule, output and gradients, fp32: the same
+    positions, query positions and bottom-right causal mask as the fused kernel."""
     pytest.importorskip("fused_rope.rope")
-    q = torch.randn(2, 4, NQ, 32, device=DEVICE)
-    k, v = (torch.randn(2, hkv, NK, 32, device=DEVICE) for _ in range(2))
-    kw = dict(opts)
-    which, q_positions = kw.pop("positions", None), kw.pop("q_positions", False)
-    if which == "mrope":
-        inv_freq = rope_frequencies(kw.get("rope_dim", 32), 10000.0, device=DEVICE)[0]
-        kw["angles"] = _mrope(inv_freq, 2, NK)
-        if q_positions:
-            kw["q_angles"] = _mrope(inv_freq, 2, NQ)
-    else:
-        if which is not None:
-            shape = (2, NK) if which == "batch" else (NK,)
-            kw["positions"] = torch.randint(0, 200, shape, device=DEVICE)
-        if q_positions:
-            kw["q_positions"] = torch.randint(0, 200, (2, NQ), device=DEVICE)
-    o = rope_attention(q, k, v, impl="separate", **kw)
-    ref, _ = rope_attention_ref(q.double(), k.double(), v.double(), **kw)
-    assert_close("o", o, ref, atol=1e-5, rtol=1e-5)
+    _check_case(2, 4, hkv, NQ, NK, 32, dtype=torch.float32, impl="separate", **opts)
 
 
 AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the name

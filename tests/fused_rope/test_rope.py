@@ -278,6 +278,40 @@ def test_launch_shapes_other_than_the_heuristic(cfg, layout):
     _check("dq", dq, q, angles, layout, R, 0.5, dy=q_out)
 
 
+@pytest.mark.parametrize("from_inv_freq", [False, True], ids=["angles", "inv_freq"])
+def test_angle_gradient_summed_over_head_chunks(monkeypatch, from_inv_freq):
+    """A launch whose programs take three heads each (q 0-2, q 3-4 with k 0, k 1-2; a GPU's
+    choice for many heads, the interpreter's is one chunk) writes one angle-gradient slab a
+    chunk, which the backward sums: the angles' (and inv_freq's) gradient by the 2x rule."""
+    import fused_rope.rope as rope_module
+
+    chunked = TileConfig(4, 2, 2, 2, heads_per_program=3)
+    monkeypatch.setattr(rope_module, "tile_config", lambda *args: chunked)
+    q, k = torch.randn(2, 5, 21, 32, device=DEVICE), torch.randn(2, 3, 21, 32, device=DEVICE)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    inv_freq = rope_frequencies(32, device=DEVICE)[0]
+    angles = rope_angles(torch.randint(0, 5000, (21,), device=DEVICE), inv_freq)
+    leaf = (inv_freq if from_inv_freq else angles).clone().requires_grad_()
+
+    def grad(rotate, cast):
+        x = cast(leaf).detach().requires_grad_()
+        q_out, k_out = rotate(cast(q), cast(k), x)
+        return torch.autograd.grad((q_out * cast(dq)).sum() + (k_out * cast(dk)).sum(), x)[0]
+
+    def kernel(q, k, x):
+        return apply_rope_qk(q, k, inv_freq=x) if from_inv_freq else apply_rope_qk(q, k, x)
+
+    def reference(q, k, x):
+        a = rope_angles(torch.arange(21, device=DEVICE), x) if from_inv_freq else x
+        return apply_rope_ref(q, a), apply_rope_ref(k, a)
+
+    same = lambda t: t
+    assert_close_to_baseline(
+        "d_rotation", grad(kernel, same), grad(reference, torch.Tensor.double),
+        grad(reference, same),
+    )  # fmt: skip
+
+
 def test_tile_config_rejects_empty_tiles():
     with pytest.raises(ValueError, match="heads_per_program"):
         TileConfig(1, 1, 1, 1, heads_per_program=0)
