@@ -45,10 +45,12 @@ def rounding_noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
 
 
 # How far (relative RMSE) a baseline in each dtype may sit from the float64 reference before
-# the two are taken to compute different things: rounding alone stays an order below.
+# the two are taken to compute different things: rounding alone stays an order below (fp32
+# attention baselines sit near 1e-7, Co-RoPE's long-N phases higher; fp16/bf16 baselines
+# compute in fp32 and round once, 2e-4 / 2e-3).
 BASELINE_RMSE_LIMIT = {
     torch.float64: 1e-6,
-    torch.float32: 1e-2,
+    torch.float32: 1e-3,
     torch.float16: 1e-2,
     torch.bfloat16: 5e-2,
 }

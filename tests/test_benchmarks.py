@@ -195,6 +195,21 @@ def test_bench_rope_flags_a_wrong_output(monkeypatch):
     assert bench_rope.verdict(rows, 1.0)[-1].startswith("VERDICT: FAIL")
 
 
+def test_bench_corope_flags_a_wrong_output():
+    """bench_corope's sampled-row check: the kernel's output passes; 0.05 off, at the start,
+    the middle or the end of the sequence, it is an "ACC FAIL" naming the rows."""
+    from experiments import bench_corope
+
+    q, k, v = (torch.randn(1, h, 40, 32) for h in (2, 1, 1))
+    o = bench_corope.corope_attention(q, k, v)
+    assert bench_corope.rows_accuracy(o, q, k, v) == "acc ok"
+    for row, block in ((0, 0), (20, 20), (39, 32)):  # the blocks of N = 40: 0+, 20+, 32+
+        wrong = o.clone()
+        wrong[:, :, row] += 0.05
+        note = bench_corope.rows_accuracy(wrong, q, k, v)
+        assert note.startswith(f"{ACC_FAIL} rows {block}+"), note
+
+
 def test_bench_rope_attention_flags_a_wrong_output(monkeypatch):
     """rope_attention 0.05 off the fp32 reference: "ACC FAIL" rows, and its (shape, dtype,
     pass) miss the targets although it is as fast as the floor."""

@@ -15,6 +15,7 @@ untuned config, and ``test_gpu_every_config`` runs every autotune config.
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
@@ -512,7 +513,8 @@ def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opt
         o = out[0] if isinstance(out, tuple) else out
         return (o, *torch.autograd.grad((o * do).sum(), inputs))
 
-    auto, expected, fused = run("auto"), run(path), run("fused")
+    auto, expected = run("auto"), run(path)
+    fused = expected if path == "fused" else run("fused")
     for name, a, b, c in zip(("o", "dq", "dk", "dv"), auto, expected, fused, strict=True):
         assert torch.equal(a, b), f"{name}: auto did not take the {path} path"
         assert_close(name, a, c, atol=2e-5, rtol=1e-5)
@@ -1035,12 +1037,14 @@ def test_auto_under_deterministic_algorithms_traces_under_compile(slowed, monkey
     assert torch.equal(traced, fused if slowed else separate)
 
 
-def test_sdpa_is_slowed_by_determinism_follows_the_strict_switch_on_hopper():
+def test_sdpa_is_slowed_by_determinism_follows_the_strict_switch_on_hopper(monkeypatch):
     """The stub's truth: the strict switch of torch.use_deterministic_algorithms (warn_only
     leaves SDPA on cuDNN), on a Hopper GPU only (on the CPU SDPA has no cuDNN kernel to leave;
-    on other GPUs it does not take cuDNN first). Restores the switch."""
-    q = torch.zeros(1, 1, 4, 32, device=DEVICE)
-    hopper = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+    on other GPUs it does not take cuDNN first). Every branch on any machine: a CUDA device
+    and its capability stand in. Restores the switch."""
+    capability = {}
+    monkeypatch.setattr(attention_module, "compute_capability", lambda d: (capability["major"], 0))
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))  # the function reads .device
     before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -1048,8 +1052,12 @@ def test_sdpa_is_slowed_by_determinism_follows_the_strict_switch_on_hopper():
     try:
         for on, warn_only in ((True, False), (True, True), (False, False)):
             torch.use_deterministic_algorithms(on, warn_only=warn_only)
-            expected = on and not warn_only and hopper
-            assert attention_module._sdpa_is_slowed_by_determinism(q) == expected
+            strict = on and not warn_only
+            for major in (9, 8, 10):
+                capability["major"] = major
+                slowed = attention_module._sdpa_is_slowed_by_determinism(on_cuda)
+                assert slowed == (strict and major == 9), (on, warn_only, major)
+            assert not attention_module._sdpa_is_slowed_by_determinism(torch.zeros(1, 1, 4, 32))
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
