@@ -45,12 +45,13 @@ def rounding_noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
 
 
 # How far (relative RMSE) a baseline in each dtype may sit from the float64 reference before
-# the two are taken to compute different things: rounding alone stays an order below (fp32
-# attention baselines sit near 1e-7, Co-RoPE's long-N phases higher; fp16/bf16 baselines
-# compute in fp32 and round once, 2e-4 / 2e-3).
+# the two are taken to compute different things: rounding alone stays below. fp32 attention
+# baselines sit near 1e-7, but Co-RoPE's long sums do not: its frequencies' gradient (N^2
+# terms a frequency) 1.3-1.9e-3 at N = 304-4096, the N = 64K phases 2.1e-3 (H200, session 43).
+# fp16/bf16 baselines compute in fp32 and round once (2e-4 / 2e-3).
 BASELINE_RMSE_LIMIT = {
     torch.float64: 1e-6,
-    torch.float32: 1e-3,
+    torch.float32: 5e-3,
     torch.float16: 1e-2,
     torch.bfloat16: 5e-2,
 }

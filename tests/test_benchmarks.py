@@ -200,7 +200,7 @@ def test_bench_corope_flags_a_wrong_output():
     the middle or the end of the sequence, it is an "ACC FAIL" naming the rows."""
     from experiments import bench_corope
 
-    q, k, v = (torch.randn(1, h, 40, 32) for h in (2, 1, 1))
+    q, k, v = (torch.randn(1, h, 40, 32, device=DEVICE) for h in (2, 1, 1))
     o = bench_corope.corope_attention(q, k, v)
     assert bench_corope.rows_accuracy(o, q, k, v) == "acc ok"
     for row, block in ((0, 0), (20, 20), (39, 32)):  # the blocks of N = 40: 0+, 20+, 32+
@@ -739,7 +739,7 @@ def test_deterministic_dispatch_reports_the_path_auto_takes(monkeypatch):
     import fused_rope.attention as attention
     from experiments import deterministic_dispatch
 
-    q, kv = torch.randn(2, 40, 4, 32), torch.randn(2, 40, 2, 2, 32)
+    q, kv = torch.randn(2, 40, 4, 32, device=DEVICE), torch.randn(2, 40, 2, 2, 32, device=DEVICE)
     inputs = deterministic_dispatch.qkv((q, kv), projected=True)
     assert [tuple(x.shape) for x in inputs] == [(2, 4, 40, 32), (2, 2, 40, 32), (2, 2, 40, 32)]
     assert torch.equal(inputs[2][1, 0, 7], kv[1, 7, 1, 0])

@@ -63,11 +63,11 @@ def test_a_reference_that_computes_something_else_fails(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_baseline_limit_sits_between_rounding_and_a_small_systematic_error(dtype):
-    """A baseline 0.3% off (fp32), 3% (fp16) or 10% (bf16) counts as another computation,
+    """A baseline 1% off (fp32), 3% (fp16) or 10% (bf16) counts as another computation,
     though the kernel beside it is no worse; one rounding off is within the limit."""
     ref, baseline = _case(dtype)
     assert_close_to_baseline("x", baseline.clone(), ref, baseline)
-    off = {torch.float32: 3e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}[dtype]
+    off = {torch.float32: 1e-2, torch.float16: 3e-2, torch.bfloat16: 1e-1}[dtype]
     wrong = (ref * (1 + off)).to(dtype)
     with pytest.raises(AssertionError, match="compute different things"):
         assert_close_to_baseline("x", wrong.clone(), ref, wrong)
