@@ -411,7 +411,10 @@ def _longrope(inv: torch.Tensor, p: dict, rope_dim: int, theta: float, seq_len: 
             f"scaling of type 'longrope' with {mscales[0]!r} needs the other of 'short_mscale' "
             "and 'long_mscale' too (Phi-3.5-MoE's attention factors, short and long context)"
         )
-    if mscales:  # Phi-3.5-MoE: they are the attention factor, as in transformers' Phimoe
+    # Phi-3.5-MoE: they are the attention factor (transformers' Phimoe multiplies cos and sin
+    # by the one its length picks). Its frequencies switch to long_factor past L0 here, as in
+    # Microsoft's code; transformers 5.24's Phimoe keeps short_factor at every length.
+    if mscales:
         short, long_ = (_number(p, key, "longrope") for key in ("short_mscale", "long_mscale"))
         attention_factor = long_ if long else short
     elif "attention_factor" in p:
