@@ -90,6 +90,16 @@ def check_impl_device(impl: str | None, device: torch.device) -> None:
         )
 
 
+def check_attention_device(attn_cfg: Any, model_cfg: Any, device: torch.device) -> None:
+    """Refuses, before data or weights load, an attention configuration ``device`` cannot run:
+    ``impl=triton`` off CUDA without the interpreter, and what the attention's own
+    ``check_device`` refuses (one layer built to ask it)."""
+    check_impl_device(attn_cfg.get("impl"), device)
+    m = model_cfg
+    layer = build_attention(attn_cfg, m.d_model, m.n_head, m.n_kv_head, m.get("head_dim"))
+    layer.check_device(device)
+
+
 def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
     """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere; logs the choice once per variant."""
     check_impl(impl)
@@ -240,8 +250,9 @@ class RotaryFrequencies(nn.Module):
 def _rope_dim(cfg: Any, head_dim: int) -> int:
     if cfg.rope_dim is None and head_dim % 2:
         raise ValueError(
-            f"the head dim (model.head_dim, or model.d_model / model.n_head) must be even for a rotation of all "
-            f"its channels, got {head_dim}; or set attention.rope_dim to an even part of it"
+            f"the head dim (model.head_dim, or model.d_model / model.n_head) must be even for a "
+            f"rotation of all its channels, got {head_dim}; or set attention.rope_dim to an even "
+            f"part of it"
         )
     rope_dim = head_dim if cfg.rope_dim is None else cfg.rope_dim
     if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
@@ -366,7 +377,8 @@ class CoRopeAttention(Attention):
                 raise ValueError(
                     f"Co-RoPE's Triton kernels take head dims {SUPPORTED_HEAD_DIMS}, got "
                     f"{self.head_dim} (model.head_dim, or model.d_model / model.n_head); set one "
-                    f"of those, or attention.impl=torch (its PyTorch path, slower)"
+                    f"of those, or take its PyTorch path, slower (attention.impl=torch; "
+                    f"sample.py --impl torch)"
                 )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,9 @@ def config_changes(
     """How two resolved configs (nested dicts of primitives and lists) differ, as
     ``"key: saved -> now"`` lines sorted by dotted key: ``(changed, one_sided)``, the keys both
     have with different values, and the keys only one has (a field the code added or removed
-    between the two runs: its value may well be the one the older run had implicitly).
+    between the two runs: its value may well be the one the older run had implicitly). A key
+    only one has whose value is null is neither: this code's optional fields default to null
+    for the behaviour from before they existed (``model.head_dim``).
 
     Args:
         saved: the config stored in a checkpoint.
@@ -116,8 +118,12 @@ def config_changes(
     both = [key for key in keys if key in saved and key in now]
     return (
         [line(key) for key in both if saved[key] != now[key]],
-        [line(key) for key in keys if key not in both],
+        [line(key) for key in keys if key not in both and _value(saved, now, key) is not None],
     )
+
+
+def _value(saved: dict[str, Any], now: dict[str, Any], key: str) -> Any:
+    return saved[key] if key in saved else now[key]
 
 
 def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:

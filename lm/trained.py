@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lm.attention import check_attention_device
 from lm.checkpoint import checkpoint_path, load_checkpoint
 from lm.config import ATTENTION_SCHEMAS, ModelConfig
 from lm.data import build_dataset
@@ -111,8 +113,10 @@ def load_run(
             cfg.attention.impl = impl
         elif cfg.attention.impl == "triton" and torch.device(device).type != "cuda":
             cfg.attention.impl = "auto"
+    elif impl is not None:
+        warnings.warn(f"impl={impl!r} ignored: attention {name!r} has no impl option", stacklevel=2)
+    check_attention_device(cfg.attention, cfg.model, torch.device(device))
     dataset = build_run_dataset(cfg, Path(path) if Path(path).is_dir() else ckpt.parent)
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
     model.load_state_dict(state["model"])
-    model.blocks[0].attn.check_device(torch.device(device))
     return cfg, model.to(device, dtype).eval(), dataset

@@ -50,4 +50,3 @@ def test_fresh_tensors_are_nan_during_tests():
     x = torch.empty(3, 4)
     assert x.isnan().all()
     assert torch.empty_like(x).isnan().all() and x.new_empty(5).isnan().all()
-    assert torch.empty(2, dtype=torch.int64).shape == (2,)  # integers keep their garbage

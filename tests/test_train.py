@@ -21,8 +21,10 @@ import lm.distributed
 import lm.training
 from fused_rope.frequencies import rope_frequencies
 from lm.checkpoint import load_checkpoint, read_jsonl, save_checkpoint, write_json
+from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, LMDataset
 from lm.loggers import NullLogger
+from lm.model import GPT
 from lm.training import lr_lambda, step_seed, train
 from tests.lm.harness import TINY, compose_cfg, wandb_offline_records
 
@@ -1456,7 +1458,7 @@ def test_config_changes_name_keys_nested_at_any_depth():
     from lm.checkpoint import config_changes
 
     saved = {"model": {"scaling": {"factor": 2.0, "type": "yarn"}}, "seed": 0}
-    now = {"model": {"scaling": {"factor": 4.0}}, "seed": 0}
+    now = {"model": {"scaling": {"factor": 4.0}, "head_dim": None}, "seed": 0}  # null: no change
     assert config_changes(saved, now, lambda key: True) == (
         ["model.scaling.factor: 2.0 -> 4.0"],
         ["model.scaling.type: 'yarn' -> (absent)"],
@@ -1544,9 +1546,10 @@ def test_triton_impl_off_cuda_is_refused_at_start_up(tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".lock"} == written
 
 
-def test_corope_head_dim_its_kernels_lack_is_refused_at_start_up(tmp_path):
+def test_corope_head_dim_its_kernels_lack_is_refused_at_start_up(tmp_path, monkeypatch):
     """Co-RoPE's Triton kernels take head dims 32-256; a model of another (16 here) is refused
     before the run writes anything, naming the model's keys (it failed at step 0, naming D)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # impl=triton on the CPU, on a GPU machine too
     cfg = compose_cfg(*SMALL, "attention=corope", "attention.impl=triton", "train.device=cpu",
                       "model.d_model=64", "model.n_head=4", "model.n_kv_head=2")  # fmt: skip
     with pytest.raises(
@@ -1564,3 +1567,22 @@ def test_cpu_threads_hold_for_their_run_only(tmp_path):
                       f"train.cpu_threads={before + 1}")  # fmt: skip
     train(cfg, output_dir=str(tmp_path))
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("head_dim", [None, 24])
+def test_mfu_counts_the_attention_width_n_head_times_head_dim(tmp_path, monkeypatch, head_dim):
+    """MFU's attention term is ``6 L (n_head head_dim) N`` per token: with ``model.head_dim``
+    that is not ``d_model`` (a peak rate stubbed in, so that the CPU has an MFU)."""
+    import lm.training as training
+    from lm.profiling import model_flops_per_token
+
+    monkeypatch.setattr(training, "peak_bf16_flops", lambda device: 1e12)
+    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=3", "train.eval_every=0",
+                      f"model.head_dim={'null' if head_dim is None else head_dim}")  # fmt: skip
+    summary = train(cfg, output_dir=str(tmp_path))
+    width = cfg.model.n_head * (head_dim or cfg.model.d_model // cfg.model.n_head)
+    dataset = build_dataset(cfg.data)
+    model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
+    seq_len = cfg.data.seq_len  # the counting rows' length, padding included
+    flops = model_flops_per_token(model.matmul_params(), cfg.model.n_layer, width, seq_len)
+    assert summary["mfu"] == pytest.approx(flops * summary["tokens_per_s"] / 1e12, rel=1e-6)

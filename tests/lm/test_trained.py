@@ -93,3 +93,19 @@ def test_unknown_attention_and_missing_checkpoint_fail_by_name(text_run, tmp_pat
     save_checkpoint(text_run / "checkpoint.pt", ckpt)
     with pytest.raises(ValueError, match="unknown attention.name 'alibi'; known: .*corope"):
         load_run(text_run)
+
+
+def test_load_run_checks_the_attention_for_the_device_before_the_data(text_run, monkeypatch):
+    """``impl=triton`` on the CPU without the interpreter is refused by name before the data and
+    weights load (it failed at the first forward pass); an ``impl`` for an attention that has
+    none (nope) is named as ignored."""
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")
+        m.setattr("lm.trained.build_run_dataset", lambda *a: pytest.fail("data loaded"))
+        with pytest.raises(ValueError, match="attention.impl=triton needs a CUDA device"):
+            load_run(text_run, impl="triton")
+    ckpt = load_checkpoint(text_run / "checkpoint.pt")
+    ckpt["config"]["attention"] = {"name": "nope"}
+    save_checkpoint(text_run / "checkpoint.pt", ckpt)
+    with pytest.warns(UserWarning, match="impl='torch' ignored: attention 'nope' has no impl"):
+        assert load_run(text_run, impl="torch")[0].attention.name == "nope"
