@@ -1569,6 +1569,16 @@ def test_cpu_threads_hold_for_their_run_only(tmp_path):
     assert torch.get_num_threads() == before
 
 
+def test_val_loss_is_the_first_eval_splits_and_best_val_loss_its_minimum(tmp_path):
+    """``val_loss`` (a sweep's selection) is the first eval split's loss, valid's, not test's;
+    ``best_val_loss`` the least of valid's logged losses."""
+    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=4", "train.eval_every=2")
+    summary = train(cfg, output_dir=str(tmp_path))
+    assert summary["val_loss"] == summary["valid/loss"] != summary["test/loss"]
+    valid = [r["valid/loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "valid/loss" in r]
+    assert len(valid) == 2 and summary["best_val_loss"] == min(valid)
+
+
 @pytest.mark.parametrize("head_dim", [None, 24])
 def test_mfu_counts_the_attention_width_n_head_times_head_dim(tmp_path, monkeypatch, head_dim):
     """MFU's attention term is ``6 L (n_head head_dim) N`` per token: with ``model.head_dim``

@@ -43,6 +43,23 @@ def test_position_free_variants_are_causal_gqa_attention(name):
     assert_close(name, attn.attend(q, k, v), causal_attention64(q, k, v), atol=1e-5, rtol=1e-5)
 
 
+def test_projection_layout_is_pinned():
+    """The weights' layout, which checkpoints hold: q = x wq^T as [heads, head_dim]; wkv's
+    first n_kv_head * head_dim rows make the keys, the rest the values; the heads' outputs
+    concatenated in order go through wo. (Swapping k and v trains as well from scratch, so
+    only this golden computation tells; a saved model would load and compute garbage.)"""
+    B, N, C, H, HKV, D = 2, 11, 32, 4, 2, 8
+    attn = build_attention(attn_cfg("nope"), d_model=C, n_head=H, n_kv_head=HKV).to(DEVICE)
+    x = torch.randn(B, N, C, device=DEVICE)
+    split = lambda t, h: t.view(B, N, h, D).transpose(1, 2)  # (B, h, N, D)
+    q = split(x @ attn.wq.weight.T, H)
+    kv = x @ attn.wkv.weight.T
+    k, v = split(kv[..., : HKV * D], HKV), split(kv[..., HKV * D :], HKV)
+    o = causal_attention64(q, k, v).transpose(1, 2).reshape(B, N, H * D)
+    expected = o @ attn.wo.weight.T.double()
+    assert_close("out", attn(x), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("rope_dim", [None, 8])
 def test_rope_torch_path(layout, rope_dim):

@@ -37,25 +37,28 @@ def expected_loss(model: NextTokenTable, pairs: list[tuple[int, int]]) -> float:
 def test_task_metrics_are_token_and_sequence_rates_over_the_target_tokens():
     """loss and acc are per target token, seq_acc per row with a target (all of its answer
     tokens right), err = 1 - seq_acc; rows without a target and ignored positions count
-    nowhere, and the sums run over every batch. A row with 2 of 2 answers right and one with
+    nowhere, and the sums run over every batch. A row with 3 of 3 answers right and one with
     1 of 2 (in two batches, beside a row with no target): seq_acc 1/2 (not 1, as "any answer
-    token right" would give, nor 1/3 counting the empty row), acc 3/4, loss = the summed
-    cross-entropy / 4 target tokens (not / 2 rows)."""
+    token right" would give, nor 1/3 counting the empty row), acc 4/5, loss = the summed
+    cross-entropy / 5 target tokens (not / 2 rows, nor the mean of the two batches' means:
+    the batches hold 3 and 2 targets)."""
     I = IGNORE_INDEX
     model = NextTokenTable()
-    both_right = ([0, 1, 2, 3], [I, I, 3, 4])  # 2 -> 3 and 3 -> 4: hits
+    all_right = ([0, 1, 2, 3], [I, 2, 3, 4])  # 1 -> 2, 2 -> 3 and 3 -> 4: hits
     no_target = ([4, 4, 4, 4], [I, I, I, I])
     one_right = ([1, 2, 3, 0], [I, I, 4, 2])  # 3 -> 4 a hit, 0 -> 1 not the 2 wanted
     batches = [
-        tuple(torch.tensor(rows) for rows in zip(both_right, no_target, strict=True)),
+        tuple(torch.tensor(rows) for rows in zip(all_right, no_target, strict=True)),
         tuple(torch.tensor([rows]) for rows in one_right),
     ]
     metrics = evaluate_split(model, batches, "task", CPU)
     assert set(metrics) == {"loss", "acc", "seq_acc", "err"}
     assert metrics["seq_acc"] == 0.5 and metrics["err"] == 0.5
-    assert metrics["acc"] == 0.75
-    pairs = [(2, 3), (3, 4), (3, 4), (0, 2)]
+    assert metrics["acc"] == 0.8
+    pairs = [(1, 2), (2, 3), (3, 4), (3, 4), (0, 2)]
     assert metrics["loss"] == pytest.approx(expected_loss(model, pairs), rel=1e-6)
+    batch_means = (expected_loss(model, pairs[:3]) + expected_loss(model, pairs[3:])) / 2
+    assert metrics["loss"] != pytest.approx(batch_means, rel=1e-3)
 
 
 def test_lm_metrics_and_evaluate_keys_per_split():

@@ -193,6 +193,16 @@ def test_generate_runs_the_model_in_eval_mode():
     assert modes == [False] * 4 and model.training
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_zero_new_tokens_return_the_prompt(use_cache):
+    """``max_new_tokens=0`` gives the prompt back, a one-token prompt included (the cache is
+    sized for the prompt and the new tokens but the last)."""
+    model = make_model("rope")
+    for n in (1, 3):
+        prompt = torch.randint(0, VOCAB, (2, n), device=DEVICE)
+        assert torch.equal(generate(model, prompt, 0, use_cache=use_cache), prompt)
+
+
 def test_greedy_takes_the_argmax_of_each_step():
     model = make_model("corope")
     prompt = torch.randint(0, VOCAB, (2, 4), device=DEVICE)

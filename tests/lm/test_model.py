@@ -45,6 +45,16 @@ def test_only_absolute_encodings_tell_apart_a_constant_sequence(attention):
     assert same == (attention not in ("sinusoidal", "learned"))
 
 
+@pytest.mark.parametrize("attention", sorted(ATTENTION_SCHEMAS))
+def test_every_parameter_gets_a_gradient(attention):
+    """One backward reaches every parameter, each block's norms included: a branch wired to
+    the wrong norm (the MLP reading norm1) leaves the other without a gradient."""
+    model = make_model(attention)
+    model(torch.randint(0, 11, (2, 13), device=DEVICE)).logsumexp(-1).sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()]
+    assert missing == []
+
+
 def test_input_position_encodings():
     assert make_model("rope").pos_emb is None and make_model("rope").pos_table is None
     assert make_model("learned").pos_emb.weight.shape == (40, 32)
