@@ -523,11 +523,12 @@ def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opt
 def test_separate_path_strided_inputs_and_learned_frequencies():
     """The separate path takes what the fused kernel takes: a strided last dimension, and
     frequencies and positions that require grad, whose gradients both paths get as the
-    float64 reference does (through its fp32 angles)."""
+    float64 reference does (through its fp32 angles); fractional positions (interpolated), so
+    that a path rounding them shows."""
     q = torch.randn(1, 2, 30, 64, device=DEVICE, requires_grad=True)[..., ::2]  # stride 2
     k, v = (torch.randn(1, 1, 30, 32, device=DEVICE) for _ in range(2))
     inv_freq = rope_frequencies(32, device=DEVICE)[0].requires_grad_()
-    positions = torch.arange(30.0, device=DEVICE).requires_grad_()
+    positions = (torch.arange(30.0, device=DEVICE) * 0.75 + 0.5).requires_grad_()
     do = torch.randn(1, 2, 30, 32, device=DEVICE)
     leaves = (q, inv_freq, positions)
     ref = rope_attention_ref(q.double(), k.double(), v.double(), inv_freq=inv_freq,

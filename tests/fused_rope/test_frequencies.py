@@ -206,6 +206,42 @@ HF_CASES = [
         1.0,
         id="yarn-truncate-none",
     ),
+    pytest.param(  # a short original context puts beta_fast's slot below 0: the clamp to 0
+        64,
+        10000.0,
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        None,
+        1.0,
+        id="yarn-fast-slot-clamped",
+    ),
+    pytest.param(  # both slots round to one: transformers widens the ramp (no 0 / 0)
+        64,
+        10000.0,
+        {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 700.0,
+            "beta_slow": 700.0,
+        },
+        None,
+        1.0,
+        id="yarn-zero-width-ramp",
+    ),  # fmt: skip
+    pytest.param(  # mscale_all_dim without mscale (0 counts as unset): the plain YaRN factor
+        64,
+        10000.0,
+        {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.0,
+            "mscale_all_dim": 1.0,
+        },
+        None,
+        1.0,
+        id="yarn-mscale-all-dim-alone",
+    ),  # fmt: skip
     pytest.param(  # a small theta and a long context put beta_slow's slot past R/2 - 1: the clamp
         64,
         500.0,
@@ -899,6 +935,10 @@ LONGROPE = {
         ({"scaling": {**LLAMA3, "high_freq_factor": 0.5}}, ValueError, "high_freq_factor"),
         ({"scaling": {**LLAMA3, "llama_4_scaling_beta": 0.1}}, ValueError, "queries"),
         ({"scaling": {"type": "proportional", "factor": 0}}, ValueError, "factor"),
+        ({"scaling": {**YARN, "factor": 0.5}}, ValueError, "factor"),
+        ({"scaling": {**YARN, "type": "dynamic", "factor": 0.5}}, ValueError, "factor"),
+        ({"scaling": {**LLAMA3, "factor": 0.5}}, ValueError, "factor"),
+        ({"scaling": {"mrope_section": [-1, 17, 16]}}, ValueError, "non-negative"),
         ({"scaling": {**LLAMA3, "low_freq_factor": 0.0}}, ValueError, "low_freq_factor"),
         (
             {"scaling": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}},
@@ -1099,6 +1139,7 @@ def test_mrope_angles_match_transformers(
     [
         ((3, 10), [16, 16, 16], False, ValueError, "sections"),
         ((3, 10), [16, 24, -8], False, ValueError, "sections"),
+        ((3, 10), [-8, 40, 32], False, ValueError, "non-negative"),
         ((3, 10), [], False, ValueError, "sections"),
         ((3, 10), torch.tensor([16, 24, 24]), False, TypeError, "sections"),
         ((3, 10), [16.0, 24, 24], False, TypeError, "sections must be a list of ints, got.*float"),
@@ -1287,6 +1328,7 @@ def test_nd_rope_frequencies_rejects_bad_arguments(kwargs, error, match):
     "positions, freqs, error, match",
     [
         (torch.zeros(10, 2), torch.ones(3, 1, 8), ValueError, "last dimension"),
+        (torch.zeros(10, 3), torch.ones(2, 1, 8), ValueError, "last dimension"),
         (torch.zeros(()), torch.ones(1, 1, 8), ValueError, "last dimension"),
         (torch.zeros(10, 3), torch.ones(3, 8), ValueError, "freqs"),
         (torch.zeros(10, 3), torch.ones(3, 0, 8), ValueError, "group"),
@@ -1359,3 +1401,24 @@ def test_a_factor_of_one_is_no_scaling(kind):
     want, _ = rope_frequencies(64, 10000.0)
     torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
     assert factor == 1.0
+
+
+def test_longrope_takes_factor_before_max_position_embeddings():
+    """A checkpoint with both (they may disagree): the attention factor is of ``factor``."""
+    _, factor = rope_frequencies(64, 1e4, {**LONGROPE, "max_position_embeddings": 131072})
+    assert factor == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(4096)))
+
+
+def test_partial_rotary_factor_truncates_as_transformers():
+    """``int(head_dim * fraction)``, as transformers: 0.35 of 128 is 44 channels, not 45."""
+    inv, _ = rope_frequencies(44, 1e4, {"partial_rotary_factor": 0.35}, head_dim=128)
+    assert inv.shape == (22,)
+
+
+def test_angle_builders_defaults():
+    """``mrope_angles`` lays the axes out contiguously (Qwen2-VL) unless asked to interleave;
+    ``nd_rope_frequencies``'s theta is RoPE's 10000."""
+    pos, inv_freq = torch.arange(15).reshape(3, 5), rope_frequencies(64)[0]
+    contiguous = mrope_angles(pos, inv_freq, [16, 8, 8], interleaved=False)
+    assert torch.equal(mrope_angles(pos, inv_freq, [16, 8, 8]), contiguous)
+    assert torch.equal(nd_rope_frequencies(64, 1)[0, 0], rope_frequencies(64)[0])

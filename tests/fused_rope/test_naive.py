@@ -203,6 +203,14 @@ def test_rotation_reference_refuses_what_the_kernel_refuses(kwargs, error, match
         apply_rope_ref(torch.randn(1, 2, 5, 8), **args)
 
 
+def test_attention_reference_returns_lse_in_its_compute_dtype():
+    """o in q's dtype, lse in the compute dtype (fp32 for half precision): the ground truth's
+    lse is not rounded to bf16."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
+    o, lse = rope_attention_ref(q, q, q)
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
 def test_attention_reference_moves_inv_freq_to_the_inputs_device():
     """``rope_frequencies`` makes CPU frequencies; the reference takes them for inputs on
     another device (meta here, a GPU in use) as it always did."""
