@@ -92,12 +92,17 @@ def check_impl_device(impl: str | None, device: torch.device) -> None:
 
 def check_attention_device(attn_cfg: Any, model_cfg: Any, device: torch.device) -> None:
     """Refuses, before data or weights load, an attention configuration ``device`` cannot run:
-    ``impl=triton`` off CUDA without the interpreter, and what the attention's own
-    ``check_device`` refuses (one layer built to ask it)."""
+    ``impl=triton`` off CUDA without the interpreter, and what the attention class's own
+    ``check_device`` refuses (from the configs: no layer is built)."""
     check_impl_device(attn_cfg.get("impl"), device)
     m = model_cfg
-    layer = build_attention(attn_cfg, m.d_model, m.n_head, m.n_kv_head, m.get("head_dim"))
-    layer.check_device(device)
+    head_dim = resolve_head_dim(m.d_model, m.n_head, m.get("head_dim"))
+    attention_class(attn_cfg).check_device(attn_cfg, head_dim, device)
+
+
+def resolve_head_dim(d_model: int, n_head: int, head_dim: int | None) -> int:
+    """``head_dim``, or ``d_model // n_head`` where it is None (``model.head_dim: null``)."""
+    return d_model // n_head if head_dim is None else head_dim
 
 
 def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
@@ -136,15 +141,17 @@ class Attention(nn.Module):
             )
         self.n_head, self.n_kv_head = n_head, n_kv_head
         # Gemma's and Qwen3's head width is not d_model / n_head; the projections carry it.
-        self.head_dim = d_model // n_head if head_dim is None else head_dim
+        self.head_dim = resolve_head_dim(d_model, n_head, head_dim)
         self.wq = nn.Linear(d_model, n_head * self.head_dim, bias=False)
         self.wkv = nn.Linear(d_model, 2 * n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
         self.timer = None  # an lm.profiling.AttentionTimer, set by the trainer
 
-    def check_device(self, device: torch.device) -> None:
-        """Refuses, before the first step, a configuration this attention cannot run on
-        ``device`` (``impl=auto`` runs the Triton kernels on CUDA, the torch path elsewhere)."""
+    @classmethod
+    def check_device(cls, cfg: Any, head_dim: int, device: torch.device) -> None:
+        """Refuses, before the first step, a configuration ``cfg`` (heads of ``head_dim``
+        channels) this attention cannot run on ``device`` (``impl=auto`` runs the Triton
+        kernels on CUDA, the torch path elsewhere)."""
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
@@ -369,14 +376,15 @@ class CoRopeAttention(Attention):
                 "1.0 to take the schedule's frequencies alone"
             )
 
-    def check_device(self, device: torch.device) -> None:
+    @classmethod
+    def check_device(cls, cfg: Any, head_dim: int, device: torch.device) -> None:
         from corope.forward import SUPPORTED_HEAD_DIMS
 
-        if resolve_impl(self.impl, device, "corope") == "triton":
-            if self.head_dim not in SUPPORTED_HEAD_DIMS:
+        if resolve_impl(cfg.impl, device, "corope") == "triton":
+            if head_dim not in SUPPORTED_HEAD_DIMS:
                 raise ValueError(
                     f"Co-RoPE's Triton kernels take head dims {SUPPORTED_HEAD_DIMS}, got "
-                    f"{self.head_dim} (model.head_dim, or model.d_model / model.n_head); set one "
+                    f"{head_dim} (model.head_dim, or model.d_model / model.n_head); set one "
                     f"of those, or take its PyTorch path, slower (attention.impl=torch; "
                     f"sample.py --impl torch)"
                 )

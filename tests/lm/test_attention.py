@@ -8,7 +8,14 @@ from omegaconf import OmegaConf
 
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref
-from lm.attention import ATTENTIONS, RotaryFrequencies, build_attention, scaling_dict
+from lm.attention import (
+    ATTENTIONS,
+    CoRopeAttention,
+    RotaryFrequencies,
+    build_attention,
+    check_attention_device,
+    scaling_dict,
+)
 from lm.config import ATTENTION_SCHEMAS
 from lm.profiling import AttentionTimer
 from tests.helpers import DEVICE, assert_close
@@ -172,14 +179,19 @@ def test_corope_detach_mileage_reaches_the_reference():
 
 
 def test_corope_checks_its_kernels_head_dims_for_the_device():
-    """Head dim 16: the torch path takes it anywhere; the Triton kernels (``impl=triton``, or
-    ``auto`` on CUDA) do not, and the check says so before a step runs."""
-    auto = build_attention(attn_cfg("corope", impl="auto"), 64, 4, 2)
-    auto.check_device(torch.device("cpu"))
+    """Head dim 16 (d_model 64 over 4 heads): the torch path takes it anywhere; the Triton
+    kernels (``impl=triton``, or ``auto`` on CUDA) do not, and the check says so from the
+    configs, before a layer is built or a step runs."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    model = OmegaConf.create({"d_model": 64, "n_head": 4, "n_kv_head": 2, "head_dim": None})
+    auto = attn_cfg("corope", impl="auto")
+    check_attention_device(auto, model, cpu)
     with pytest.raises(ValueError, match="got 16 .model.head_dim"):
-        auto.check_device(torch.device("cuda"))
-    build_attention(attn_cfg("corope", impl="torch"), 64, 4, 2).check_device(torch.device("cuda"))
-    build_attention(attn_cfg("corope", impl="triton"), 128, 4, 2).check_device(torch.device("cpu"))
+        check_attention_device(auto, model, cuda)
+    with pytest.raises(ValueError, match="got 48 .model.head_dim"):  # model.head_dim wins
+        check_attention_device(auto, OmegaConf.merge(model, {"head_dim": 48}), cuda)
+    check_attention_device(attn_cfg("corope", impl="torch"), model, cuda)
+    CoRopeAttention.check_device(attn_cfg("corope", impl="triton"), 32, cpu)
 
 
 def test_scaling_dict_drops_unset_keys():
