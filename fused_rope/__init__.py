@@ -2,6 +2,7 @@
 
 Public API:
     rope_frequencies, rope_angles, mrope_angles, nd_rope_frequencies, nd_rope_angles
+    llama4_attn_scale                 (Llama 4 / Mistral's position-dependent query scale)
     apply_rope, apply_rope_qk        (Triton, autograd, torch.compile-able)
     rope_attention                    (RoPE fused into FlashAttention-2, Triton)
     apply_rope_ref, rope_attention_ref (the PyTorch references)
@@ -18,6 +19,7 @@ from fused_rope.frequencies import (
     scaling_type,
 )
 from fused_rope.naive import apply_rope_ref, rope_attention_ref
+from fused_rope.query_scale import llama4_attn_scale
 from fused_rope.rope import apply_rope, apply_rope_qk
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "apply_rope",
     "apply_rope_qk",
     "apply_rope_ref",
+    "llama4_attn_scale",
     "mrope_angles",
     "nd_rope_angles",
     "nd_rope_frequencies",

@@ -178,9 +178,10 @@ def _check_shared_keys(params: dict, rope_dim: int, kind: str, head_dim: int | N
         params.pop("max_position_embeddings", None)
     if "llama_4_scaling_beta" in params:
         raise ValueError(
-            "scaling['llama_4_scaling_beta'] is a per-position scale of the queries (Llama 4, "
-            "Mistral), not of the frequencies, and this library does not apply it: remove "
-            "the key and scale the queries before the attention"
+            "scaling['llama_4_scaling_beta'] is a per-position scale of the queries (Ministral "
+            "3, Mistral 4), not of the frequencies: remove the key here and multiply the "
+            "queries by fused_rope.llama4_attn_scale(positions, beta, "
+            "scaling['original_max_position_embeddings'])"
         )
     # Qwen3-Omni's configs also carry "interleaved", which transformers lets through unread.
     for key in ("mrope_interleaved", "interleaved"):
@@ -528,7 +529,9 @@ def rope_frequencies(
       ``factor`` (default 1) and ``partial_rotary_factor`` (default 1).
 
     ``max_position_embeddings`` is accepted by every type (only longrope reads it), and
-    ``llama_4_scaling_beta`` (a query scale, not a frequency schedule) is refused.
+    ``llama_4_scaling_beta`` (Ministral 3, Mistral 4: a per-position scale of the queries, not
+    a frequency schedule) is refused, so that it is not dropped unseen: remove it and apply
+    ``llama4_attn_scale`` to the queries.
 
     Args:
         rope_dim: ``R``, the rotated channels per head (positive, even).

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fused_rope._validation import interpreting
 from fused_rope.frequencies import rope_angles, rope_frequencies, scaling_type
+from fused_rope.query_scale import llama4_attn_scale
 from fused_rope.sdpa import sdpa_attention
 
 if TYPE_CHECKING:
@@ -117,11 +118,36 @@ def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
     return resolved
 
 
+def query_scale(cfg: Any) -> tuple[float, int] | None:
+    """``(beta, length)`` of ``attention.query_scale``, checked, or None where ``beta`` is
+    null (a config from before the key has none)."""
+    node = _as_dict(cfg).get("query_scale") or {}
+    beta, length = node.get("beta"), node.get("length")
+    if beta is None:
+        if length is not None:
+            raise ValueError(
+                f"attention.query_scale.length={length} set but attention.query_scale.beta is "
+                "null (no query scale); set beta or leave length null"
+            )
+        return None
+    try:
+        llama4_attn_scale(torch.zeros(1, dtype=torch.long), beta, length)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"attention.query_scale (beta={beta!r}, length={length!r}): {e}; length is the "
+            "position where the scale first steps up (Ministral 3's "
+            "original_max_position_embeddings)"
+        ) from None
+    return float(beta), int(length)
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention without position information (``nope``).
 
     Subclasses override ``attend``; ``input_pe`` tells the model which absolute position
-    encoding to add to the token embeddings (None: none).
+    encoding to add to the token embeddings (None: none). Every variant takes
+    ``attention.query_scale``: the queries scaled by their position (``llama4_attn_scale``)
+    before ``attend`` (Co-RoPE's leader queries set the gates from them too).
     """
 
     input_pe: str | None = None
@@ -145,6 +171,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(d_model, n_head * self.head_dim, bias=False)
         self.wkv = nn.Linear(d_model, 2 * n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
+        self.query_scale = query_scale(cfg)
         self.timer = None  # an lm.profiling.AttentionTimer, set by the trainer
 
     @classmethod
@@ -160,6 +187,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, N, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, N, D)
         kv = self.wkv(x).view(B, N, 2, self.n_kv_head, self.head_dim)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, HKV, N, D) each
+        if self.query_scale is not None:
+            q = self._scale_queries(q, 0 if cache is None else cache.length)
         if cache is not None:  # inference: the timer is of training steps
             o = self.attend_cached(q, k, v, cache, layer)
         elif self.timer:
@@ -167,6 +196,13 @@ class Attention(nn.Module):
         else:
             o = self.attend(q, k, v)
         return self.wo(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, C)
+
+    def _scale_queries(self, q: torch.Tensor, first: int) -> torch.Tensor:
+        """q ``(B, H, N, D)`` at positions ``first..first + N - 1`` times their scale, cast to
+        q's dtype first as transformers' Ministral 3 does."""
+        beta, length = self.query_scale
+        positions = torch.arange(first, first + q.shape[2], device=q.device)
+        return q * llama4_attn_scale(positions, beta, length).to(q.dtype)[:, None]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``(B, H, NQ, D)`` at the last ``NQ`` positions, k and v ``(B, HKV, NK, D)`` ->

@@ -77,10 +77,22 @@ class RopeScalingConfig:
 
 
 @dataclass
+class QueryScaleConfig:
+    """Attention temperature tuning (Llama 4, Ministral 3, Mistral 4): the queries at position
+    ``p`` times ``1 + beta ln(1 + floor(p / length))`` (``fused_rope.llama4_attn_scale``);
+    ``beta: null`` = none. Ministral 3's ``llama_4_scaling_beta`` is ``beta`` and its
+    ``original_max_position_embeddings`` is ``length``."""
+
+    beta: float | None = None
+    length: int | None = None  # the scale is 1 below this position, then steps up each length
+
+
+@dataclass
 class AttentionConfig:
     """Fields every attention variant has; ``name`` picks the module in ``lm.attention``."""
 
     name: str = MISSING
+    query_scale: QueryScaleConfig = field(default_factory=QueryScaleConfig)
 
 
 @dataclass

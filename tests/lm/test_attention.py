@@ -194,6 +194,24 @@ def test_corope_checks_its_kernels_head_dims_for_the_device():
     CoRopeAttention.check_device(attn_cfg("corope", impl="triton"), 32, cpu)
 
 
+@pytest.mark.parametrize("name", sorted(ATTENTION_SCHEMAS))
+def test_query_scale_multiplies_the_queries_by_their_positions_scale(name):
+    """``attention.query_scale``: the layer's output is ``attend`` of the queries times
+    ``1 + beta ln(1 + floor(p / length))``; without the key, of the queries as projected."""
+    cfg = attn_cfg(name, query_scale={"beta": 0.5, "length": 5})
+    if name in ("rope", "corope"):
+        cfg.impl = "torch"
+    attn = build_attention(cfg, 64, 4, 2).to(DEVICE).double()
+    x = torch.randn(2, 23, 64, device=DEVICE, dtype=torch.float64)
+    q = attn.wq(x).view(2, 23, 4, 16).transpose(1, 2)
+    k, v = attn.wkv(x).view(2, 23, 2, 2, 16).permute(2, 0, 3, 1, 4).unbind(0)
+    steps = torch.arange(23, device=DEVICE) // 5
+    q = q * (1 + 0.5 * torch.log1p(steps.double()))[:, None]
+    expected = attn.wo(attn.attend(q, k, v).transpose(1, 2).reshape(2, 23, 64))
+    assert_close(name, attn(x), expected, atol=1e-6, rtol=1e-6)
+    assert build_attention(attn_cfg(name), 64, 4, 2).query_scale is None
+
+
 def test_scaling_dict_drops_unset_keys():
     cfg = attn_cfg("rope", scaling={"type": "linear", "factor": 2.0})
     assert scaling_dict(cfg.scaling) == {"type": "linear", "factor": 2.0}
@@ -216,6 +234,10 @@ def test_scaling_dict_drops_unset_keys():
         ("rope", {"scaling": {"factor": 4.0}}, r"attention.scaling.factor=4.0 set but .*type"),
         ("corope", {"scaling": {"alpha": 2.0}}, r"attention.scaling.alpha=2.0 set but .*type"),
         ("rope", {"scaling": {"type": "su"}}, r"type=su \(LongRoPE\) is not available"),
+        ("nope", {"query_scale": {"length": 64}}, r"query_scale.length=64 set but .*beta"),
+        ("rope", {"query_scale": {"beta": 0.1}}, r"attention.query_scale .*length=None"),
+        ("corope", {"query_scale": {"beta": -0.1, "length": 8}}, r"query_scale .*beta must"),
+        ("learned", {"query_scale": {"beta": 0.1, "length": 0}}, r"query_scale .*length=0"),
     ],
 )
 def test_bad_attention_settings_name_the_key(name, overrides, match):

@@ -28,6 +28,10 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
     "corope_ntk": {
         "scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
     },
+    # the queries' scale follows their positions: a cached chunk's rows are at cache.length..
+    "nope_qscale": {"query_scale": {"beta": 0.5, "length": 4}},
+    "rope_qscale": {"query_scale": {"beta": 0.5, "length": 4}},
+    "corope_qscale": {"query_scale": {"beta": 0.5, "length": 4}},
 }
 
 
