@@ -14,10 +14,11 @@ from tests.helpers import DEVICE, assert_close
 
 def test_scale_is_one_below_the_original_context_then_steps_up_each_of_it():
     positions = torch.tensor([0, 1, 4095, 4096, 8191, 8192, 12288, 40959, 40960, 10**6])
-    scale = llama4_attn_scale(positions.to(DEVICE), 0.1, 4096)
+    positions = positions.to(DEVICE)
+    scale = llama4_attn_scale(positions, 0.1, 4096)
     steps = [0, 0, 0, 1, 1, 2, 3, 9, 10, 244]
     expected = torch.tensor([1 + 0.1 * math.log(1 + s) for s in steps], dtype=torch.float64)
-    assert scale.dtype == torch.float32 and scale.device == torch.device(DEVICE)
+    assert scale.dtype == torch.float32 and scale.device == positions.device
     assert_close("scale", scale, expected, atol=1e-7, rtol=1e-7)
     assert torch.equal(llama4_attn_scale(positions, 0.0, 4096), torch.ones(10))
 
