@@ -20,36 +20,56 @@ def llama4_attn_scale(
 ) -> torch.Tensor:
     """``1 + beta * ln(1 + floor(positions / L0))`` in fp32: the queries' scale per position.
 
-    1 below ``L0 = original_max_position_embeddings`` (the model is unchanged over the context
-    it was trained to), then one step up each ``L0`` positions. Multiply the queries by it
-    (``q * scale[..., :, None]`` for ``q [B, H, N, D]``) before or after their rotation (a
-    scalar per row commutes with it), as transformers' Ministral 3 and Mistral 4 do with
-    ``beta = rope_parameters["llama_4_scaling_beta"]`` and ``L0 =
+    1 at the positions below ``L0 = original_max_position_embeddings`` (the context before any
+    extension: Ministral 3's 16384, extended by YaRN to 256K), then one step up each ``L0``
+    positions. Transformers' Ministral 3 multiplies its rotated queries by it, with ``beta =
+    rope_parameters["llama_4_scaling_beta"]`` and ``L0 =
     rope_parameters["original_max_position_embeddings"]`` (``get_llama_4_attn_scale``, which
-    casts the scale to the queries' dtype first). Llama 4's own temperature tuning, on its
-    layers without RoPE, is ``llama4_attn_scale(positions + 1, attn_scale, floor_scale)``.
+    casts the scale to the queries' dtype first), and Mistral 4 its whole queries, rotated
+    part and not. Being one number per query row, it commutes with the rotation::
+
+        q = q * scale.to(q.dtype)[:, None]           # q [B, H, N, D], positions [N]
+        q = q * scale.to(q.dtype)[:, None, :, None]  # positions [B, N] (position_ids)
+
+    Llama 4's own temperature tuning, on its layers without RoPE, is
+    ``llama4_attn_scale(positions + 1, attn_scale, floor_scale)`` up to rounding (it
+    multiplies in fp32, then casts).
 
     Args:
-        positions: the queries' positions, integer or fp32/fp64, any shape; at least 0
-            (checked for CPU tensors outside ``torch.compile``; a GPU tensor is not read back:
-            a negative position gives a non-finite scale). Integers are divided exactly; floats in fp64.
-        beta: the scale's slope, a real number >= 0 (0: no scaling).
-        original_max_position_embeddings: ``L0``, a positive int.
+        positions: the queries' positions, integer or fp32/fp64, any shape; finite and at
+            least 0 (checked for CPU tensors outside ``torch.compile``; a GPU tensor is not
+            read back: a negative position gives a non-finite scale). Integers are divided
+            exactly, floats in fp64; transformers divides in fp32, which rounds
+            ``p / L0`` up to the next integer for some ``p`` just below a multiple of ``L0``
+            once ``p`` passes 2**24 (or earlier where ``L0`` is not a power of 2), where the
+            two differ by one step.
+        beta: the scale's slope, a finite real number >= 0 (0: no scaling).
+        original_max_position_embeddings: ``L0``, a positive int below 2**62.
 
     Returns:
         fp32 tensor of ``positions``' shape and device.
     """
     check_position_tensor(positions, "positions")
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not is_finite(beta):
-        raise TypeError(f"beta must be a finite real number, got {beta!r}")
-    if beta < 0:
-        raise ValueError(f"beta must be >= 0 (the scale would fall below 1), got {beta}")
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+        raise TypeError(f"beta must be a real number, got {type(beta).__name__}")
+    if not (is_finite(beta) and beta >= 0):
+        raise ValueError(f"beta must be finite and >= 0 (the scale would fall below 1), got {beta}")
     length = original_max_position_embeddings
-    if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
-        raise ValueError(f"original_max_position_embeddings must be a positive int, got {length!r}")
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+        raise TypeError(
+            f"original_max_position_embeddings must be an int, got {type(length).__name__}"
+        )
+    if not 1 <= length < 2**62:
+        raise ValueError(f"original_max_position_embeddings must be in [1, 2**62), got {length}")
     eager_cpu = positions.device.type == "cpu" and not torch.compiler.is_compiling()
-    if eager_cpu and positions.numel() and bool((positions < 0).any()):
-        raise ValueError(f"positions must be >= 0, got a minimum of {positions.min().item()}")
+    if eager_cpu and positions.numel():
+        valid = positions >= 0  # NaN fails too
+        if positions.is_floating_point():
+            valid &= positions.isfinite()
+        if not bool(valid.all()):
+            raise ValueError(
+                f"positions must be finite and >= 0, got {positions[~valid][0].item()}"
+            )
     if positions.is_floating_point():
         steps = torch.floor(positions.double() / int(length))
     else:

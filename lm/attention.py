@@ -118,9 +118,9 @@ def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
     return resolved
 
 
-def query_scale(cfg: Any) -> tuple[float, int] | None:
+def resolve_query_scale(cfg: Any) -> tuple[float, int] | None:
     """``(beta, length)`` of ``attention.query_scale``, checked, or None where ``beta`` is
-    null (a config from before the key has none)."""
+    null or 0 (a config from before the key has none)."""
     node = _as_dict(cfg).get("query_scale") or {}
     beta, length = node.get("beta"), node.get("length")
     if beta is None:
@@ -138,7 +138,7 @@ def query_scale(cfg: Any) -> tuple[float, int] | None:
             "position where the scale first steps up (Ministral 3's "
             "original_max_position_embeddings)"
         ) from None
-    return float(beta), int(length)
+    return None if beta == 0 else (float(beta), int(length))
 
 
 class Attention(nn.Module):
@@ -171,7 +171,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(d_model, n_head * self.head_dim, bias=False)
         self.wkv = nn.Linear(d_model, 2 * n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
-        self.query_scale = query_scale(cfg)
+        self.query_scale = resolve_query_scale(cfg)  # (beta, length) or None
         self.timer = None  # an lm.profiling.AttentionTimer, set by the trainer
 
     @classmethod

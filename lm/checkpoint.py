@@ -97,7 +97,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def config_changes(
-    saved: dict, now: dict, compared: Callable[[str], bool]
+    saved: dict, now: dict, compared: Callable[[str], bool], defaults: dict | None = None
 ) -> tuple[list[str], list[str]]:
     """How two resolved configs (nested dicts of primitives and lists) differ, as
     ``"key: saved -> now"`` lines sorted by dotted key: ``(changed, one_sided)``, the keys both
@@ -111,8 +111,12 @@ def config_changes(
         now: the config of the run that would resume from it.
         compared: whether a dotted key (``"model.d_model"``) must be equal; the others may
             differ.
+        defaults: nested like a config, the schema defaults of fields ``saved`` may lack
+            (``lm.config.schema_defaults``): the values a run saved before a field existed had
+            implicitly, so such a key is compared, not one-sided (``attention.query_scale.beta:
+            None -> 0.3`` is a change).
     """
-    saved, now = _flatten(saved), _flatten(now)
+    saved, now = _flatten(defaults or {}) | _flatten(saved), _flatten(now)
     keys = [key for key in sorted(saved.keys() | now.keys()) if compared(key)]
     line = lambda key: f"{key}: {_shown(saved, key)} -> {_shown(now, key)}"
     both = [key for key in keys if key in saved and key in now]

@@ -246,6 +246,18 @@ class TrainConfig:
     logger: Any = MISSING
 
 
+def schema_defaults(config: dict) -> dict:
+    """``{"model": {...}, "attention": {...}}``: the defaults of the model schema and of the
+    schema of ``config``'s attention (none where its name is unknown), as plain nested dicts:
+    what a run saved before one of their fields existed had implicitly (``load_run`` fills such
+    a run's config with them too)."""
+    groups = {"model": ModelConfig}
+    name = (config.get("attention") or {}).get("name")
+    if name in ATTENTION_SCHEMAS:
+        groups["attention"] = ATTENTION_SCHEMAS[name]
+    return {g: OmegaConf.to_container(OmegaConf.structured(schema)) for g, schema in groups.items()}
+
+
 def unknown_keys(cfg: Any, prefix: str = "") -> list[str]:
     """The dotted keys of the composed ``cfg`` that its schemas do not declare: Hydra's ``+``
     adds them to a structured node (``+model.n_layers=4``, where the key is ``n_layer``), and

@@ -64,7 +64,7 @@ from lm.checkpoint import (
     set_rng_state,
     write_json,
 )
-from lm.config import RUN_CONDUCT_KEYS, is_under, unknown_keys
+from lm.config import RUN_CONDUCT_KEYS, is_under, schema_defaults, unknown_keys
 from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, check_fraction, check_int
 from lm.data.synthetic import SyntheticTask
@@ -276,6 +276,7 @@ def _checkpoint_to_resume(
         ckpt["config"],
         OmegaConf.to_container(cfg, resolve=True),
         lambda key: _defines_the_run(key) and not is_under(key, resolved),
+        defaults=schema_defaults(ckpt["config"]),
     )
     if changed:
         raise ValueError(

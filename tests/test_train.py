@@ -1018,19 +1018,30 @@ def test_resume_of_a_checkpoint_without_config_warns(tmp_path, caplog):
 
 
 def test_resume_across_a_config_field_added_or_removed_warns(tmp_path, caplog):
-    """A key only one config has (the code gained or lost a field between the two runs) is
-    not a change of the run: it resumes, naming the keys in a warning; a differing value of a
-    key both have still fails."""
+    """A field this code's schemas have and the older run's config lacks takes its default
+    (what the older run had implicitly): unchanged it resumes silently, set otherwise it is a
+    change and fails. A key only the older config has (a field the code lost) is not a change
+    of the run: it resumes, naming the key in a warning; a differing value of a key both have
+    still fails."""
     cfg = compose_cfg(*SMALL, "train.steps=2", "train.eval_every=0")
     train(cfg, output_dir=str(tmp_path))
     ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     del ckpt["config"]["model"]["norm_eps"]  # a field this code has and the older run lacked
+    del ckpt["config"]["attention"]["query_scale"]
     ckpt["config"]["model"]["retired_option"] = 3  # and one the older code had
     save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
     cfg.train.resume = True
     with caplog.at_level(logging.WARNING, logger="lm.training"):
         assert train(cfg, output_dir=str(tmp_path))["steps"] == 2
-    assert "model.norm_eps: (absent) -> 1e-06; model.retired_option: 3 -> (absent)" in caplog.text
+    assert "lacks or has keys this code's does not" in caplog.text
+    assert "model.retired_option: 3 -> (absent)" in caplog.text
+    assert "norm_eps" not in caplog.text and "query_scale" not in caplog.text
+    scaled = compose_cfg(
+        *SMALL, "train.steps=2", "train.eval_every=0", "train.resume=true",
+        "attention.query_scale.beta=0.3", "attention.query_scale.length=16",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"attention.query_scale.beta: None -> 0.3"):
+        train(scaled, output_dir=str(tmp_path))
     ckpt["config"]["model"]["n_layer"] += 1
     save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
     with pytest.raises(ValueError, match="model.n_layer: 2 -> 1"):
@@ -1461,6 +1472,13 @@ def test_config_changes_name_keys_nested_at_any_depth():
     now = {"model": {"scaling": {"factor": 4.0}, "head_dim": None}, "seed": 0}  # null: no change
     assert config_changes(saved, now, lambda key: True) == (
         ["model.scaling.factor: 2.0 -> 4.0"],
+        ["model.scaling.type: 'yarn' -> (absent)"],
+    )
+    # a default for a key saved lacks: compared with it, so a value other than it is a change
+    defaults = {"model": {"head_dim": None, "norm_eps": 1e-6}}
+    now["model"] |= {"norm_eps": 1e-6, "head_dim": 24}
+    assert config_changes(saved, now, lambda key: True, defaults) == (
+        ["model.head_dim: None -> 24", "model.scaling.factor: 2.0 -> 4.0"],
         ["model.scaling.type: 'yarn' -> (absent)"],
     )
 

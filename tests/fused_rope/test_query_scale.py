@@ -20,7 +20,7 @@ def test_scale_is_one_below_the_original_context_then_steps_up_each_of_it():
     expected = torch.tensor([1 + 0.1 * math.log(1 + s) for s in steps], dtype=torch.float64)
     assert scale.dtype == torch.float32 and scale.device == positions.device
     assert_close("scale", scale, expected, atol=1e-7, rtol=1e-7)
-    assert torch.equal(llama4_attn_scale(positions, 0.0, 4096), torch.ones(10))
+    assert torch.equal(llama4_attn_scale(positions, 0.0, 4096), torch.ones(10, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.float64])
@@ -31,6 +31,15 @@ def test_scale_keeps_the_positions_shape_and_divides_exactly(dtype):
     expected = torch.tensor([[1 + 0.5 * math.log(3), 1 + 0.5 * math.log(4)], [1.0, 1.0]])
     assert scale.shape == (2, 2)
     assert_close("scale", scale, expected, atol=1e-7, rtol=1e-7)
+
+
+def test_integer_positions_past_fp32s_integers_are_divided_exactly():
+    """p = 2**24 + 3 * 16384 - 1 is one short of a multiple of L0 = 16384; in fp32 it rounds up
+    to the multiple (transformers divides in fp32), here it stays one step below."""
+    p = 2**24 + 3 * 16384 - 1
+    scale = llama4_attn_scale(torch.tensor([p, p + 1], device=DEVICE), 1.0, 16384)
+    steps = torch.tensor([p // 16384, (p + 1) // 16384], dtype=torch.float64)  # 1026, 1027
+    assert_close("scale", scale, 1 + torch.log1p(steps), atol=1e-7, rtol=1e-7)
 
 
 def test_fractional_positions_are_floored():
@@ -119,13 +128,17 @@ def test_ministral3_attention_is_the_frequencies_plus_the_query_scale():
     ("args", "error", "match"),
     [
         ((torch.arange(4), 0.1, 0), ValueError, "original_max_position_embeddings"),
-        ((torch.arange(4), 0.1, 8.0), ValueError, "original_max_position_embeddings"),
-        ((torch.arange(4), 0.1, True), ValueError, "original_max_position_embeddings"),
+        ((torch.arange(4), 0.1, 2**62), ValueError, "original_max_position_embeddings"),
+        ((torch.arange(4), 0.1, 8.0), TypeError, "original_max_position_embeddings"),
+        ((torch.arange(4), 0.1, True), TypeError, "original_max_position_embeddings"),
         ((torch.arange(4), -0.1, 8), ValueError, "beta"),
-        ((torch.arange(4), float("nan"), 8), TypeError, "beta"),
+        ((torch.arange(4), float("nan"), 8), ValueError, "beta"),
+        ((torch.arange(4), float("inf"), 8), ValueError, "beta"),
         ((torch.arange(4), "0.1", 8), TypeError, "beta"),
         ((torch.arange(4), True, 8), TypeError, "beta"),
-        ((torch.arange(-1, 3), 0.1, 8), ValueError, "positions must be >= 0"),
+        ((torch.arange(-1, 3), 0.1, 8), ValueError, "positions must be finite and >= 0, got -1"),
+        ((torch.tensor([1.0, float("nan")]), 0.1, 8), ValueError, "got nan"),
+        ((torch.tensor([1.0, float("inf")]), 0.1, 8), ValueError, "got inf"),
         ((torch.arange(4).half(), 0.1, 8), TypeError, "positions"),
         ((torch.ones(4, dtype=torch.bool), 0.1, 8), TypeError, "positions"),
         (([0, 1, 2], 0.1, 8), TypeError, "positions"),

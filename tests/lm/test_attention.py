@@ -210,6 +210,24 @@ def test_query_scale_multiplies_the_queries_by_their_positions_scale(name):
     expected = attn.wo(attn.attend(q, k, v).transpose(1, 2).reshape(2, 23, 64))
     assert_close(name, attn(x), expected, atol=1e-6, rtol=1e-6)
     assert build_attention(attn_cfg(name), 64, 4, 2).query_scale is None
+    beta0 = attn_cfg(name, query_scale={"beta": 0.0, "length": 5})
+    assert build_attention(beta0, 64, 4, 2).query_scale is None  # no multiply by ones
+
+
+def test_query_scale_keeps_the_queries_dtype(monkeypatch):
+    """The scale is cast to q's dtype before the product, as transformers does: bf16 queries
+    stay bf16 (an fp32 scale would promote them) and reach attend rounded as theirs are."""
+    attn = build_attention(attn_cfg("nope", query_scale={"beta": 0.5, "length": 4}), 32, 4, 2)
+    attn = attn.to(DEVICE, torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(attn, "attend", lambda q, k, v: seen.append(q) or q)
+    x = torch.randn(1, 11, 32, device=DEVICE, dtype=torch.bfloat16)
+    attn(x)
+    q = attn.wq(x).view(1, 11, 4, 8).transpose(1, 2)
+    steps = torch.arange(11, device=DEVICE) // 4
+    expected = q * (1 + 0.5 * torch.log1p(steps.float())).to(torch.bfloat16)[:, None]
+    assert seen[0].dtype == torch.bfloat16
+    assert torch.equal(seen[0], expected)
 
 
 def test_scaling_dict_drops_unset_keys():
@@ -393,7 +411,9 @@ def test_rope_attention_compiles_to_one_graph_before_any_eager_call(monkeypatch)
     import lm.attention
 
     monkeypatch.setattr(lm.attention, "_logged", set())  # as in a fresh process
-    attn = build_attention(attn_cfg("rope", impl="torch"), 32, 4, 2).to(DEVICE)
+    # with a query scale: its checks of the positions stay out of the trace too
+    cfg = attn_cfg("rope", impl="torch", query_scale={"beta": 0.5, "length": 4})
+    attn = build_attention(cfg, 32, 4, 2).to(DEVICE)
     x = torch.randn(2, 9, 32, device=DEVICE)
     torch._dynamo.reset()
     compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
