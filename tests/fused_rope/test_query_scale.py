@@ -19,7 +19,7 @@ def test_scale_is_one_below_the_original_context_then_steps_up_each_of_it():
     steps = [0, 0, 0, 1, 1, 2, 3, 9, 10, 244]
     expected = torch.tensor([1 + 0.1 * math.log(1 + s) for s in steps], dtype=torch.float64)
     assert scale.dtype == torch.float32 and scale.device == positions.device
-    assert_close("scale", scale, expected, atol=1e-7, rtol=1e-7)
+    assert_close("scale", scale.cpu(), expected, atol=1e-7, rtol=1e-7)
     assert torch.equal(llama4_attn_scale(positions, 0.0, 4096), torch.ones(10, device=DEVICE))
 
 
@@ -39,7 +39,7 @@ def test_integer_positions_past_fp32s_integers_are_divided_exactly():
     p = 2**24 + 3 * 16384 - 1
     scale = llama4_attn_scale(torch.tensor([p, p + 1], device=DEVICE), 1.0, 16384)
     steps = torch.tensor([p // 16384, (p + 1) // 16384], dtype=torch.float64)  # 1026, 1027
-    assert_close("scale", scale, 1 + torch.log1p(steps), atol=1e-7, rtol=1e-7)
+    assert_close("scale", scale.cpu(), 1 + torch.log1p(steps), atol=1e-7, rtol=1e-7)
 
 
 def test_fractional_positions_are_floored():
