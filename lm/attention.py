@@ -118,11 +118,14 @@ def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
     return resolved
 
 
-def resolve_query_scale(cfg: Any) -> tuple[float, int] | None:
-    """``(beta, length)`` of ``attention.query_scale``, checked, or None where ``beta`` is
-    null or 0 (a config from before the key has none)."""
+def resolve_query_scale(cfg: Any, rotary: bool = False) -> tuple[float, int] | None:
+    """``(beta, length)`` of ``attention.query_scale`` for a layer that rotates its queries
+    and keys (``rotary``) or not, checked; None where ``beta`` is null or 0 (a config from
+    before the key has none), or where ``layers`` is ``nope`` and the layer rotates."""
     node = _as_dict(cfg).get("query_scale") or {}
-    beta, length = node.get("beta"), node.get("length")
+    beta, length, layers = node.get("beta"), node.get("length"), node.get("layers", "all")
+    if layers not in ("all", "nope"):
+        raise ValueError(f"attention.query_scale.layers must be 'all' or 'nope', got {layers!r}")
     if beta is None:
         if length is not None:
             raise ValueError(
@@ -138,7 +141,31 @@ def resolve_query_scale(cfg: Any) -> tuple[float, int] | None:
             "position where the scale first steps up (Ministral 3's "
             "original_max_position_embeddings)"
         ) from None
-    return None if beta == 0 else (float(beta), int(length))
+    return None if beta == 0 or (rotary and layers == "nope") else (float(beta), int(length))
+
+
+def nope_layers(cfg: Any, n_layer: int) -> set[int]:
+    """The layers ``attention.nope_interval`` (rope, corope) leaves without rotation:
+    ``k - 1, 2k - 1, ...`` for an interval ``k`` (Llama 4's ``nope_layer_interval``), none for
+    null; an interval of 1 (that is ``attention=nope``) or past ``n_layer`` (no such layer:
+    a sweep would train the rotary model under its name) is refused."""
+    node = _as_dict(cfg)
+    k = node.get("nope_interval")
+    scale = node.get("query_scale") or {}
+    if k is None and scale.get("layers") == "nope" and scale.get("beta"):
+        if attention_class(cfg).rotary:
+            raise ValueError(
+                "attention.query_scale.layers=nope scales the layers without rotation, and "
+                "this model has none: set attention.nope_interval, or layers=all"
+            )
+    if k is None:
+        return set()
+    if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= n_layer:
+        raise ValueError(
+            f"attention.nope_interval must be an int in [2, model.n_layer={n_layer}] (every "
+            f"k-th layer without rotation; 1 is attention=nope) or null, got {k!r}"
+        )
+    return set(range(k - 1, n_layer, k))
 
 
 class Attention(nn.Module):
@@ -151,6 +178,7 @@ class Attention(nn.Module):
     """
 
     input_pe: str | None = None
+    rotary = False  # whether q and k are rotated (attention.query_scale.layers=nope skips it)
 
     def __init__(
         self, cfg: Any, d_model: int, n_head: int, n_kv_head: int, head_dim: int | None = None
@@ -171,7 +199,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(d_model, n_head * self.head_dim, bias=False)
         self.wkv = nn.Linear(d_model, 2 * n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
-        self.query_scale = resolve_query_scale(cfg)  # (beta, length) or None
+        self.query_scale = resolve_query_scale(cfg, self.rotary)  # (beta, length) or None
         self.timer = None  # an lm.profiling.AttentionTimer, set by the trainer
 
     @classmethod
@@ -310,6 +338,8 @@ class RopeAttention(Attention):
     scaled schedules (YaRN's mscale) multiplies q's and k's rotated channels, as Hugging
     Face's scaled cos/sin do (``attention_factor`` of the kernels and the reference)."""
 
+    rotary = True
+
     def __init__(self, cfg: Any, *dims: int | None) -> None:
         super().__init__(cfg, *dims)
         check_impl(cfg.impl)
@@ -394,6 +424,8 @@ class CoRopeAttention(Attention):
     rather than dropped; ``attention.scaling.attention_factor=1.0`` takes its frequencies
     alone."""
 
+    rotary = True
+
     def __init__(self, cfg: Any, *dims: int | None) -> None:
         super().__init__(cfg, *dims)
         check_impl(cfg.impl)
@@ -465,8 +497,15 @@ def attention_class(cfg: Any) -> type[Attention]:
 
 
 def build_attention(
-    cfg: Any, d_model: int, n_head: int, n_kv_head: int, head_dim: int | None = None
+    cfg: Any,
+    d_model: int,
+    n_head: int,
+    n_kv_head: int,
+    head_dim: int | None = None,
+    nope: bool = False,
 ) -> Attention:
     """The attention module ``cfg`` names, for a model of width ``d_model``, with heads of
-    ``head_dim`` channels (None: ``d_model // n_head``)."""
-    return attention_class(cfg)(cfg, d_model, n_head, n_kv_head, head_dim)
+    ``head_dim`` channels (None: ``d_model // n_head``); ``nope``: the plain ``Attention``
+    (no rotation) in its place, for the layers of ``nope_layers``."""
+    cls = Attention if nope else attention_class(cfg)
+    return cls(cfg, d_model, n_head, n_kv_head, head_dim)

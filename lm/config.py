@@ -85,6 +85,7 @@ class QueryScaleConfig:
 
     beta: float | None = None
     length: int | None = None  # the scale is 1 below this position, then steps up each length
+    layers: str = "all"  # all | nope: only the layers without rotation (Llama 4's rule)
 
 
 @dataclass
@@ -121,6 +122,9 @@ class RopeAttentionConfig(AttentionConfig):
     scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     # Learn the frequencies (in log space, from the schedule's), one set per layer
     learn_freq: bool = False
+    # Every nope_interval-th layer (layers k - 1, 2k - 1, ...) attends without rotation (NoPE),
+    # as Llama 4 and Command A interleave 1 in 4; null = every layer rotates
+    nope_interval: int | None = None
 
 
 @dataclass
@@ -135,6 +139,9 @@ class CoRopeAttentionConfig(AttentionConfig):
     scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     # Learn the frequencies (in log space, from the schedule's), one set per layer
     learn_freq: bool = False
+    # Every nope_interval-th layer (layers k - 1, 2k - 1, ...) attends without rotation (NoPE),
+    # as Llama 4 and Command A interleave 1 in 4; null = every layer rotates
+    nope_interval: int | None = None
 
 
 ATTENTION_SCHEMAS: dict[str, type] = {

@@ -14,9 +14,10 @@ from lm.attention import (
     RotaryFrequencies,
     build_attention,
     check_attention_device,
+    nope_layers,
     scaling_dict,
 )
-from lm.config import ATTENTION_SCHEMAS
+from lm.config import ATTENTION_SCHEMAS, ModelConfig
 from lm.profiling import AttentionTimer
 from tests.helpers import DEVICE, assert_close
 
@@ -212,6 +213,45 @@ def test_query_scale_multiplies_the_queries_by_their_positions_scale(name):
     assert build_attention(attn_cfg(name), 64, 4, 2).query_scale is None
     beta0 = attn_cfg(name, query_scale={"beta": 0.0, "length": 5})
     assert build_attention(beta0, 64, 4, 2).query_scale is None  # no multiply by ones
+
+
+@pytest.mark.parametrize("name", ["rope", "corope"])
+def test_nope_interval_leaves_every_kth_layer_without_rotation(name):
+    """Llama 4's interleaving: layers k - 1, 2k - 1, ... are plain attention (no rotation, no
+    frequencies), the others the configured one; ``query_scale.layers=nope`` scales the
+    queries of the former alone, as Llama 4 does."""
+    from lm.model import GPT
+
+    model_cfg = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), {"d_model": 64, "n_layer": 5, "n_head": 4}
+    )
+    scale = {"beta": 0.5, "length": 4, "layers": "nope"}
+    cfg = attn_cfg(name, impl="torch", nope_interval=2, query_scale=scale)
+    model = GPT(model_cfg, cfg, vocab_size=11, max_len=32)
+    kinds = [type(block.attn).__name__ for block in model.blocks]
+    rotary = type(build_attention(attn_cfg(name), 64, 4, 2)).__name__
+    assert kinds == [rotary, "Attention", rotary, "Attention", rotary]
+    assert [block.attn.query_scale for block in model.blocks] == [None, (0.5, 4)] * 2 + [None]
+    assert nope_layers(attn_cfg(name, nope_interval=3), 9) == {2, 5, 8}
+    assert nope_layers(attn_cfg(name), 9) == set()
+    everywhere = attn_cfg(name, impl="torch", query_scale=scale | {"layers": "all"})
+    assert all(b.attn.query_scale for b in GPT(model_cfg, everywhere, 11, 32).blocks)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"nope_interval": 1}, r"nope_interval must be an int in \[2, model.n_layer=4\].*got 1"),
+        ({"nope_interval": 5}, r"got 5"),
+        ({"nope_interval": 0}, r"got 0"),
+        ({"query_scale": {"beta": 0.1, "length": 8, "layers": "nope"}}, r"has none"),
+        ({"query_scale": {"beta": 0.1, "length": 8, "layers": "rope"}}, r"'all' or 'nope'"),
+    ],
+)
+def test_bad_nope_settings_name_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        nope_layers(attn_cfg("rope", **overrides), 4)
+        build_attention(attn_cfg("rope", **overrides), 64, 4, 2)
 
 
 def test_query_scale_keeps_the_queries_dtype(monkeypatch):

@@ -32,6 +32,9 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
     "nope_qscale": {"query_scale": {"beta": 0.5, "length": 4}},
     "rope_qscale": {"query_scale": {"beta": 0.5, "length": 4}},
     "corope_qscale": {"query_scale": {"beta": 0.5, "length": 4}},
+    # layer 1 of 2 without rotation (caching its keys as projected), scaled as Llama 4's are
+    "rope_nope": {"nope_interval": 2, "query_scale": {"beta": 0.5, "length": 4, "layers": "nope"}},
+    "corope_nope": {"nope_interval": 2},
 }
 
 
