@@ -7,7 +7,8 @@ Each run (a directory of ``train.py``, or its checkpoint) is loaded (``lm.traine
 and evaluated on every eval split as trained (beta ``trained``), then once for each ``beta``
 with every attention layer's queries at position ``p`` multiplied by
 ``1 + beta ln(1 + floor(p / length))`` (``attention.query_scale``, as if the run had been
-configured with it, replacing the scale it was trained with, if any). ``length`` is
+configured with it, replacing the scale it was trained with, if any); ``--layers nope``: only
+the layers without rotation (``attention.nope_interval``'s, as Llama 4), the others unscaled. ``length`` is
 ``--length``, or by default the run's ``data.seq_len``: then the scale is 1 on every position
 training saw, the in-distribution splits do not move, and the longer ones (``ood_long``,
 ``valid@2x``) show what sharpening the far queries' attention does to a model that never saw
@@ -41,12 +42,13 @@ from lm.trained import load_run  # noqa: E402
 DESCRIBED = ("attention", "model", "data")  # the config groups whose settings name a variant
 
 
-def set_query_scale(model: torch.nn.Module, beta: float, length: int) -> None:
-    """Every attention layer of ``model`` scales its queries by ``(beta, length)``, checked as
-    the config ``attention.query_scale`` is."""
-    scale = resolve_query_scale({"query_scale": {"beta": beta, "length": length}})
+def set_query_scale(model: torch.nn.Module, beta: float, length: int, layers: str) -> None:
+    """``model``'s attention layers scale their queries by ``(beta, length)``: all of them, or
+    with ``layers="nope"`` those without rotation (the others not at all); checked as the
+    config ``attention.query_scale`` is."""
+    node = {"query_scale": {"beta": beta, "length": length, "layers": layers}}
     for block in model.blocks:
-        block.attn.query_scale = scale
+        block.attn.query_scale = resolve_query_scale(node, block.attn.rotary)
 
 
 def _flat(node: dict, prefix: str = "") -> dict:
@@ -85,6 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or checkpoints")
     parser.add_argument("--betas", default="0.1,0.3,1", help="comma-separated, each >= 0")
     parser.add_argument("--length", type=int, help="where the scale steps up (a run's seq_len)")
+    parser.add_argument(
+        "--layers",
+        choices=("all", "nope"),
+        default="all",
+        help="scale every layer, or only those without rotation",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--out", type=Path, required=True)
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             length = args.length or cfg.data.seq_len
             for beta in ["trained", *betas]:
                 if beta != "trained":
-                    set_query_scale(model, beta, length)
+                    set_query_scale(model, beta, length, args.layers)
                 metrics = evaluate(model, dataset, args.batch_size, device)
                 row = {"run": str(path), "variant": variant, "beta": beta, "length": length}
                 rows.append(row | metrics)

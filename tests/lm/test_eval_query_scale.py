@@ -40,6 +40,18 @@ def test_rows_per_run_and_beta_and_variants_split_by_setting(tmp_path, capsys):
     assert table in capsys.readouterr().out + "\n"
 
 
+def test_layers_nope_scales_only_the_layers_without_rotation(tmp_path):
+    from experiments.eval_query_scale import set_query_scale
+    from lm.trained import load_run
+
+    train(compose_cfg(*RUN, "model.n_layer=2", "attention.nope_interval=2"), str(tmp_path))
+    _, model, _ = load_run(tmp_path)
+    set_query_scale(model, 0.5, 8, "nope")
+    assert [b.attn.query_scale for b in model.blocks] == [None, (0.5, 8)]
+    set_query_scale(model, 0.5, 8, "all")
+    assert [b.attn.query_scale for b in model.blocks] == [(0.5, 8), (0.5, 8)]
+
+
 def test_variant_names_leave_the_seed_out():
     configs = [
         {"attention": {"name": "rope", "theta": 1.0}, "model": {}, "data": {}, "seed": s}
