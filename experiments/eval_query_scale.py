@@ -6,9 +6,10 @@
 Each run (a directory of ``train.py``, or its checkpoint) is loaded (``lm.trained.load_run``)
 and evaluated on every eval split as trained (beta ``trained``), then once for each ``beta``
 with every attention layer's queries at position ``p`` multiplied by
-``1 + beta ln(1 + floor(p / length))`` (``attention.query_scale``, as if the run had been
-configured with it, replacing the scale it was trained with, if any); ``--layers nope``: only
-the layers without rotation (``attention.nope_interval``'s, as Llama 4), the others unscaled. ``length`` is
+``1 + beta ln(1 + floor((p + offset) / length))`` (``attention.query_scale``, as if the run
+had been configured with it, replacing the scale it was trained with, if any); ``--layers
+nope``: only the layers without rotation (``attention.nope_interval``'s, as Llama 4), the
+others unscaled (refused for a run without such layers). ``length`` is
 ``--length``, or by default the run's ``data.seq_len``: then the scale is 1 on every position
 training saw, the in-distribution splits do not move, and the longer ones (``ood_long``,
 ``valid@2x``) show what sharpening the far queries' attention does to a model that never saw
@@ -42,11 +43,15 @@ from lm.trained import load_run  # noqa: E402
 DESCRIBED = ("attention", "model", "data")  # the config groups whose settings name a variant
 
 
-def set_query_scale(model: torch.nn.Module, beta: float, length: int, layers: str) -> None:
-    """``model``'s attention layers scale their queries by ``(beta, length)``: all of them, or
-    with ``layers="nope"`` those without rotation (the others not at all); checked as the
-    config ``attention.query_scale`` is."""
-    node = {"query_scale": {"beta": beta, "length": length, "layers": layers}}
+def set_query_scale(
+    model: torch.nn.Module, beta: float, length: int, layers: str, offset: int = 0
+) -> None:
+    """``model``'s attention layers scale their queries by ``(beta, length, offset)``: all of
+    them, or with ``layers="nope"`` those without rotation (the others not at all; refused
+    where every layer rotates); checked as the config ``attention.query_scale`` is."""
+    if layers == "nope" and all(block.attn.rotary for block in model.blocks):
+        raise ValueError("--layers nope: every layer of this run rotates (no nope_interval)")
+    node = {"query_scale": {"beta": beta, "length": length, "layers": layers, "offset": offset}}
     for block in model.blocks:
         block.attn.query_scale = resolve_query_scale(node, block.attn.rotary)
 
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         default="all",
         help="scale every layer, or only those without rotation",
     )
+    parser.add_argument("--offset", type=int, default=0, help="added to the positions (Llama 4: 1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--out", type=Path, required=True)
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--betas {args.betas!r}: {e}")
     if args.length is not None and args.length < 1:
         parser.error(f"--length must be a positive int, got {args.length}")
+    if args.offset < 0:
+        parser.error(f"--offset must be >= 0, got {args.offset}")
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
 
@@ -117,9 +125,13 @@ def main(argv: list[str] | None = None) -> None:
             length = args.length or cfg.data.seq_len
             for beta in ["trained", *betas]:
                 if beta != "trained":
-                    set_query_scale(model, beta, length, args.layers)
+                    set_query_scale(model, beta, length, args.layers, args.offset)
                 metrics = evaluate(model, dataset, args.batch_size, device)
-                row = {"run": str(path), "variant": variant, "beta": beta, "length": length}
+                set_here = beta != "trained"  # the trained row keeps the run's own scale
+                row = {"run": str(path), "variant": variant, "beta": beta,
+                       "length": length if set_here else "",
+                       "layers": args.layers if set_here else "",
+                       "offset": args.offset if set_here else ""}  # fmt: skip
                 rows.append(row | metrics)
                 if writer is None:
                     metric_names = list(metrics)
@@ -133,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         cells[row["variant"], row["beta"]].append(row)
     shown = [m for m in metric_names if m.endswith("/err") or m.endswith("/loss")]
     lines = [
-        "Query scale set at evaluation; mean ± std over runs (beta `trained`: as trained).",
+        f"Query scale set at evaluation on {args.layers} layers, offset {args.offset}; mean ± "
+        "std over runs (beta `trained`: as trained).",
         "",
         "| variant | beta | length | runs | " + " | ".join(shown) + " |",
         "|---|---|---|---|" + "---|" * len(shown),

@@ -62,6 +62,12 @@ def load_run(
     cfg, model, dataset = trained.load_run(path, dtype=dtype, impl="torch")
     if cfg.attention.name != "corope":
         raise ValueError(f"run: {path} is a {cfg.attention.name!r} run; gates need corope")
+    if cfg.attention.get("nope_interval") is not None:
+        raise ValueError(
+            f"run: {path} has layers without rotation (attention.nope_interval="
+            f"{cfg.attention.nope_interval}), which have no gates; only runs whose every layer "
+            "is Co-RoPE are drawn"
+        )
     return cfg, model, dataset
 
 

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IMPLS = ("auto", "triton", "torch")
+# attention.query_scale's fields other than beta as the schema leaves them (lm.config)
+_QUERY_SCALE_UNSET = {"length": None, "layers": "all", "offset": 0}
 _logged: set[tuple[str, str, str]] = set()
 
 
@@ -91,14 +93,17 @@ def check_impl_device(impl: str | None, device: torch.device) -> None:
         )
 
 
-def check_attention_device(attn_cfg: Any, model_cfg: Any, device: torch.device) -> None:
-    """Refuses, before data or weights load, an attention configuration ``device`` cannot run:
-    ``impl=triton`` off CUDA without the interpreter, and what the attention class's own
-    ``check_device`` refuses (from the configs: no layer is built)."""
+def check_attention_config(attn_cfg: Any, model_cfg: Any, device: torch.device) -> None:
+    """Refuses, before data or weights load, an attention configuration that the model
+    (``model_cfg``) or ``device`` cannot run: ``impl=triton`` off CUDA without the interpreter,
+    what the attention class's own ``check_device`` refuses, and the layer settings
+    ``nope_layers`` refuses (from the configs: no layer is built)."""
     check_impl_device(attn_cfg.get("impl"), device)
     m = model_cfg
     head_dim = resolve_head_dim(m.d_model, m.n_head, m.get("head_dim"))
     attention_class(attn_cfg).check_device(attn_cfg, head_dim, device)
+    nope_layers(attn_cfg, m.n_layer)
+    resolve_query_scale(attn_cfg)
 
 
 def resolve_head_dim(d_model: int, n_head: int, head_dim: int | None) -> int:
@@ -118,19 +123,25 @@ def resolve_impl(impl: str, device: torch.device, variant: str) -> str:
     return resolved
 
 
-def resolve_query_scale(cfg: Any, rotary: bool = False) -> tuple[float, int] | None:
-    """``(beta, length)`` of ``attention.query_scale`` for a layer that rotates its queries
-    and keys (``rotary``) or not, checked; None where ``beta`` is null or 0 (a config from
-    before the key has none), or where ``layers`` is ``nope`` and the layer rotates."""
+def resolve_query_scale(cfg: Any, rotary: bool = False) -> tuple[float, int, int] | None:
+    """``(beta, length, offset)`` of ``attention.query_scale`` for a layer that rotates its
+    queries and keys (``rotary``) or not, checked; None where ``beta`` is null or 0 (a config
+    from before the key has none), or where ``layers`` is ``nope`` and the layer rotates."""
     node = _as_dict(cfg).get("query_scale") or {}
-    beta, length, layers = node.get("beta"), node.get("length"), node.get("layers", "all")
+    beta, length = node.get("beta"), node.get("length")
+    layers, offset = node.get("layers", "all"), node.get("offset", 0)
     if layers not in ("all", "nope"):
         raise ValueError(f"attention.query_scale.layers must be 'all' or 'nope', got {layers!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"attention.query_scale.offset must be an int >= 0, got {offset!r}")
     if beta is None:
-        if length is not None:
+        unused = {"length": length, "layers": layers, "offset": offset}
+        unused = {k: v for k, v in unused.items() if v != _QUERY_SCALE_UNSET[k]}
+        if unused:
+            fields = ", ".join(f"attention.query_scale.{k}={v}" for k, v in unused.items())
             raise ValueError(
-                f"attention.query_scale.length={length} set but attention.query_scale.beta is "
-                "null (no query scale); set beta or leave length null"
+                f"{fields} set but attention.query_scale.beta is null (no query scale); set "
+                "beta or leave them as they are"
             )
         return None
     try:
@@ -141,31 +152,35 @@ def resolve_query_scale(cfg: Any, rotary: bool = False) -> tuple[float, int] | N
             "position where the scale first steps up (Ministral 3's "
             "original_max_position_embeddings)"
         ) from None
-    return None if beta == 0 or (rotary and layers == "nope") else (float(beta), int(length))
+    if beta == 0 or (rotary and layers == "nope"):
+        return None
+    return float(beta), int(length), offset
 
 
 def nope_layers(cfg: Any, n_layer: int) -> set[int]:
     """The layers ``attention.nope_interval`` (rope, corope) leaves without rotation:
-    ``k - 1, 2k - 1, ...`` for an interval ``k`` (Llama 4's ``nope_layer_interval``), none for
-    null; an interval of 1 (that is ``attention=nope``) or past ``n_layer`` (no such layer:
-    a sweep would train the rotary model under its name) is refused."""
+    ``k - 1, 2k - 1, ...`` for an interval ``k`` (Llama 4's ``no_rope_layer_interval``), none
+    for null. Refused: an interval of 1 (that is ``attention=nope``) or past ``n_layer`` (no
+    such layer: a sweep would train the rotary model under its name), and
+    ``query_scale.layers=nope`` on a rotary model without such layers (it would scale
+    nothing); for an attention without rotation every layer is one."""
     node = _as_dict(cfg)
     k = node.get("nope_interval")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= n_layer):
+        need = f"an int in [2, model.n_layer={n_layer}]" if n_layer >= 2 else "model.n_layer >= 2"
+        raise ValueError(
+            f"attention.nope_interval needs {need} (every k-th layer without rotation; 1 is "
+            f"attention=nope) or null, got {k!r}"
+        )
+    layers = set() if k is None else set(range(k - 1, n_layer, k))
     scale = node.get("query_scale") or {}
-    if k is None and scale.get("layers") == "nope" and scale.get("beta"):
+    if scale.get("layers") == "nope" and scale.get("beta") and not layers:
         if attention_class(cfg).rotary:
             raise ValueError(
                 "attention.query_scale.layers=nope scales the layers without rotation, and "
                 "this model has none: set attention.nope_interval, or layers=all"
             )
-    if k is None:
-        return set()
-    if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= n_layer:
-        raise ValueError(
-            f"attention.nope_interval must be an int in [2, model.n_layer={n_layer}] (every "
-            f"k-th layer without rotation; 1 is attention=nope) or null, got {k!r}"
-        )
-    return set(range(k - 1, n_layer, k))
+    return layers
 
 
 class Attention(nn.Module):
@@ -226,9 +241,10 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, C)
 
     def _scale_queries(self, q: torch.Tensor, first: int) -> torch.Tensor:
-        """q ``(B, H, N, D)`` at positions ``first..first + N - 1`` times their scale, cast to
-        q's dtype first as transformers' Ministral 3 does."""
-        beta, length = self.query_scale
+        """q ``(B, H, N, D)`` at positions ``first..first + N - 1`` times their scale (of the
+        position plus ``offset``), cast to q's dtype first as transformers' Ministral 3 does."""
+        beta, length, offset = self.query_scale
+        first += offset
         positions = torch.arange(first, first + q.shape[2], device=q.device)
         return q * llama4_attn_scale(positions, beta, length).to(q.dtype)[:, None]
 

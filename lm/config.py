@@ -79,13 +79,16 @@ class RopeScalingConfig:
 @dataclass
 class QueryScaleConfig:
     """Attention temperature tuning (Llama 4, Ministral 3, Mistral 4): the queries at position
-    ``p`` times ``1 + beta ln(1 + floor(p / length))`` (``fused_rope.llama4_attn_scale``);
-    ``beta: null`` = none. Ministral 3's ``llama_4_scaling_beta`` is ``beta`` and its
-    ``original_max_position_embeddings`` is ``length``."""
+    ``p`` times ``1 + beta ln(1 + floor((p + offset) / length))``
+    (``fused_rope.llama4_attn_scale``); ``beta: null`` = none. Ministral 3's
+    ``llama_4_scaling_beta`` is ``beta`` and its ``original_max_position_embeddings`` is
+    ``length`` (offset 0); Llama 4's ``attn_scale`` is ``beta``, its ``floor_scale``
+    ``length``, with offset 1 and ``layers: nope``."""
 
     beta: float | None = None
     length: int | None = None  # the scale is 1 below this position, then steps up each length
     layers: str = "all"  # all | nope: only the layers without rotation (Llama 4's rule)
+    offset: int = 0  # added to the positions: Llama 4 counts from 1 (offset 1), Ministral from 0
 
 
 @dataclass

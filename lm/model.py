@@ -91,7 +91,9 @@ class GPT(nn.Module):
             self.pos_table = None
         self.drop = nn.Dropout(cfg.dropout)
         nope = nope_layers(attn_cfg, cfg.n_layer)  # layers without rotation (Llama 4's)
-        self.blocks = nn.ModuleList(Block(cfg, attn_cfg, i in nope) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(cfg, attn_cfg, nope=i in nope) for i in range(cfg.n_layer)
+        )
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         if cfg.tie_embeddings:

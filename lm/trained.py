@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lm.attention import check_attention_device
+from lm.attention import check_attention_config
 from lm.checkpoint import checkpoint_path, load_checkpoint
 from lm.config import ATTENTION_SCHEMAS, ModelConfig
 from lm.data import build_dataset
@@ -115,7 +115,7 @@ def load_run(
             cfg.attention.impl = "auto"
     elif impl is not None:
         warnings.warn(f"impl={impl!r} ignored: attention {name!r} has no impl option", stacklevel=2)
-    check_attention_device(cfg.attention, cfg.model, torch.device(device))
+    check_attention_config(cfg.attention, cfg.model, torch.device(device))
     dataset = build_run_dataset(cfg, Path(path) if Path(path).is_dir() else ckpt.parent)
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
     model.load_state_dict(state["model"])

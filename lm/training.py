@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lm import distributed
-from lm.attention import attention_class, check_attention_device, resolve_impl
+from lm.attention import attention_class, check_attention_config, resolve_impl
 from lm.checkpoint import (
     checkpoint_path,
     config_changes,
@@ -532,7 +532,7 @@ def _train(cfg: DictConfig, output_dir: str | None) -> dict[str, Any]:
             raise FileExistsError(taken)
         # before the data loads
         ckpt = _checkpoint_to_resume(cfg, ckpt_path, out_dir, info.world_size)
-        check_attention_device(cfg.attention, cfg.model, info.device)
+        check_attention_config(cfg.attention, cfg.model, info.device)
         if info.device.type == "cpu" and cfg.train.cpu_threads is not None:
             torch.set_num_threads(cfg.train.cpu_threads)
         torch.manual_seed(cfg.seed)

@@ -13,7 +13,7 @@ from lm.attention import (
     CoRopeAttention,
     RotaryFrequencies,
     build_attention,
-    check_attention_device,
+    check_attention_config,
     nope_layers,
     scaling_dict,
 )
@@ -184,14 +184,14 @@ def test_corope_checks_its_kernels_head_dims_for_the_device():
     kernels (``impl=triton``, or ``auto`` on CUDA) do not, and the check says so from the
     configs, before a layer is built or a step runs."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    model = OmegaConf.create({"d_model": 64, "n_head": 4, "n_kv_head": 2, "head_dim": None})
+    model = OmegaConf.structured(ModelConfig(d_model=64, n_head=4, n_kv_head=2))
     auto = attn_cfg("corope", impl="auto")
-    check_attention_device(auto, model, cpu)
+    check_attention_config(auto, model, cpu)
     with pytest.raises(ValueError, match="got 16 .model.head_dim"):
-        check_attention_device(auto, model, cuda)
+        check_attention_config(auto, model, cuda)
     with pytest.raises(ValueError, match="got 48 .model.head_dim"):  # model.head_dim wins
-        check_attention_device(auto, OmegaConf.merge(model, {"head_dim": 48}), cuda)
-    check_attention_device(attn_cfg("corope", impl="torch"), model, cuda)
+        check_attention_config(auto, OmegaConf.merge(model, {"head_dim": 48}), cuda)
+    check_attention_config(attn_cfg("corope", impl="torch"), model, cuda)
     CoRopeAttention.check_device(attn_cfg("corope", impl="triton"), 32, cpu)
 
 
@@ -231,7 +231,7 @@ def test_nope_interval_leaves_every_kth_layer_without_rotation(name):
     kinds = [type(block.attn).__name__ for block in model.blocks]
     rotary = type(build_attention(attn_cfg(name), 64, 4, 2)).__name__
     assert kinds == [rotary, "Attention", rotary, "Attention", rotary]
-    assert [block.attn.query_scale for block in model.blocks] == [None, (0.5, 4)] * 2 + [None]
+    assert [block.attn.query_scale for block in model.blocks] == [None, (0.5, 4, 0)] * 2 + [None]
     assert nope_layers(attn_cfg(name, nope_interval=3), 9) == {2, 5, 8}
     assert nope_layers(attn_cfg(name), 9) == set()
     everywhere = attn_cfg(name, impl="torch", query_scale=scale | {"layers": "all"})
@@ -241,17 +241,54 @@ def test_nope_interval_leaves_every_kth_layer_without_rotation(name):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"nope_interval": 1}, r"nope_interval must be an int in \[2, model.n_layer=4\].*got 1"),
+        ({"nope_interval": 1}, r"nope_interval needs an int in \[2, model.n_layer=4\].*got 1"),
         ({"nope_interval": 5}, r"got 5"),
         ({"nope_interval": 0}, r"got 0"),
         ({"query_scale": {"beta": 0.1, "length": 8, "layers": "nope"}}, r"has none"),
-        ({"query_scale": {"beta": 0.1, "length": 8, "layers": "rope"}}, r"'all' or 'nope'"),
     ],
 )
 def test_bad_nope_settings_name_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         nope_layers(attn_cfg("rope", **overrides), 4)
-        build_attention(attn_cfg("rope", **overrides), 64, 4, 2)
+
+
+def test_nope_interval_needs_two_layers():
+    with pytest.raises(ValueError, match=r"needs model.n_layer >= 2 .*got 2"):
+        nope_layers(attn_cfg("rope", nope_interval=2), 1)
+
+
+@pytest.mark.parametrize(
+    "query_scale, match",
+    [
+        ({"beta": 0.1, "length": 8, "layers": "rope"}, r"'all' or 'nope'"),
+        ({"beta": 0.1, "length": 8, "offset": -1}, r"offset must be an int >= 0"),
+        ({"layers": "nope"}, r"query_scale.layers=nope set but .*beta is null"),
+        ({"offset": 1}, r"query_scale.offset=1 set but .*beta is null"),
+    ],
+)
+def test_bad_query_scale_settings_name_the_key(query_scale, match):
+    with pytest.raises(ValueError, match=match):
+        build_attention(attn_cfg("nope", query_scale=query_scale), 64, 4, 2)
+
+
+def test_query_scale_offset_counts_positions_from_it():
+    """Llama 4 counts positions from 1 (``offset: 1``): its scale steps up one position
+    before Ministral 3's, at p = length - 1."""
+    cfg = attn_cfg("nope", query_scale={"beta": 1.0, "length": 4, "offset": 1})
+    attn = build_attention(cfg, 64, 4, 2).to(DEVICE).double()
+    q = torch.ones(1, 4, 9, 16, device=DEVICE, dtype=torch.float64)
+    steps = (torch.arange(9, device=DEVICE) + 1) // 4  # 0 0 0 1 1 1 1 2 2
+    expected = 1 + torch.log1p(steps.double())
+    assert_close("scale", attn._scale_queries(q, 0)[0, 0, :, 0], expected, atol=1e-6, rtol=1e-6)
+
+
+def test_layer_settings_are_checked_before_the_data_loads():
+    model = OmegaConf.structured(ModelConfig(n_layer=2))
+    with pytest.raises(ValueError, match="nope_interval"):
+        check_attention_config(attn_cfg("rope", nope_interval=3), model, torch.device("cpu"))
+    with pytest.raises(ValueError, match="has none"):
+        scale = {"beta": 0.1, "length": 8, "layers": "nope"}
+        check_attention_config(attn_cfg("rope", query_scale=scale), model, torch.device("cpu"))
 
 
 def test_query_scale_keeps_the_queries_dtype(monkeypatch):

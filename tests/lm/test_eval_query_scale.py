@@ -21,7 +21,9 @@ def test_rows_per_run_and_beta_and_variants_split_by_setting(tmp_path, capsys):
     with open(tmp_path / "out" / "query_scale.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["run"][-1], r["beta"], r["length"]) for r in rows] == [
-        (run, beta, "40") for run in "abc" for beta in ("trained", "0.0", "2.0")
+        (run, beta, "" if beta == "trained" else "40")
+        for run in "abc"
+        for beta in ("trained", "0.0", "2.0")
     ]
     # a and b differ in the seed alone: one variant, named by what sets it apart from c
     assert [r["variant"] for r in rows[::3]] == [
@@ -36,7 +38,7 @@ def test_rows_per_run_and_beta_and_variants_split_by_setting(tmp_path, capsys):
         assert by[run, "2.0"]["test/loss"] == by[run, "trained"]["test/loss"]
         assert by[run, "2.0"]["ood_long/loss"] != by[run, "trained"]["ood_long/loss"]
     table = (tmp_path / "out" / "query_scale.md").read_text()
-    assert "| rope attention.theta=10000.0 | trained | 40 | 2 |" in table
+    assert "| rope attention.theta=10000.0 | trained |  | 2 |" in table
     assert table in capsys.readouterr().out + "\n"
 
 
@@ -46,10 +48,24 @@ def test_layers_nope_scales_only_the_layers_without_rotation(tmp_path):
 
     train(compose_cfg(*RUN, "model.n_layer=2", "attention.nope_interval=2"), str(tmp_path))
     _, model, _ = load_run(tmp_path)
-    set_query_scale(model, 0.5, 8, "nope")
-    assert [b.attn.query_scale for b in model.blocks] == [None, (0.5, 8)]
+    set_query_scale(model, 0.5, 8, "nope", offset=1)
+    assert [b.attn.query_scale for b in model.blocks] == [None, (0.5, 8, 1)]
     set_query_scale(model, 0.5, 8, "all")
-    assert [b.attn.query_scale for b in model.blocks] == [(0.5, 8), (0.5, 8)]
+    assert [b.attn.query_scale for b in model.blocks] == [(0.5, 8, 0), (0.5, 8, 0)]
+    main([str(tmp_path), "--layers", "nope", "--betas", "1", "--out", str(tmp_path / "out")])
+    with open(tmp_path / "out" / "query_scale.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["beta"], r["layers"], r["offset"]) for r in rows] == [
+        ("trained", "", ""),
+        ("1.0", "nope", "0"),
+    ]
+    assert rows[0]["ood_long/loss"] != rows[1]["ood_long/loss"]
+
+
+def test_layers_nope_is_refused_for_a_run_whose_every_layer_rotates(tmp_path):
+    train(compose_cfg(*RUN), str(tmp_path))
+    with pytest.raises(ValueError, match="every layer of this run rotates"):
+        main([str(tmp_path), "--layers", "nope", "--out", str(tmp_path / "out")])
 
 
 def test_variant_names_leave_the_seed_out():

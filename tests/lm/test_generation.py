@@ -33,7 +33,10 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
     "rope_qscale": {"query_scale": {"beta": 0.5, "length": 4}},
     "corope_qscale": {"query_scale": {"beta": 0.5, "length": 4}},
     # layer 1 of 2 without rotation (caching its keys as projected), scaled as Llama 4's are
-    "rope_nope": {"nope_interval": 2, "query_scale": {"beta": 0.5, "length": 4, "layers": "nope"}},
+    "rope_nope": {
+        "nope_interval": 2,
+        "query_scale": {"beta": 0.5, "length": 4, "layers": "nope", "offset": 1},
+    },
     "corope_nope": {"nope_interval": 2},
 }
 

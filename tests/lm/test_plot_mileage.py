@@ -113,6 +113,12 @@ def test_rejects_a_run_that_is_not_corope(tmp_path):
         main([str(tmp_path)])
 
 
+def test_rejects_a_corope_run_with_layers_without_rotation(tmp_path):
+    save_run(tmp_path, "attention=corope", "attention.nope_interval=2")
+    with pytest.raises(ValueError, match="nope_interval=2.*no gates"):
+        main([str(tmp_path)])
+
+
 def test_input_file_and_bad_arguments(tmp_path, capsys):
     save_run(tmp_path, "attention=corope")
     program = tmp_path / "prog.txt"
