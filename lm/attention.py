@@ -174,12 +174,12 @@ def nope_layers(cfg: Any, n_layer: int) -> set[int]:
         )
     layers = set() if k is None else set(range(k - 1, n_layer, k))
     scale = node.get("query_scale") or {}
-    if scale.get("layers") == "nope" and scale.get("beta") and not layers:
-        if attention_class(cfg).rotary:
-            raise ValueError(
-                "attention.query_scale.layers=nope scales the layers without rotation, and "
-                "this model has none: set attention.nope_interval, or layers=all"
-            )
+    scales_nothing = scale.get("layers") == "nope" and scale.get("beta") and not layers
+    if scales_nothing and attention_class(cfg).rotary:
+        raise ValueError(
+            "attention.query_scale.layers=nope scales the layers without rotation, and this "
+            "model has none: set attention.nope_interval, or layers=all"
+        )
     return layers
 
 
@@ -214,7 +214,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(d_model, n_head * self.head_dim, bias=False)
         self.wkv = nn.Linear(d_model, 2 * n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=False)
-        self.query_scale = resolve_query_scale(cfg, self.rotary)  # (beta, length) or None
+        self.query_scale = resolve_query_scale(cfg, self.rotary)  # (beta, length, offset)
         self.timer = None  # an lm.profiling.AttentionTimer, set by the trainer
 
     @classmethod
