@@ -37,6 +37,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from lm.attention import resolve_query_scale  # noqa: E402
+from lm.checkpoint import flatten_config  # noqa: E402
 from lm.evaluation import evaluate  # noqa: E402
 from lm.trained import load_run  # noqa: E402
 
@@ -56,20 +57,10 @@ def set_query_scale(
         block.attn.query_scale = resolve_query_scale(node, block.attn.rotary)
 
 
-def _flat(node: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in node.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def variant_names(configs: list[dict]) -> list[str]:
     """Each run's attention name, followed by the ``key=value`` settings of ``DESCRIBED`` in
     which it differs from another run of the same attention."""
-    flat = [_flat({g: c[g] for g in DESCRIBED}) for c in configs]
+    flat = [flatten_config({g: c[g] for g in DESCRIBED}) for c in configs]
     names = []
     for run in flat:
         peers = [f for f in flat if f["attention.name"] == run["attention.name"]]

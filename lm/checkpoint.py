@@ -116,7 +116,7 @@ def config_changes(
             implicitly, so such a key is compared, not one-sided (``attention.query_scale.beta:
             None -> 0.3`` is a change).
     """
-    saved, now = _flatten(defaults or {}) | _flatten(saved), _flatten(now)
+    saved, now = flatten_config(defaults or {}) | flatten_config(saved), flatten_config(now)
     keys = [key for key in sorted(saved.keys() | now.keys()) if compared(key)]
     line = lambda key: f"{key}: {_shown(saved, key)} -> {_shown(now, key)}"
     both = [key for key in keys if key in saved and key in now]
@@ -130,12 +130,12 @@ def _value(saved: dict[str, Any], now: dict[str, Any], key: str) -> Any:
     return saved[key] if key in saved else now[key]
 
 
-def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
     """``{"dotted.key": value}`` of a nested dict; lists are values."""
     flat = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
