@@ -13,7 +13,8 @@ all but its last token, so for counting the last input token is the printed vari
 file encoded with the run's tokenizer (``--input-file``: a counting program as words, a code
 file as bytes for ``data=stdlib``).
 
-For each layer and KV group, the group's leader query (``attention.leader``: its first query
+For each Co-RoPE layer (all of them, or those ``attention.nope_interval`` leaves rotating,
+under their own indices) and KV group, the group's leader query (``attention.leader``: its first query
 head, or the mean of its heads) gives every earlier key a gate ``z[i, j] = sigmoid(s <qL_i,
 k_j>)`` (``s = 1/sqrt(head_dim)``) and the distance from query ``i`` to key ``j`` is the
 mileage ``delta[i, j] = sum_{j < t <= i} z[i, t]`` (``corope/README.md``). The figure has, per
@@ -62,12 +63,6 @@ def load_run(
     cfg, model, dataset = trained.load_run(path, dtype=dtype, impl="torch")
     if cfg.attention.name != "corope":
         raise ValueError(f"run: {path} is a {cfg.attention.name!r} run; gates need corope")
-    if cfg.attention.get("nope_interval") is not None:
-        raise ValueError(
-            f"run: {path} has layers without rotation (attention.nope_interval="
-            f"{cfg.attention.nope_interval}), which have no gates; only runs whose every layer "
-            "is Co-RoPE are drawn"
-        )
     return cfg, model, dataset
 
 
@@ -107,13 +102,15 @@ def leader_gates(q: torch.Tensor, k: torch.Tensor, leader: str) -> torch.Tensor:
 @torch.no_grad()
 def gates_and_mileage(
     model: GPT, leader: str, ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(z, delta)``, each ``[L, HKV, N, N]``: per layer the leader gates and the mileage of
-    the input ``ids [N]`` (one sequence)."""
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``(z, delta, layers)``: ``z`` and ``delta`` ``[L, HKV, N, N]``, per Co-RoPE layer the
+    leader gates and the mileage of the input ``ids [N]`` (one sequence); ``layers`` those
+    layers' indices (``attention.nope_interval``'s layers, without rotation, have no gates)."""
     with capture_attention(model) as captured:
         model(ids[None])
-    z = torch.stack([leader_gates(q, k, leader)[0] for q, k, _, _ in captured])
-    return z, mileage(z)
+    layers = [i for i, block in enumerate(model.blocks) if block.attn.rotary]
+    z = torch.stack([leader_gates(*captured[i][:2], leader)[0] for i in layers])
+    return z, mileage(z), layers
 
 
 def token_labels(dataset: LMDataset, ids: list[int]) -> list[str]:
@@ -147,11 +144,11 @@ def input_ids(dataset: LMDataset, example: str | None, input_file: Path | None) 
     return examples[int(index)].tokens[:-1].tolist()
 
 
-def gates_by_token(z: torch.Tensor, labels: list[str], query: int) -> str:
+def gates_by_token(z: torch.Tensor, layers: list[int], labels: list[str], query: int) -> str:
     """A markdown table: per key token (the distinct labels of keys ``0..query``, most
     frequent first, with their count) the mean gate that query ``query`` gives keys of that
-    token, a column per layer and group (``z [L, HKV, N, N]``)."""
-    names = _panel_names(z)
+    token, a column per layer (of ``layers``) and group (``z [L, HKV, N, N]``)."""
+    names = _panel_names(z, layers)
     keys = labels[: query + 1]
     row = z[:, :, query, : query + 1].reshape(len(names), query + 1).double()
     rows = []
@@ -163,9 +160,10 @@ def gates_by_token(z: torch.Tensor, labels: list[str], query: int) -> str:
     return markdown_table(rows, ["key token", "count", *names])
 
 
-def _panel_names(z: torch.Tensor) -> list[str]:
-    """``L<layer> g<group>`` for each (layer, KV group) of ``z [L, HKV, ...]``, layer-major."""
-    return [f"L{l} g{g}" for l in range(z.shape[0]) for g in range(z.shape[1])]
+def _panel_names(z: torch.Tensor, layers: list[int]) -> list[str]:
+    """``L<layer> g<group>`` for each (layer, KV group) of ``z [L, HKV, ...]``, layer-major,
+    ``layers`` the model's indices of its ``L`` layers."""
+    return [f"L{l} g{g}" for l in layers for g in range(z.shape[1])]
 
 
 def _ticks(ax, labels: list[str], fontsize: float) -> None:
@@ -175,13 +173,18 @@ def _ticks(ax, labels: list[str], fontsize: float) -> None:
 
 
 def draw_row(
-    z: torch.Tensor, delta: torch.Tensor, labels: list[str], query: int, path: Path
+    z: torch.Tensor,
+    delta: torch.Tensor,
+    layers: list[int],
+    labels: list[str],
+    query: int,
+    path: Path,
 ) -> None:
     """Two panels over keys ``0..query`` sharing the token axis: the gates of query row
     ``query`` as a heatmap with a row per layer and group (``z [L, HKV, N, N]``), and the
     mileage from the query to each key per layer and group (``delta``) beside ``query - j``."""
     L, G = z.shape[:2]
-    names = _panel_names(z)
+    names = _panel_names(z, layers)
     keys = labels[: query + 1]
     fig, (ax_z, ax_d) = plt.subplots(
         2,
@@ -208,9 +211,9 @@ def draw_row(
     plt.close(fig)
 
 
-def draw_matrices(z: torch.Tensor, labels: list[str], path: Path) -> None:
+def draw_matrices(z: torch.Tensor, layers: list[int], labels: list[str], path: Path) -> None:
     """Every ``[N, N]`` causal gate matrix of ``z [L, HKV, N, N]`` (row = query, column =
-    key; above the diagonal blank)."""
+    key; above the diagonal blank), ``layers`` the model's indices of its ``L`` layers."""
     L, G, N, _ = z.shape
     fig, axes = plt.subplots(L, G, figsize=(4.5 * G + 1, 4.2 * L), squeeze=False)
     mask = np.triu(np.ones((N, N), dtype=bool), 1)
@@ -221,7 +224,7 @@ def draw_matrices(z: torch.Tensor, labels: list[str], path: Path) -> None:
             image = ax.imshow(
                 np.ma.masked_where(mask, z[l, g].float().numpy()), cmap="viridis", vmin=0, vmax=1
             )
-            ax.set_title(f"layer {l}, group {g}", fontsize=8)
+            ax.set_title(f"layer {layers[l]}, group {g}", fontsize=8)
             _ticks(ax, labels, fontsize)
             ax.set_yticks(range(N), labels, fontsize=fontsize)
             fig.colorbar(image, ax=ax, fraction=0.046)
@@ -231,8 +234,9 @@ def draw_matrices(z: torch.Tensor, labels: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Draws the figures; returns ``{"ids", "labels", "query", "gates", "mileage", "paths"}``
-    (``gates`` and ``mileage`` ``[L, HKV, N, N]``, ``paths`` the files written)."""
+    """Draws the figures; returns ``{"ids", "labels", "query", "gates", "mileage", "layers",
+    "paths"}`` (``gates`` and ``mileage`` ``[L, HKV, N, N]`` of the Co-RoPE layers ``layers``,
+    ``paths`` the files written)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a Co-RoPE run directory or its checkpoint.pt")
     source = parser.add_mutually_exclusive_group()
@@ -269,23 +273,23 @@ def main(argv: list[str] | None = None) -> dict:
     if not -len(ids) <= args.query < len(ids):
         parser.error(f"--query must index the {len(ids)} input tokens, got {args.query}")
     query = args.query % len(ids)
-    z, delta = gates_and_mileage(model, cfg.attention.leader, torch.tensor(ids))
+    z, delta, layers = gates_and_mileage(model, cfg.attention.leader, torch.tensor(ids))
     labels = token_labels(dataset, ids)
 
     run_dir = args.run if args.run.is_dir() else args.run.parent
     out = args.out or run_dir / "mileage.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    draw_row(z, delta, labels, query, out)
+    draw_row(z, delta, layers, labels, query, out)
     table = out.with_name(out.stem + "_gates.md")
     table.write_text(
         f"Mean leader gate of query {query} ({labels[query]!r}) per key token, "
         f"`{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n"
-        + gates_by_token(z, labels, query)
+        + gates_by_token(z, layers, labels, query)
     )
     paths = [out, table]
     if len(ids) <= args.matrix_max:
         paths.append(out.with_name(out.stem + "_matrix.png"))
-        draw_matrices(z, labels, paths[-1])
+        draw_matrices(z, layers, labels, paths[-1])
     print(table.read_text(), end="")
     print("wrote " + ", ".join(map(str, paths)))
     return {
@@ -294,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         "query": query,
         "gates": z,
         "mileage": delta,
+        "layers": layers,
         "paths": paths,
     }
 

@@ -113,10 +113,14 @@ def test_rejects_a_run_that_is_not_corope(tmp_path):
         main([str(tmp_path)])
 
 
-def test_rejects_a_corope_run_with_layers_without_rotation(tmp_path):
+def test_draws_only_the_corope_layers_of_a_run_with_nope_layers(tmp_path):
+    """``attention.nope_interval=2``: layer 1 has no rotation and no gates; the figures and
+    the table show layer 0 alone, under its own index."""
     save_run(tmp_path, "attention=corope", "attention.nope_interval=2")
-    with pytest.raises(ValueError, match="nope_interval=2.*no gates"):
-        main([str(tmp_path)])
+    drawn = main([str(tmp_path), "--out", str(tmp_path / "m.png")])
+    assert drawn["layers"] == [0] and drawn["gates"].shape[0] == 1
+    header = (tmp_path / "m_gates.md").read_text().splitlines()[2]
+    assert "L0 g0" in header and "L1" not in header
 
 
 def test_input_file_and_bad_arguments(tmp_path, capsys):
