@@ -70,8 +70,14 @@ def llama4_attn_scale(
             raise ValueError(
                 f"positions must be finite and >= 0, got {positions[~valid][0].item()}"
             )
+    return scale_unchecked(positions, float(beta), int(length))
+
+
+def scale_unchecked(positions: torch.Tensor, beta: float, length: int) -> torch.Tensor:
+    """``llama4_attn_scale`` without its checks, for callers that made them once (the harness,
+    on every forward pass, with positions from ``arange``)."""
     if positions.is_floating_point():
-        steps = torch.floor(positions.double() / int(length))
+        steps = torch.floor(positions.double() / length)
     else:
-        steps = torch.div(positions, int(length), rounding_mode="floor").double()
-    return (1.0 + float(beta) * torch.log1p(steps)).float()
+        steps = torch.div(positions, length, rounding_mode="floor").double()
+    return (1.0 + beta * torch.log1p(steps)).float()

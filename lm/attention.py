@@ -25,6 +25,7 @@ it departs from the forward).
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,8 +34,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from fused_rope._validation import interpreting
 from fused_rope.frequencies import rope_angles, rope_frequencies, scaling_type
-from fused_rope.query_scale import llama4_attn_scale
+from fused_rope.query_scale import llama4_attn_scale, scale_unchecked
 from fused_rope.sdpa import sdpa_attention
+from lm.config import QueryScaleConfig
 
 if TYPE_CHECKING:
     from lm.generation import KVCache
@@ -42,8 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IMPLS = ("auto", "triton", "torch")
-# attention.query_scale's fields other than beta as the schema leaves them (lm.config)
-_QUERY_SCALE_UNSET = {"length": None, "layers": "all", "offset": 0}
 _logged: set[tuple[str, str, str]] = set()
 
 
@@ -127,16 +127,15 @@ def resolve_query_scale(cfg: Any, rotary: bool = False) -> tuple[float, int, int
     """``(beta, length, offset)`` of ``attention.query_scale`` for a layer that rotates its
     queries and keys (``rotary``) or not, checked; None where ``beta`` is null or 0 (a config
     from before the key has none), or where ``layers`` is ``nope`` and the layer rotates."""
-    node = _as_dict(cfg).get("query_scale") or {}
-    beta, length = node.get("beta"), node.get("length")
-    layers, offset = node.get("layers", "all"), node.get("offset", 0)
+    unset = asdict(QueryScaleConfig())  # the schema's defaults: a config from before the key
+    node = unset | (_as_dict(cfg).get("query_scale") or {})
+    beta, length, layers, offset = (node[k] for k in ("beta", "length", "layers", "offset"))
     if layers not in ("all", "nope"):
         raise ValueError(f"attention.query_scale.layers must be 'all' or 'nope', got {layers!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"attention.query_scale.offset must be an int >= 0, got {offset!r}")
     if beta is None:
-        unused = {"length": length, "layers": layers, "offset": offset}
-        unused = {k: v for k, v in unused.items() if v != _QUERY_SCALE_UNSET[k]}
+        unused = {k: v for k, v in node.items() if v != unset.get(k)}
         if unused:
             fields = ", ".join(f"attention.query_scale.{k}={v}" for k, v in unused.items())
             raise ValueError(
@@ -246,7 +245,8 @@ class Attention(nn.Module):
         beta, length, offset = self.query_scale
         first += offset
         positions = torch.arange(first, first + q.shape[2], device=q.device)
-        return q * llama4_attn_scale(positions, beta, length).to(q.dtype)[:, None]
+        # checked when the layer was built (resolve_query_scale)
+        return q * scale_unchecked(positions, beta, length).to(q.dtype)[:, None]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``(B, H, NQ, D)`` at the last ``NQ`` positions, k and v ``(B, HKV, NK, D)`` ->
