@@ -144,7 +144,8 @@ def corope_attention(
             ``h // (HQ // HKV)``. ``NQ = NK`` in training; ``NQ < NK`` continues a KV cache
             (a chunk of a prefill, or a decoding step at ``NQ = 1``, which takes the
             decoding kernels of ``corope.decode``, split over the cache's keys) and has no
-            gradient: grad mode must be off or q, k, v must not require grad.
+            gradient: grad mode must be off or q, k, v and ``inv_freq`` must not require
+            grad.
         k, v: ``[B, HKV, NK, D]`` with ``HQ % HKV == 0``. fp16, bf16 or fp32, one dtype and one
             CUDA device for all three (the CPU only under ``TRITON_INTERPRET=1``, fp16/fp32);
             ``D`` in ``SUPPORTED_HEAD_DIMS`` (32, 64, 128, 256). Any strides.

@@ -295,8 +295,10 @@ def corope_attention_ref(
         outs.append(o)
         lses.append(lse)
     M = len(rows)
-    if M == 0:  # NQ = 0: no chunk ran
-        o, lse = q.new_empty(B, HQ, 0, D), q.new_empty(B, HQ, 0, dtype=cd)
+    if M == 0:  # NQ = 0: no chunk ran. Empty slices keep q, k and v in the outputs' graph
+        # (zero gradients, as the kernels give, where new tensors had no graph at all)
+        o = q[:, :, :0] + (k[:, :, :0].sum() + v[:, :, :0].sum()).to(q.dtype)
+        lse = q[:, :, :0, 0].to(cd)
         return (o, lse) if return_lse else o
     o = torch.cat(outs, dim=-2).reshape(B, HQ, M, D).to(q.dtype)
     if return_lse:

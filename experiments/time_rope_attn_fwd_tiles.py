@@ -234,7 +234,7 @@ def run(name: str, dtype: torch.dtype, baseline) -> list[dict]:
         grid = lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * HQ)
         attention_forward._rope_attn_fwd_kernel[grid](
             q, k_rot, v, o_fused, lse, q_cos, q_sin, q_fold, *q.stride(), *k_rot.stride()[:3],
-            *v.stride(), *o_fused.stride(), sq, q_off, HQ, HQ // HKV, N, N, **meta,
+            *v.stride(), *o_fused.stride(), sq, q_off, HQ, HQ // HKV, N, N, window=0, **meta,
         )  # fmt: skip
         return o_fused
 

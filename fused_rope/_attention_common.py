@@ -85,8 +85,56 @@ def _prune_for(owner: str):
 
 # Lengths and head counts are not specialized on (divisible by 16, equal to 1): every sequence
 # length would otherwise compile its own variant.
-_SIZES = ["GROUP", "NQ", "NK"]
-_AUTOTUNE_KEY = ["NQ", "NK", "BLOCK_D", "HALF", "PASS", "CAUSAL", "INTERLEAVED"]
+_SIZES = ["GROUP", "NQ", "NK", "window"]
+# window: a sliding window skips most key tiles, so it changes the best tile; one tuning per
+# window size (a model has one or two)
+_AUTOTUNE_KEY = ["NQ", "NK", "window", "BLOCK_D", "HALF", "PASS", "CAUSAL", "INTERLEAVED"]
+
+
+@triton.jit
+def _visible(keep, i, j, offset, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """``keep`` and whether query ``i`` sees key ``j`` (broadcast against each other:
+    ``offs_m[:, None]`` and ``offs_n[None, :]``, or transposed): ``j <= i + offset`` (causal,
+    bottom-right aligned) and ``j > i + offset - window`` (a sliding window of ``window``
+    keys, the query's own included)."""
+    if CAUSAL:
+        keep = keep & (j <= i + offset)
+    if WINDOWED:
+        keep = keep & (j > i + offset - window)
+    return keep
+
+
+@triton.jit
+def _key_ranges(
+    start_m,
+    offset,
+    NK,
+    window,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``(lo, full_lo, full_end, hi)`` for the query tile ``[start_m, start_m + BLOCK_M)`` of a
+    query-major loop (forward, dQ): the key tiles ``[full_lo, full_end)`` are seen whole by every
+    query of the tile (no mask arithmetic); ``[lo, full_lo)`` (the window's edge) and
+    ``[full_end, hi)`` (the diagonal, and keys past NK) need the mask; keys outside
+    ``[lo, hi)`` are seen by none of the tile's queries."""
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(NK, start_m + BLOCK_M + offset), 0)
+        # keys <= start_m + offset are visible to every query of the tile
+        full_end = tl.minimum(tl.maximum(start_m + offset + 1, 0), NK) // BLOCK_N * BLOCK_N
+    else:
+        hi = NK
+        full_end = NK // BLOCK_N * BLOCK_N
+    lo = 0
+    full_lo = 0
+    if WINDOWED:  # causal only: keys > start_m + offset - window are in the first query's window
+        lo = tl.maximum(start_m + offset - window + 1, 0) // BLOCK_N * BLOCK_N
+        # ... and keys >= start_m + BLOCK_M + offset - window in every query's window
+        edge = tl.maximum(start_m + BLOCK_M + offset - window, 0)
+        full_lo = tl.minimum(tl.cdiv(edge, BLOCK_N) * BLOCK_N, full_end)  # >= lo
+    return lo, full_lo, full_end, hi
 
 
 @triton.jit
@@ -390,9 +438,10 @@ def _meta(
     causal: bool,
     dtype: torch.dtype,
     score_scale: float,
+    window: int = 0,
 ):
     """Constexprs shared by every kernel. tl.dot needs inner dims >= 16, hence the floors.
-    ``score_scale``: ``query_fold``'s."""
+    ``score_scale``: ``query_fold``'s; ``window``: the sliding window's keys (0: none)."""
     half, pas = segment_dims(head_dim, rope_dim)
     return dict(
         SCORE_SCALE=score_scale,
@@ -403,6 +452,7 @@ def _meta(
         BLOCK_D=max(16, next_power_of_2(head_dim)),
         INTERLEAVED=interleaved,
         CAUSAL=causal,
+        WINDOWED=window > 0,
         # fp32 inputs exist for tests: keep their dots in full fp32, not TF32
         INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )

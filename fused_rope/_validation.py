@@ -29,6 +29,7 @@ FREQ_DTYPES = (torch.float32, torch.float64)
 INT32_INDEX_LIMIT = 2**31
 FP32_MAX = torch.finfo(torch.float32).max
 FP16_MAX = torch.finfo(torch.float16).max
+SOFTMAX_SCALE_MAX = FP32_MAX / math.e  # below FP32_MAX / log2(e) = FP32_MAX / 1.4427
 # CUDA's limit on a grid's second axis, where the attention kernels put (batch, head) pairs,
 # and on its third, where the RoPE kernel puts the batch
 MAX_GRID_AXIS1 = MAX_GRID_AXIS2 = 65535
@@ -109,6 +110,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE_WORDS
 
 
+# Triton picks the interpreter when a kernel is decorated, so at import: the kernel modules
+# import this one first.
+_INTERPRETING_AT_IMPORT = interpreting()
+
+
 def check_kernel_device(
     device: torch.device, name: str, dot_dtype: torch.dtype | None = None
 ) -> None:
@@ -127,6 +133,12 @@ def check_kernel_device(
                 f"{name} is bfloat16 on the CPU: Triton's interpreter has no bf16 arithmetic "
                 "(its bf16 products come out wrong); run bf16 on a GPU, or fp16/fp32 here"
             )
+        if not _INTERPRETING_AT_IMPORT:  # Triton itself would fail with "0 active drivers"
+            raise RuntimeError(
+                f"{name} is on the CPU and TRITON_INTERPRET is set, but it was set after the "
+                "kernels were imported, and Triton chooses the interpreter at import: set it "
+                "before importing fused_rope or corope"
+            )
         return
     raise ValueError(
         f"{name} is on {device}: the Triton kernels need a CUDA tensor "
@@ -140,6 +152,21 @@ def check_bool(value, name: str) -> None:
     silently: ``"False"`` is true)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_window(window, causal: bool) -> int:
+    """A causal sliding window: ``None`` (none) or a positive int, the keys a query sees, its
+    own included (transformers' ``sliding_window``; FlashAttention's ``window_size=(window - 1,
+    0)``). Returns it as an int, 0 for none (the kernels' convention)."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        raise TypeError(f"window must be an int or None, got {type(window).__name__} {window!r}")
+    if window < 1:
+        raise ValueError(f"window must be at least 1 (the query's own key), got {window}")
+    if not causal:
+        raise ValueError(f"window={window} needs causal=True (a window left of the diagonal)")
+    return int(window)
 
 
 def may_overlap(x: torch.Tensor) -> bool:
@@ -249,9 +276,11 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
         return int(head_dim) ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
-    if not 0 < softmax_scale < FP32_MAX:  # the kernels hold it in fp32; NaN fails too
+    # The kernels hold it in fp32, times log2(e) (their softmax runs on exp2); NaN fails too.
+    if not 0 < softmax_scale < SOFTMAX_SCALE_MAX:
         raise ValueError(
-            f"softmax_scale must be positive and finite in fp32, got {softmax_scale!r}"
+            f"softmax_scale must be positive and below {SOFTMAX_SCALE_MAX:.6g} (finite in fp32 "
+            f"times log2(e)), got {softmax_scale!r}"
         )
     return float(softmax_scale)
 
@@ -312,7 +341,8 @@ def check_position_tensor(positions, name: str, ndim: tuple[int, ...] | None = N
 
 def check_attention_shapes(q, k, v) -> None:
     """``q [B, HQ, NQ, D]``, ``k`` and ``v`` ``[B, HKV, NK, D]`` of one shape, ``HQ`` a
-    positive multiple of ``HKV`` (GQA); the tensors' own checks come first."""
+    multiple of ``HKV >= 1`` (GQA; ``HQ = 0`` gives empty outputs); the tensors' own checks
+    come first."""
     B, HQ, _, D = q.shape
     if k.shape[0] != B or k.shape[3] != D or v.shape != k.shape:
         raise ValueError(

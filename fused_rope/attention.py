@@ -34,6 +34,7 @@ from fused_rope._validation import (
     check_same_device,
     check_scale,
     check_softmax_scale,
+    check_window,
     element_span,
     under_functorch,
 )
@@ -102,15 +103,17 @@ def _fwd_op(
     interleaved: bool,
     rope_dim: int,
     attention_factor: float,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_attention_fwd(
         q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim,
-        attention_factor,
+        attention_factor, window,
     )  # fmt: skip
 
 
 @_fwd_op.register_fake
-def _(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim, factor):
+def _(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim, factor,
+      window):  # fmt: skip
     B, HQ, NQ, _ = q.shape
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -135,6 +138,7 @@ def _bwd_op(
     interleaved: bool,
     rope_dim: int,
     attention_factor: float,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rope_attention_bwd(
         do,
@@ -152,22 +156,23 @@ def _bwd_op(
         interleaved,
         rope_dim,
         attention_factor,
+        window,
     )
 
 
 @_bwd_op.register_fake
 def _(
     do, dlse, q, k, v, o, lse, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved,
-    rope_dim, factor,
+    rope_dim, factor, window,
 ):  # fmt: skip
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim, factor = inputs
+    q, k, v, inv_freq, q_pos, k_pos, *args = inputs  # args: causal ... window
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, inv_freq, q_pos, k_pos)
-    ctx.args = (causal, softmax_scale, interleaved, rope_dim, factor)
+    ctx.args = tuple(args)
 
 
 def _rotation_grads(need, q, k, dq, dk, inv_freq, q_pos, k_pos, interleaved, rope_dim):
@@ -198,10 +203,10 @@ def _backward(ctx, do, dlse):
     need = ctx.needs_input_grad[3:6]  # inv_freq, q_pos, k_pos
     rotation = (None, None, None)
     if any(need):
-        _, _, interleaved, rope_dim, _ = ctx.args
+        _, _, interleaved, rope_dim, _, _ = ctx.args
         rotation = _rotation_grads(need, q, k, dq, dk, inv_freq, q_pos, k_pos, interleaved,
                                    rope_dim)  # fmt: skip
-    return dq, dk, dv, *rotation, None, None, None, None, None
+    return dq, dk, dv, *rotation, *(None for _ in ctx.args)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -301,11 +306,12 @@ def _sdpa_is_slowed_by_determinism(q: torch.Tensor) -> bool:
 
 def _rope_then_sdpa(
     q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout, rope_dim,
-    factor,
+    factor, window,
 ):  # fmt: skip
     """The unfused path: this package's Triton RoPE over q and k, then PyTorch's best SDPA
     backend. Causal with ``NQ < NK`` (a prefill that continues a KV cache) uses SDPA's
-    bottom-right mask (``causal_lower_right``), the fused kernel's alignment."""
+    bottom-right mask (``causal_lower_right``), the fused kernel's alignment; a sliding window
+    a boolean mask (``sdpa_attention``)."""
     from fused_rope.rope import apply_rope, apply_rope_qk  # task B's kernel module, on use
 
     NQ, NK = q.shape[2], k.shape[2]
@@ -332,7 +338,7 @@ def _rope_then_sdpa(
     else:
         q_rot = apply_rope(q, **common, **q_rope)
         k_rot = apply_rope(k, **common, **k_rope)
-    return sdpa_attention(q_rot, k_rot, v, causal=causal, scale=scale)
+    return sdpa_attention(q_rot, k_rot, v, causal=causal, scale=scale, window=window or None)
 
 
 def _check_inputs(
@@ -352,8 +358,10 @@ def _check_inputs(
     rope_dim,
     return_lse,
     impl,
+    window,
 ):
-    """Validates every argument; returns ``(rope_dim, impl)`` with "auto" resolved."""
+    """Validates every argument; returns ``(rope_dim, impl, window)`` with "auto" resolved and
+    the window as the kernels take it (0: none)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(x, name, ndim=4, dtypes=KERNEL_DTYPES)
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -368,6 +376,9 @@ def _check_inputs(
     rope_dim = check_rope_dim(rope_dim, D)
     check_bool(causal, "causal")
     check_bool(return_lse, "return_lse")
+    window = check_window(window, causal)
+    if window >= NK:  # every query's window holds all the keys it sees causally
+        window = 0
     check_softmax_scale(softmax_scale, D)
     check_scale(attention_factor, "attention_factor", FP16_MAX)  # the fused kernels' fp16 tables
     rotation = dict(
@@ -403,12 +414,15 @@ def _check_inputs(
         # Not under torch.func, which the fused kernel's op refuses and the separate path takes.
         # (One expression: Dynamo 2.11 writes `True |= ...` for `|=` on a traced constant
         # when NQ is symbolic, a SyntaxError under torch.compile(dynamic=True).)
+        # A sliding window: the fused kernel skips the key tiles outside it, where SDPA has no
+        # window kernel and runs a boolean NQ x NK mask.
         fused_first = not under_functorch() and (
             (
                 bottom_right
                 and (_fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v))
             )
             or (causal and NQ == NK and _sdpa_is_slowed_by_determinism(q))
+            or window > 0
         )
         # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
         # which may be a materialized one) beats an error; not under compile, which cannot
@@ -456,7 +470,7 @@ def _check_inputs(
     check_kernel_device(device, "q", dot_dtype=q.dtype if impl == "fused" else None)
     if impl == "fused":  # the separate path's RoPE Function and SDPA support torch.func
         check_no_functorch("impl='separate' or fused_rope.naive.rope_attention_ref")
-    return rope_dim, impl
+    return rope_dim, impl, window
 
 
 def rope_attention(
@@ -477,6 +491,7 @@ def rope_attention(
     rope_dim: int | None = None,
     return_lse: bool = False,
     impl: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with RoPE on q and k: this package's Triton RoPE kernel then PyTorch's SDPA,
     or RoPE applied inside a FlashAttention-2 Triton kernel (``impl``).
@@ -508,6 +523,12 @@ def rope_attention(
             default: the last NQ rows of ``angles`` (``NQ > NK`` needs them).
         causal: query ``i`` sees key ``j`` iff ``j <= i + NK - NQ`` (bottom-right aligned,
             by index, as FlashAttention-2). A query that sees no key returns 0.
+        window: a causal sliding window (Mistral, Gemma 2/3, GPT-OSS): query ``i`` sees only
+            its last ``window`` keys, ``i + NK - NQ - window < j``, its own included
+            (transformers' ``sliding_window``; FlashAttention's ``window_size=(window - 1,
+            0)``); None (default) for none. The fused kernel skips the key tiles outside the
+            window, so its cost grows with ``NQ * window``, not ``NQ * NK``; "auto" takes it
+            where it can run (the separate path builds a boolean ``NQ x NK`` mask for SDPA).
         softmax_scale: default ``1/sqrt(D)``.
         attention_factor: the factor ``rope_frequencies`` returns with YaRN's and LongRoPE's
             frequencies (Hugging Face multiplies it into cos and sin): it scales q's and k's
@@ -541,7 +562,7 @@ def rope_attention(
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.
     """
-    rope_dim, impl = _check_inputs(
+    rope_dim, impl, window = _check_inputs(
         q,
         k,
         v,
@@ -558,6 +579,7 @@ def rope_attention(
         rope_dim,
         return_lse,
         impl,
+        window,
     )
     B, HQ, NQ, D = q.shape
     NK = k.shape[2]
@@ -569,7 +591,7 @@ def rope_attention(
     if impl == "separate":
         return _rope_then_sdpa(
             q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout,
-            rope_dim, factor,
+            rope_dim, factor, window,
         )  # fmt: skip
     if angles is not None:  # the kernels' tables take angle rows as they take position rows
         q_pos = _as_rows(angles[..., NK - NQ :, :] if q_angles is None else q_angles, 3)
@@ -580,6 +602,7 @@ def rope_attention(
         q_pos = _as_rows(_query_positions(positions, q_positions, NQ, NK, q.device))
         k_pos = _as_rows(torch.arange(NK, device=q.device) if positions is None else positions)
     o, lse = _fwd_op(
-        q, k, v, inv_freq, q_pos, k_pos, causal, scale, layout == "interleaved", rope_dim, factor
-    )
+        q, k, v, inv_freq, q_pos, k_pos, causal, scale, layout == "interleaved", rope_dim, factor,
+        window,
+    )  # fmt: skip
     return (o, lse) if return_lse else o

@@ -14,6 +14,7 @@ from fused_rope._attention_common import (
     _INTERPRET,
     _SIZES,
     _configs,
+    _key_ranges,
     _load_cos_sin,
     _load_segments,
     _meta,
@@ -24,6 +25,7 @@ from fused_rope._attention_common import (
     _scores,
     _store_rotated,
     _strides,
+    _visible,
     query_fold,
 )
 from fused_rope._intmath import cdiv
@@ -122,9 +124,11 @@ def _dkdv_inner(
     LSE2,
     DELTA,
     offs_n,
+    n_mask,
     lo,
     n_tiles,
     offset,
+    window,
     NQ,
     h0,
     GROUP,
@@ -135,6 +139,8 @@ def _dkdv_inner(
     stride_don,
     stride_dod,
     MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -175,8 +181,12 @@ def _dkdv_inner(
             delta = tl.load(DELTA + h * NQ_HEAD + offs_m, mask=m_mask, other=0.0)
             s_t = _scores(k1, k2, kp, q1, q2, qp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION, SCORE_SCALE)
             p_t = tl.exp2(s_t - lse2[None, :])
-            if MASKED:
-                p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
+            if MASKED:  # transposed: keys are rows
+                keep = _visible(
+                    n_mask[:, None], offs_m[None, :], offs_n[:, None], offset, window, CAUSAL,
+                    WINDOWED,
+                )  # fmt: skip
+                p_t = tl.where(keep, p_t, 0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
             ds_t = (p_t * (dp_t - delta[None, :])).to(q1.dtype)
@@ -228,6 +238,7 @@ def _rope_attn_bwd_dkdv_kernel(
     GROUP,
     NQ,
     NK,
+    window,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -235,6 +246,7 @@ def _rope_attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -282,45 +294,62 @@ def _rope_attn_bwd_dkdv_kernel(
         lo = 0
         n_masked = 0
     free_lo = lo + n_masked * BLOCK_M
-    n_free = tl.cdiv(tl.maximum(NQ - free_lo, 0), BLOCK_M)
-    # The band of query tiles that needs the mask, then those that see the whole key tile.
-    for whole in tl.static_range(2):  # 0, then 1 (a constexpr)
-        dk1, dk2, dkp, dv = _dkdv_inner(
-            dk1,
-            dk2,
-            dkp,
-            dv,
-            k1,
-            k2,
-            kp,
-            v,
-            Q,
-            DO,
-            LSE2,
-            DELTA,
-            offs_n,
-            free_lo if whole else lo,
-            n_free if whole else n_masked,
-            offset,
-            NQ,
-            h0,
-            GROUP,
-            NQ,
-            stride_qh,
-            stride_qn,
-            stride_doh,
-            stride_don,
-            stride_dod,
-            whole == 0,
-            HEAD_DIM,
-            ROPE_DIM,
-            HALF,
-            PASS,
-            BLOCK_D,
-            INPUT_PRECISION,
-            SCORE_SCALE,
-            BLOCK_M,
-        )
+    if WINDOWED:  # causal only
+        # queries before start_n - offset + window have all the tile's keys in their window;
+        # from start_n + BLOCK_N - 1 - offset + window on, none: the band between is masked
+        free_end = tl.maximum(tl.minimum(start_n - offset + window, NQ), free_lo)
+        n_free = (free_end - free_lo) // BLOCK_M
+        tail_lo = free_lo + n_free * BLOCK_M
+        tail_end = tl.maximum(tl.minimum(start_n + BLOCK_N - 1 - offset + window, NQ), tail_lo)
+        n_tail = tl.cdiv(tail_end - tail_lo, BLOCK_M)
+    else:
+        n_free = tl.cdiv(tl.maximum(NQ - free_lo, 0), BLOCK_M)
+        tail_lo = 0
+        n_tail = 0
+    # The diagonal band of query tiles (masked), those that see the whole key tile, then the
+    # window's edge (masked; windowed only).
+    for part in tl.static_range(3):  # a constexpr
+        if WINDOWED or part < 2:
+            dk1, dk2, dkp, dv = _dkdv_inner(
+                dk1,
+                dk2,
+                dkp,
+                dv,
+                k1,
+                k2,
+                kp,
+                v,
+                Q,
+                DO,
+                LSE2,
+                DELTA,
+                offs_n,
+                n_mask,
+                lo if part == 0 else (free_lo if part == 1 else tail_lo),
+                n_masked if part == 0 else (n_free if part == 1 else n_tail),
+                offset,
+                window,
+                NQ,
+                h0,
+                GROUP,
+                NQ,
+                stride_qh,
+                stride_qn,
+                stride_doh,
+                stride_don,
+                stride_dod,
+                part != 1,
+                CAUSAL,
+                WINDOWED,
+                HEAD_DIM,
+                ROPE_DIM,
+                HALF,
+                PASS,
+                BLOCK_D,
+                INPUT_PRECISION,
+                SCORE_SCALE,
+                BLOCK_M,
+            )
 
     DK += b * stride_dkb + hk * stride_dkh
     DV += b * stride_dvb + hk * stride_dvh
@@ -372,11 +401,13 @@ def _dq_inner(
     hi,
     offset,
     NK,
+    window,
     stride_kn,
     stride_vn,
     stride_vd,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -402,9 +433,9 @@ def _dq_inner(
         s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION, SCORE_SCALE)
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
-            keep = n_mask[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None] + offset)
+            keep = _visible(
+                n_mask[None, :], offs_m[:, None], offs_n[None, :], offset, window, CAUSAL, WINDOWED
+            )
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = (p * (dp - delta[:, None])).to(k1.dtype)
@@ -452,6 +483,7 @@ def _rope_attn_bwd_dq_kernel(
     GROUP,
     NQ,
     NK,
+    window,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -459,6 +491,7 @@ def _rope_attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -492,45 +525,46 @@ def _rope_attn_bwd_dq_kernel(
     dq1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
     dq2 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
     dqp = tl.zeros((BLOCK_M, PASS), dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(NK, start_m + BLOCK_M + offset), 0)
-        full_end = tl.minimum(tl.maximum(start_m + offset + 1, 0), NK) // BLOCK_N * BLOCK_N
-    else:
-        hi = NK
-        full_end = NK // BLOCK_N * BLOCK_N
-    # The key tiles every query of the tile sees (no mask arithmetic), then the diagonal ones.
-    for masked in tl.static_range(2):  # 0, then 1 (a constexpr)
-        dq1, dq2, dqp = _dq_inner(
-            dq1,
-            dq2,
-            dqp,
-            q1,
-            q2,
-            qp,
-            do,
-            lse2,
-            delta,
-            K,
-            V,
-            offs_m,
-            full_end if masked else 0,
-            hi if masked else full_end,
-            offset,
-            NK,
-            stride_kn,
-            stride_vn,
-            stride_vd,
-            masked,
-            CAUSAL,
-            HEAD_DIM,
-            ROPE_DIM,
-            HALF,
-            PASS,
-            BLOCK_D,
-            INPUT_PRECISION,
-            SCORE_SCALE,
-            BLOCK_N,
-        )
+    lo, full_lo, full_end, hi = _key_ranges(
+        start_m, offset, NK, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N
+    )
+    # The window's edge (masked; windowed only), the key tiles every query of the tile sees (no
+    # mask arithmetic), then the diagonal ones (masked), as in the forward.
+    for part in tl.static_range(3):  # a constexpr
+        if WINDOWED or part > 0:
+            dq1, dq2, dqp = _dq_inner(
+                dq1,
+                dq2,
+                dqp,
+                q1,
+                q2,
+                qp,
+                do,
+                lse2,
+                delta,
+                K,
+                V,
+                offs_m,
+                lo if part == 0 else (full_lo if part == 1 else full_end),
+                full_lo if part == 0 else (full_end if part == 1 else hi),
+                offset,
+                NK,
+                window,
+                stride_kn,
+                stride_vn,
+                stride_vd,
+                part != 1,
+                CAUSAL,
+                WINDOWED,
+                HEAD_DIM,
+                ROPE_DIM,
+                HALF,
+                PASS,
+                BLOCK_D,
+                INPUT_PRECISION,
+                SCORE_SCALE,
+                BLOCK_N,
+            )
 
     DQ += b * stride_dqb + h * stride_dqh
     # dS K_rot is the gradient w.r.t. the natural-log scores' Q_rot / softmax_scale
@@ -558,16 +592,17 @@ def _rope_attn_bwd_dq_kernel(
 
 def rope_attention_bwd(
     do, q, k, v, o, lse, dlse, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim,
-    attention_factor=1.0,
+    attention_factor=1.0, window=0,
 ):  # fmt: skip
     """Launches the backward: preprocess, dK/dV (key-major, no atomics: each program loops
     over the query heads of its KV head's group) and dQ (query-major); the forward's
-    ``attention_factor`` in the tables that rotate q and k and back-rotate dq and dk.
+    ``attention_factor`` in the tables that rotate q and k and back-rotate dq and dk; the
+    forward's ``window`` (0: none).
     Returns ``dq, dk, dv`` shaped like ``q, k, v``."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
     q_fold, score_scale = query_fold(softmax_scale, q.dtype)
-    meta = _meta(D, rope_dim, interleaved, causal, q.dtype, score_scale)
+    meta = _meta(D, rope_dim, interleaved, causal, q.dtype, score_scale, window)
     delta = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     lse2 = lse.clone()
     dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()
@@ -619,6 +654,7 @@ def rope_attention_bwd(
         HQ // HKV,
         NQ,
         NK,
+        window,
         **meta,
     )
     _rope_attn_bwd_dq_kernel[lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)](
@@ -643,6 +679,7 @@ def rope_attention_bwd(
         HQ // HKV,
         NQ,
         NK,
+        window,
         **meta,
     )
     return dq, dk, dv

@@ -13,6 +13,7 @@ from fused_rope._attention_common import (
     _AUTOTUNE_KEY,
     _SIZES,
     _configs,
+    _key_ranges,
     _load_segments,
     _meta,
     _prune_for,
@@ -22,6 +23,7 @@ from fused_rope._attention_common import (
     _rotated_segments,
     _scores,
     _strides,
+    _visible,
     query_fold,
 )
 from fused_rope._intmath import cdiv
@@ -53,11 +55,13 @@ def _fwd_inner(
     hi,
     offset,
     NK,
+    window,
     stride_kn,
     stride_vn,
     stride_vd,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -77,15 +81,20 @@ def _fwd_inner(
         )
         s = _scores(q1, q2, qp, k1, k2, kp, HEAD_DIM > ROPE_DIM, INPUT_PRECISION, SCORE_SCALE)
         if MASKED:
-            keep = n_mask[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None] + offset)
+            keep = _visible(
+                n_mask[None, :], offs_m[:, None], offs_n[None, :], offset, window, CAUSAL, WINDOWED
+            )
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:  # a row with no visible key so far keeps m = -inf; exp2 must not see -inf - -inf
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_ref = m_new
+        if MASKED:
+            # A row with no visible key so far keeps m = -inf (a window's first tile can hide
+            # every key from a row that sees keys in the next one: a maximum of 0 taken there
+            # would leave its probabilities unnormalized, and those of scores below -24 would
+            # round to 0 in fp16), but exp2 must not see -inf - -inf.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
@@ -129,6 +138,7 @@ def _rope_attn_fwd_kernel(
     GROUP,
     NQ,
     NK,
+    window,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -136,6 +146,7 @@ def _rope_attn_fwd_kernel(
     BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -159,43 +170,43 @@ def _rope_attn_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(NK, start_m + BLOCK_M + offset), 0)
-        # keys <= start_m + offset are visible to every query of the tile: no mask there
-        full_end = tl.minimum(tl.maximum(start_m + offset + 1, 0), NK) // BLOCK_N * BLOCK_N
-    else:
-        hi = NK
-        full_end = NK // BLOCK_N * BLOCK_N
-    # The key tiles every query of the tile sees (no mask arithmetic), then the diagonal ones.
-    for masked in tl.static_range(2):  # 0, then 1 (a constexpr)
-        acc, l_i, m_i = _fwd_inner(
-            acc,
-            l_i,
-            m_i,
-            q1,
-            q2,
-            qp,
-            K,
-            V,
-            offs_m,
-            full_end if masked else 0,
-            hi if masked else full_end,
-            offset,
-            NK,
-            stride_kn,
-            stride_vn,
-            stride_vd,
-            masked,
-            CAUSAL,
-            HEAD_DIM,
-            ROPE_DIM,
-            HALF,
-            PASS,
-            BLOCK_D,
-            INPUT_PRECISION,
-            SCORE_SCALE,
-            BLOCK_N,
-        )
+    lo, full_lo, full_end, hi = _key_ranges(
+        start_m, offset, NK, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N
+    )
+    # The window's edge (masked; windowed only), the key tiles every query of the tile sees (no
+    # mask arithmetic), then the diagonal ones (masked).
+    for part in tl.static_range(3):  # a constexpr
+        if WINDOWED or part > 0:
+            acc, l_i, m_i = _fwd_inner(
+                acc,
+                l_i,
+                m_i,
+                q1,
+                q2,
+                qp,
+                K,
+                V,
+                offs_m,
+                lo if part == 0 else (full_lo if part == 1 else full_end),
+                full_lo if part == 0 else (full_end if part == 1 else hi),
+                offset,
+                NK,
+                window,
+                stride_kn,
+                stride_vn,
+                stride_vd,
+                part != 1,
+                CAUSAL,
+                WINDOWED,
+                HEAD_DIM,
+                ROPE_DIM,
+                HALF,
+                PASS,
+                BLOCK_D,
+                INPUT_PRECISION,
+                SCORE_SCALE,
+                BLOCK_N,
+            )
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -212,18 +223,19 @@ def _rope_attn_fwd_kernel(
 
 def rope_attention_fwd(
     q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim,
-    attention_factor=1.0,
+    attention_factor=1.0, window=0,
 ):  # fmt: skip
     """Launches the forward. ``q_pos``, ``k_pos``: fp32 positions ``[1 | B, N]`` or angles
     ``[1 | B, N, R/2]``, contiguous, or both None for the default positions (``_rope_tables``);
-    ``attention_factor`` scales the rotated channels (the tables' cos and sin).
+    ``attention_factor`` scales the rotated channels (the tables' cos and sin); ``window``: a
+    causal sliding window of that many keys (0: none).
     Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     q_fold, score_scale = query_fold(softmax_scale, q.dtype)
-    meta = _meta(D, rope_dim, interleaved, causal, q.dtype, score_scale)
+    meta = _meta(D, rope_dim, interleaved, causal, q.dtype, score_scale, window)
     q_cos, q_sin, k_cos, k_sin, stride_qtb, stride_ktb, q_row_off, k_row_off = _rope_tables(
         inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype, attention_factor
     )
@@ -249,6 +261,7 @@ def rope_attention_fwd(
         HQ // HKV,
         NQ,
         NK,
+        window,
         **meta,
     )
     return o, lse

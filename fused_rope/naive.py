@@ -17,11 +17,14 @@ from fused_rope._validation import (
     FREQ_DTYPES,
     check_angles,
     check_attention_shapes,
+    check_bool,
     check_float_tensor,
     check_layout,
     check_rope_dim,
     check_rotation_inputs,
     check_scale,
+    check_softmax_scale,
+    check_window,
 )
 from fused_rope.frequencies import rope_angles, rope_frequencies
 
@@ -116,6 +119,7 @@ def rope_attention_ref(
     angles: torch.Tensor | None = None,
     q_angles: torch.Tensor | None = None,
     attention_factor: float = 1.0,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k (``apply_rope_ref``), then attention in float32 (float64 for float64 input).
 
@@ -136,6 +140,8 @@ def rope_attention_ref(
         q_angles: the queries' ``[NQ, R/2]`` or ``[1 | B, NQ, R/2]``, with ``angles`` only;
             default the last NQ rows of ``angles`` (NQ > NK needs them).
         attention_factor: scales q's and k's rotated channels (``apply_rope_ref``).
+        window: causal only: query ``i`` also needs ``j > i + NK - NQ - window`` (a sliding
+            window of ``window`` keys, its own included); default none.
 
     Returns:
         ``o [B, HQ, NQ, D]`` in q's dtype (0 for a query that sees no key) and the
@@ -148,6 +154,9 @@ def rope_attention_ref(
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
     R = check_rope_dim(rope_dim, D)
+    check_bool(causal, "causal")
+    scale = check_softmax_scale(softmax_scale, D)
+    window = check_window(window, causal)
     if isinstance(inv_freq, torch.Tensor):  # rope_frequencies' CPU tensor for a CUDA q, say
         inv_freq = inv_freq.to(q.device)
     check_rotation_inputs(
@@ -174,12 +183,14 @@ def rope_attention_ref(
     group = HQ // HKV
     k_rot = k_rot.repeat_interleave(group, dim=1)
     vf = v.to(cd).repeat_interleave(group, dim=1)
-    scale = softmax_scale if softmax_scale is not None else D**-0.5
     s = scale * q_rot @ k_rot.transpose(-1, -2)
     if causal:
         i = torch.arange(NQ, device=q.device)[:, None]
         j = torch.arange(NK, device=q.device)[None, :]
-        s = s.masked_fill(j > i + NK - NQ, float("-inf"))
+        hidden = j > i + NK - NQ
+        if window:
+            hidden |= j <= i + NK - NQ - window
+        s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     # rows with no visible key: exp(-inf - -inf) would be NaN; they output 0
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])

@@ -63,13 +63,13 @@ def llama4_attn_scale(
         raise ValueError(f"original_max_position_embeddings must be in [1, 2**62), got {length}")
     eager_cpu = positions.device.type == "cpu" and not torch.compiler.is_compiling()
     if eager_cpu and positions.numel():
-        valid = positions >= 0  # NaN fails too
+        # int64: PyTorch compares no unsigned type wider than 8 bits
+        values = positions if positions.is_floating_point() else positions.long()
+        valid = values >= 0  # NaN fails too
         if positions.is_floating_point():
             valid &= positions.isfinite()
         if not bool(valid.all()):
-            raise ValueError(
-                f"positions must be finite and >= 0, got {positions[~valid][0].item()}"
-            )
+            raise ValueError(f"positions must be finite and >= 0, got {values[~valid][0].item()}")
     return scale_unchecked(positions, float(beta), int(length))
 
 
@@ -78,6 +78,6 @@ def scale_unchecked(positions: torch.Tensor, beta: float, length: int) -> torch.
     on every forward pass, with positions from ``arange``)."""
     if positions.is_floating_point():
         steps = torch.floor(positions.double() / length)
-    else:
-        steps = torch.div(positions, length, rounding_mode="floor").double()
+    else:  # in int64: in a narrower type, L0 itself would wrap (int16 and 32768: -32768)
+        steps = torch.div(positions.long(), length, rounding_mode="floor").double()
     return (1.0 + beta * torch.log1p(steps)).float()

@@ -275,8 +275,11 @@ class TileConfig:
 
     def __post_init__(self):
         for name in ("block_n", "block_hq", "block_hk", "num_warps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TileConfig.{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"TileConfig.{name} must be >= 1, got {value}")
+            if value & (value - 1):  # the kernel's tl.arange over each, and warps likewise
+                raise ValueError(f"TileConfig.{name} must be a power of 2, got {value}")
         if self.heads_per_program is not None and self.heads_per_program < 1:
             raise ValueError(
                 f"TileConfig.heads_per_program must be None or >= 1, got {self.heads_per_program}"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
+from fused_rope._validation import check_window
+
 
 def _lower_right_backend(q, k, v) -> str:
     """The SDPA kernel that ``torch.nn.attention.bias.causal_lower_right`` dispatches these
@@ -31,19 +33,23 @@ def sdpa_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """PyTorch's ``scaled_dot_product_attention`` with ``rope_attention``'s conventions and
     no position encoding: GQA, and causal with ``NQ < NK`` aligned bottom-right (q's rows are
     the last ``NQ`` of k's positions: a prefill or a decoding step that continues a KV cache).
     q ``[B, HQ, NQ, D]``, k and v ``[B, HKV, NK, D]`` -> ``[B, HQ, NQ, D]``; ``scale``
-    defaults to ``1/sqrt(D)``.
+    defaults to ``1/sqrt(D)``; ``window`` (causal only): query ``i`` sees only its last
+    ``window`` keys, ``j > i + NK - NQ - window`` (a boolean ``NQ x NK`` mask: SDPA has no
+    sliding-window kernel; ``rope_attention``'s fused kernel skips the hidden key tiles).
 
     ``NQ != NK`` goes through ``causal_lower_right``, which dispatches to the flash,
     memory-efficient or math kernel, never to cuDNN's: a plain mask (or none, at ``NQ =
     1``) takes cuDNN on an H100 (torch 2.11), which builds a plan for every new shape, 42 ms
     a call where flash takes 0.08 ms, so a cache growing by a token per step replanned at
     every step (``experiments/bench_decode.py``)."""
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+    # [::3]: B and D, which SDPA would broadcast (B = 1) or fail on in its own words
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or k.shape[::3] != q.shape[::3]:
         raise ValueError(
             f"q must be [B, HQ, NQ, D] and k, v [B, HKV, NK, D] of one shape, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -54,10 +60,20 @@ def sdpa_attention(
             f"q's heads must be a multiple of k's and, causal, q's rows at most k's: got q "
             f"{tuple(q.shape)}, k {tuple(k.shape)}"
         )
-    mask = causal_lower_right(NQ, NK) if causal and NQ != NK else None
-    if mask is not None and HQ != HKV and _lower_right_backend(q, k, v) == "efficient":
+    window = check_window(window, causal)
+    if window and window < NK:  # a window of NK keys or more hides nothing
+        i = torch.arange(NQ, device=q.device)[:, None] + (NK - NQ)
+        j = torch.arange(NK, device=q.device)[None, :]
+        mask = (j <= i) & (j > i - window)
+        # with a mask, SDPA's GQA runs only in its math kernel: the memory-efficient one takes
+        # every head
+        expand = HQ != HKV
+    else:
+        mask = causal_lower_right(NQ, NK) if causal and NQ != NK else None
         # causal_lower_right hands the memory-efficient kernel k and v as they are, without
         # the GQA head expansion of its other branches (torch 2.5-2.13): give it every head.
+        expand = mask is not None and HQ != HKV and _lower_right_backend(q, k, v) == "efficient"
+    if expand:
         k, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
     # enable_gqa must be a bool, which a head-count comparison is not under
     # torch.compile(dynamic=True) (a SymBool); a branch on it is guarded into one.

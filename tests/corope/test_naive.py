@@ -293,8 +293,12 @@ def test_flags_must_be_bools(name):
 def test_no_query_rows(nk):
     """NQ = 0 (with or without keys) gives empty outputs, as the kernel does."""
     q, k, v = _qkv(1, 2, 1, max(nk, 1), 8)
-    o, lse = corope_attention_ref(q[:, :, :0], k[:, :, :nk], v[:, :, :nk], return_lse=True)
+    leaves = [x.requires_grad_() for x in (q[:, :, :0], k[:, :, :nk], v[:, :, :nk])]
+    o, lse = corope_attention_ref(*leaves, return_lse=True)
     assert o.shape == (1, 2, 0, 8) and lse.shape == (1, 2, 0)
+    # differentiable, with zero gradients (new empty tensors had no graph: a review's find)
+    grads = torch.autograd.grad(o.sum() + lse.sum(), leaves)
+    assert all(torch.equal(g, torch.zeros_like(x)) for g, x in zip(grads, leaves, strict=True))
 
 
 def test_reference_keeps_fp32_under_autocast():

@@ -14,6 +14,7 @@ untuned config, and ``test_gpu_every_config`` runs every autotune config.
 
 from __future__ import annotations
 
+import math
 import random
 import types
 
@@ -41,9 +42,11 @@ def _untuned():
         yield
 
 
-def _torch_same_dtype(q, k, v, *, q_angles, k_angles, causal, scale, layout, rope_dim, factor=1.0):
+def _torch_same_dtype(
+    q, k, v, *, q_angles, k_angles, causal, scale, layout, rope_dim, factor=1.0, window=None
+):
     """The flash-attention rule's baseline: PyTorch attention in q's dtype (see module doc);
-    ``factor``: the attention factor."""
+    ``factor``: the attention factor; ``window``: a causal sliding window."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
     q_rot = apply_rope_ref(q, q_angles, layout, rope_dim, attention_factor=factor)
@@ -54,7 +57,10 @@ def _torch_same_dtype(q, k, v, *, q_angles, k_angles, causal, scale, layout, rop
     if causal:
         i = torch.arange(NQ, device=q.device)[:, None]
         j = torch.arange(NK, device=q.device)[None, :]
-        s = s.masked_fill(j > i + NK - NQ, float("-inf"))
+        hidden = j > i + NK - NQ
+        if window is not None:
+            hidden |= j <= i + NK - NQ - window
+        s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key output 0
     # The kernels return lse in fp32: its value is held to the dtype's scores' logsumexp taken
@@ -103,6 +109,7 @@ def _check_case(
     strided_channels=False,
     impl="fused",
     learn=False,
+    window=None,
 ):
     """Runs one configuration and checks o, lse, dq, dk, dv with the flash-attention rule.
 
@@ -115,6 +122,7 @@ def _check_case(
     impl: rope_attention's; the fused kernel returns lse (checked), "separate" and "auto" not.
     learn: the rotation's inputs require grad and their gradients are checked too: the angles
         (with "mrope"), else ``inv_freq`` and the explicit positions as fp32.
+    window: rope_attention's causal sliding window.
     """
 
     def make(h, n, dtype=dtype):
@@ -129,7 +137,7 @@ def _check_case(
     freqs = (inv_freq if inv_freq is not None else rope_frequencies(R, theta)[0]).to(DEVICE)
     kw = dict(
         causal=causal, layout=layout, rope_dim=rope_dim, softmax_scale=softmax_scale,
-        attention_factor=attention_factor,
+        attention_factor=attention_factor, window=window,
     )  # fmt: skip
     leaf = lambda x: x if x is None or not learn else x.float().requires_grad_()
     if positions == "mrope":
@@ -185,6 +193,7 @@ def _check_case(
         layout=layout,
         rope_dim=R,
         factor=attention_factor,
+        window=window,
     )
     leaves = [*inputs_b, *rotation.values()]
     grads_b = torch.autograd.grad(_loss(o_b, lse_b, do, dlse), leaves)
@@ -269,6 +278,31 @@ CPU_CASES = [
         dict(strided_channels=True, learn=True),
         id="GQA2-N37-channels-strided-learn",
     ),
+    # sliding windows: narrower than a tile (interpreter tiles: 32 queries x 16 keys), a few
+    # tiles wide, off the tiles' multiples, with a prefill (NQ < NK) and with queries that see
+    # no key (NQ > NK)
+    pytest.param(1, 4, 2, 100, 100, 32, dict(window=5), id="GQA2-N100-window5"),
+    pytest.param(
+        2,
+        2,
+        1,
+        90,
+        90,
+        32,
+        dict(window=37, positions="batch", learn=True),
+        id="B2-GQA2-N90-window37-batchpos-learn",
+    ),  # fmt: skip
+    pytest.param(
+        1,
+        2,
+        2,
+        40,
+        100,
+        64,
+        dict(window=33, layout="interleaved", rope_dim=32),
+        id="NQ40-NK100-window33-inter-partial32",
+    ),  # fmt: skip
+    pytest.param(1, 2, 1, 100, 40, 32, dict(window=1), id="NQ100-NK40-window1"),
 ]
 
 
@@ -485,6 +519,10 @@ AUTO_CASES = [  # (HQ, HKV, NQ, NK, options): which path "auto" takes is in the 
     pytest.param(4, 2, 37, 20, {"causal": False}, "separate", id="nomask-nq-gt-nk-separate"),
     pytest.param(2, 1, 37, 37, {"q_positions": True}, "separate", id="q-positions-separate"),
     pytest.param(2, 1, 37, 37, {"return_lse": True}, "fused", id="lse-fused"),
+    pytest.param(4, 2, 37, 37, {"window": 9}, "fused", id="window-fused"),
+    pytest.param(4, 2, 20, 37, {"window": 9}, "fused", id="prefill-window-fused"),
+    # a window that holds every key a query sees causally is no window
+    pytest.param(4, 2, 37, 37, {"window": 37}, "separate", id="window-NK-separate"),
 ]
 
 
@@ -776,7 +814,7 @@ BAD_INPUTS = [
         "scale past fp32",
         lambda q, k, v: (q, k, v, {"softmax_scale": 1e39}),
         ValueError,
-        "softmax_scale must be positive and finite in fp32",
+        "softmax_scale must be positive and below 1.25183e\\+38",
     ),
     (
         "attention_factor inf",
@@ -863,6 +901,25 @@ BAD_INPUTS = [
         lambda q, k, v: (q, k, v, {"impl": "separate", "return_lse": True}),
         ValueError,
         "returns no lse",
+    ),
+    ("window 0", lambda q, k, v: (q, k, v, {"window": 0}), ValueError, "window must be at least 1"),
+    (
+        "window float",
+        lambda q, k, v: (q, k, v, {"window": 4.0}),
+        TypeError,
+        "window must be an int",
+    ),
+    (
+        "window bool",
+        lambda q, k, v: (q, k, v, {"window": True}),
+        TypeError,
+        "window must be an int",
+    ),
+    (
+        "window non-causal",
+        lambda q, k, v: (q, k, v, {"window": 4, "causal": False}),
+        ValueError,
+        "window=4 needs causal=True",
     ),
 ]
 
@@ -1201,6 +1258,59 @@ def test_sdpa_attention_is_the_reference_without_rotation(NQ, causal):
     assert_close("o", sdpa_attention(q, k, v, causal=causal), ref, 1e-12, 1e-12)
 
 
+@pytest.mark.parametrize("window", [1, 6, 36, 37, 80])
+@pytest.mark.parametrize("NQ", [1, 5, 37])
+def test_sdpa_attention_window_is_the_reference_without_rotation(NQ, window):
+    """``sdpa_attention``'s sliding window (the separate path's, and the harness's in training
+    and in cached decoding steps): the reference's mask, bottom-right, GQA."""
+    f64 = dict(device=DEVICE, dtype=torch.float64)
+    q, k, v = torch.randn(2, 4, NQ, 16, **f64), *torch.randn(2, 2, 2, 37, 16, **f64).unbind(0)
+    ref, _ = rope_attention_ref(q, k, v, inv_freq=torch.zeros(8, **f64), window=window)
+    assert_close("o", sdpa_attention(q, k, v, window=window), ref, 1e-12, 1e-12)
+    if window < 37:  # the window hides keys: not plain causal attention
+        plain, _ = rope_attention_ref(q, k, v, inv_freq=torch.zeros(8, **f64))
+        assert (plain - ref).abs().max() > 1e-3
+
+
+def test_window_skips_the_key_tiles_outside_it():
+    """The fused forward does not load the key tiles outside a query tile's windows (its cost
+    grows with NQ * window): NaN values there reach no query tile whose windows begin past
+    them, while masking them would give 0 * NaN."""
+    NQ, W, poisoned = 160, 8, 40
+    q, k, v = _qkv(hq=2, hkv=1, nq=NQ, nk=NQ)
+    v[:, :, :poisoned] = float("nan")
+    o = rope_attention(q, k, v, window=W, impl="fused")
+    block_m, block_n = (attention_module._FWD_CONFIGS[-1].kwargs[b] for b in ("BLOCK_M", "BLOCK_N"))
+    first_clean = next(  # the first query tile whose key loop starts past the poisoned keys
+        m for m in range(0, NQ, block_m) if (m - W + 1) // block_n * block_n >= poisoned
+    )
+    assert first_clean < NQ, "the case must have query tiles past the poison"
+    # the reference's product with every key's value: the poison as 0 (outside these windows)
+    ref, _ = rope_attention_ref(q[:, :, first_clean:], k, v.nan_to_num(0.0), window=W)
+    assert torch.isfinite(o[:, :, first_clean:]).all(), "a tile outside the window was loaded"
+    assert_close("o", o[:, :, first_clean:], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_window_rows_whose_scores_are_all_very_negative(dtype):
+    """A window's first key tile can hide every key from some rows of a query tile that see
+    keys in the next one; their running maximum must stay -inf there. A maximum of 0 taken
+    instead left probabilities 2**s unnormalized: with every visible score below -24 (log2
+    units) they rounded to 0 in fp16 and the rows returned 0 (a first version did)."""
+    NQ, D = 100, 32
+    e = torch.nn.functional.normalize(torch.randn(D, device=DEVICE), dim=0)
+    near_e = lambda: e + 0.1 * torch.randn(1, 1, NQ, D, device=DEVICE)
+    # q and k of 16 times opposite directions: scores about -16**2 / sqrt(D) = -45 (natural)
+    q, k = (16.0 * near_e()).to(dtype), (-16.0 * near_e()).to(dtype)
+    v = torch.randn(1, 1, NQ, D, device=DEVICE, dtype=dtype)
+    no_rotation = dict(inv_freq=torch.zeros(D // 2, device=DEVICE), window=7)
+    o = rope_attention(q, k, v, impl="fused", **no_rotation)
+    ref, lse = rope_attention_ref(q.double(), k.double(), v.double(), **no_rotation)
+    assert lse.max() < -24 * math.log(2), "the case must have every visible score below -24"
+    half = dtype == torch.float16  # o rounded to fp16: 2**-11 of values up to about 4
+    assert_close("o", o, ref, atol=4e-3 if half else 1e-5, rtol=1e-3 if half else 1e-6)
+
+
 @pytest.mark.parametrize(
     "shapes, match",
     [
@@ -1208,6 +1318,10 @@ def test_sdpa_attention_is_the_reference_without_rotation(NQ, causal):
         (((2, 4, 9, 16), (2, 2, 5, 16), (2, 2, 5, 16)), "causal, q's rows at most k's"),
         (((2, 4, 5, 16), (2, 2, 9, 16), (2, 2, 8, 16)), "k, v .* of one shape"),
         (((4, 5, 16), (2, 2, 9, 16), (2, 2, 9, 16)), r"q must be \[B, HQ, NQ, D\]"),
+        (
+            ((2, 4, 5, 16), (1, 2, 9, 16), (1, 2, 9, 16)),
+            r"q must be \[B, HQ, NQ, D\]",
+        ),  # no broadcast
     ],
 )
 def test_sdpa_attention_refuses_bad_shapes(shapes, match):
@@ -1310,6 +1424,20 @@ def test_gpu_deterministic_algorithms_take_the_fused_kernel_and_repeat(separate_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_sliding_window(dtype):
+    """Mistral's and Gemma's shapes of a sliding window, autotuned: GQA, a window of a few
+    hundred keys over 2K (square, interleaved partial rotation) and a prefill that continues
+    a cache past the window."""
+    with attention_module.pinned_config(0):  # the largest tiles
+        _check_case(2, 8, 2, 2048, 2048, 128, dtype=dtype, window=500)
+    _check_case(
+        1, 8, 1, 700, 1900, 64, dtype=dtype, window=333, layout="interleaved", rope_dim=32,
+        positions="batch",
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_long_sequence(dtype):
@@ -1322,9 +1450,13 @@ def test_gpu_long_sequence(dtype):
 def test_gpu_every_config(index, dtype):
     """Config ``index`` of each kernel's autotune list (tile shapes change the masking paths).
     Causal masking starts and ends its band at ``NK - NQ`` modulo the tiles (16 to 128): the
-    offsets around each tile size, both signs, so a band one key or query off shows."""
+    offsets around each tile size, both signs, so a band one key or query off shows; sliding
+    windows narrower and wider than the tiles, off their multiples, square and a prefill."""
     with attention_module.pinned_config(index):
         _check_case(2, 4, 2, 300, 700, 128, dtype=dtype)
+        for window in (1, 17, 63, 129, 250):
+            _check_case(1, 4, 2, 600, 600, 64, dtype=dtype, window=window)
+            _check_case(1, 2, 1, 300, 700, 128, dtype=dtype, window=window)
         for offset in sorted({b + d for b in (16, 32, 64, 128) for d in (-2, -1, 1, 2)}):
             _check_case(1, 2, 1, 70, 70 + offset, 64, dtype=dtype)
             _check_case(1, 2, 1, 70 + offset, 70, 64, dtype=dtype)

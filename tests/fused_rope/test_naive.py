@@ -177,6 +177,12 @@ def _ref_qkv(b_kv=1, hkv=1, nk=12, d=16, d_v=16):
         (_ref_qkv(), {"q_positions": torch.arange(7)}, r"q_positions must have shape \[8\]"),
         (_ref_qkv(), {"inv_freq": torch.ones(3)}, "inv_freq must have rope_dim // 2 = 8"),
         (_ref_qkv(), {"positions": torch.arange(12.0).half()}, "positions must be an integer"),
+        (_ref_qkv(), {"causal": "False"}, "causal must be a bool"),  # a true string: it masked
+        (_ref_qkv(), {"softmax_scale": -1.0}, "softmax_scale must be"),
+        (_ref_qkv(), {"softmax_scale": float("nan")}, "softmax_scale must be"),
+        (_ref_qkv(), {"softmax_scale": True}, "softmax_scale must be a number"),
+        (_ref_qkv(), {"window": 0}, "window must be at least 1"),
+        (_ref_qkv(), {"window": 3, "causal": False}, "needs causal=True"),
     ],
 )
 def test_attention_reference_refuses_what_rope_attention_refuses(qkv, kwargs, match):

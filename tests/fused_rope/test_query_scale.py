@@ -33,6 +33,23 @@ def test_scale_keeps_the_positions_shape_and_divides_exactly(dtype):
     assert_close("scale", scale, expected, atol=1e-7, rtol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "dtype, positions, length",
+    [
+        (torch.int16, [5, 30000], 32768),  # L0 past int16: it wrapped to -32768
+        (torch.uint8, [5, 200], 300),  # ... to 44
+        (torch.uint8, [5, 200], 256),  # ... to 0: a division by zero
+        (torch.int32, [5, 100], 2**33 + 1),  # ... to 1
+        (torch.uint16, [5, 60000], 65536),  # unsigned: PyTorch had no >= nor floor division
+        (torch.uint32, [5, 2**31], 2**32),
+    ],
+)
+def test_narrow_integer_positions_are_divided_in_int64(dtype, positions, length):
+    """A review's find: the division took L0 in the positions' dtype, where it wraps."""
+    scale = llama4_attn_scale(torch.tensor(positions, dtype=dtype), 0.1, length)
+    assert torch.equal(scale, torch.ones(2))
+
+
 def test_integer_positions_past_fp32s_integers_are_divided_exactly():
     """p = 2**24 + 3 * 16384 - 1 is one short of a multiple of L0 = 16384; in fp32 it rounds up
     to the multiple (transformers divides in fp32), here it stays one step below."""

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+import fused_rope._validation
 from fused_rope._trig import reduce_angle
 from fused_rope._validation import check_kernel_device, interpreter_blocker, interpreting
 from fused_rope.frequencies import rope_angles, rope_frequencies
@@ -317,6 +318,8 @@ def test_tile_config_rejects_empty_tiles():
         TileConfig(1, 1, 1, 1, heads_per_program=0)
     with pytest.raises(ValueError, match="block_n"):
         TileConfig(0, 1, 1, 1)
+    with pytest.raises(ValueError, match="block_hq must be a power of 2, got 3"):
+        TileConfig(4, 3, 1, 4)  # a review's find: Triton's tl.arange refused it, unnamed
 
 
 @triton.jit
@@ -1014,6 +1017,16 @@ def test_cpu_tensor_with_a_broken_interpreter_is_refused_with_the_fix(monkeypatc
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(np, "__version__", "2.4.0")
     with pytest.raises(RuntimeError, match=r"x is on the CPU.*install 'numpy<2.4'"):
+        check_kernel_device(torch.device("cpu"), "x")
+
+
+def test_interpreter_switched_on_after_import_is_named(monkeypatch):
+    """A review's find: TRITON_INTERPRET=1 set after the kernels were imported (Triton reads it
+    at import) made Triton fail with "0 active drivers"."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fused_rope._validation, "_INTERPRETING_AT_IMPORT", False)
+    monkeypatch.setattr(fused_rope._validation, "interpreter_blocker", lambda: None)
+    with pytest.raises(RuntimeError, match="set after the kernels were imported"):
         check_kernel_device(torch.device("cpu"), "x")
 
 
