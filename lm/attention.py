@@ -103,6 +103,7 @@ def check_attention_config(attn_cfg: Any, model_cfg: Any, device: torch.device) 
     head_dim = resolve_head_dim(m.d_model, m.n_head, m.get("head_dim"))
     attention_class(attn_cfg).check_device(attn_cfg, head_dim, device)
     nope_layers(attn_cfg, m.n_layer)
+    window_layers(attn_cfg, m.n_layer)
     resolve_query_scale(attn_cfg)
 
 
@@ -156,6 +157,42 @@ def resolve_query_scale(cfg: Any, rotary: bool = False) -> tuple[float, int, int
     return float(beta), int(length), offset
 
 
+def _every_kth_layer(cfg: Any, key: str, n_layer: int, what: str) -> set[int]:
+    """Layers ``k - 1, 2k - 1, ...`` for ``attention.<key> = k`` (none for null), refusing an
+    interval of 1 or past ``n_layer`` (no such layer: a sweep would train another model under
+    its name); ``what``: what those layers do, for the message."""
+    k = _as_dict(cfg).get(key)
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= n_layer):
+        need = f"an int in [2, model.n_layer={n_layer}]" if n_layer >= 2 else "model.n_layer >= 2"
+        raise ValueError(f"attention.{key} needs {need} ({what}) or null, got {k!r}")
+    return set() if k is None else set(range(k - 1, n_layer, k))
+
+
+def window_layers(cfg: Any, n_layer: int) -> dict[int, int]:
+    """``{layer: window}`` for the layers that attend within ``attention.window`` keys: every
+    layer but those of ``attention.global_interval`` (Gemma's global layers), none without a
+    window. Refused: a window that is not an int >= 1, an interval without a window, and a
+    window on Co-RoPE (its kernels have none, and a window would cut its mileage short)."""
+    node = _as_dict(cfg)
+    window = node.get("window")
+    if window is None:
+        if node.get("global_interval") is not None:
+            raise ValueError(
+                f"attention.global_interval={node['global_interval']} picks the layers that "
+                "see every key, but attention.window is null (no layer has a window): set it"
+            )
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"attention.window must be an int >= 1 or null, got {window!r}")
+    if node.get("name") == "corope":
+        raise ValueError(
+            "attention.window: Co-RoPE has no sliding window (its kernels take every earlier "
+            "key, and its mileage sums the gates of every key between a query and a key)"
+        )
+    every = _every_kth_layer(cfg, "global_interval", n_layer, "every k-th layer sees every key")
+    return {i: window for i in range(n_layer) if i not in every}
+
+
 def nope_layers(cfg: Any, n_layer: int) -> set[int]:
     """The layers ``attention.nope_interval`` (rope, corope) leaves without rotation:
     ``k - 1, 2k - 1, ...`` for an interval ``k`` (Llama 4's ``no_rope_layer_interval``), none
@@ -164,14 +201,8 @@ def nope_layers(cfg: Any, n_layer: int) -> set[int]:
     ``query_scale.layers=nope`` on a rotary model without such layers (it would scale
     nothing); for an attention without rotation every layer is one."""
     node = _as_dict(cfg)
-    k = node.get("nope_interval")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= n_layer):
-        need = f"an int in [2, model.n_layer={n_layer}]" if n_layer >= 2 else "model.n_layer >= 2"
-        raise ValueError(
-            f"attention.nope_interval needs {need} (every k-th layer without rotation; 1 is "
-            f"attention=nope) or null, got {k!r}"
-        )
-    layers = set() if k is None else set(range(k - 1, n_layer, k))
+    what = "every k-th layer without rotation; 1 is attention=nope"
+    layers = _every_kth_layer(cfg, "nope_interval", n_layer, what)
     scale = node.get("query_scale") or {}
     scales_nothing = scale.get("layers") == "nope" and scale.get("beta") and not layers
     if scales_nothing and attention_class(cfg).rotary:
@@ -193,6 +224,7 @@ class Attention(nn.Module):
 
     input_pe: str | None = None
     rotary = False  # whether q and k are rotated (attention.query_scale.layers=nope skips it)
+    window: int | None = None  # a sliding window of keys (window_layers'), set by build_attention
 
     def __init__(
         self, cfg: Any, d_model: int, n_head: int, n_kv_head: int, head_dim: int | None = None
@@ -251,7 +283,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``(B, H, NQ, D)`` at the last ``NQ`` positions, k and v ``(B, HKV, NK, D)`` ->
         ``(B, H, NQ, D)``."""
-        return sdpa_attention(q, k, v)
+        return sdpa_attention(q, k, v, window=self.window)
 
     def attend_cached(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int
@@ -382,9 +414,10 @@ class RopeAttention(Attention):
                 attention_factor=factor,
                 layout=self.layout,
                 rope_dim=self.rope_dim,
+                window=self.window,
             )
         q, k = self._rotate(q, k, 0, inv_freq, factor, triton=False)
-        return sdpa_attention(q, k, v)
+        return sdpa_attention(q, k, v, window=self.window)
 
     def attend_cached(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int
@@ -402,7 +435,7 @@ class RopeAttention(Attention):
         triton = resolve_impl(self.impl, q.device, "rope") == "triton"
         q, k = self._rotate(q, k, cache.length, inv_freq, factor, triton)
         k, v = cache.append(layer, k, v)  # (B, HKV, length + N, D) each, the keys rotated
-        return sdpa_attention(q, k, v)
+        return sdpa_attention(q, k, v, window=self.window)
 
     def _rotate(
         self,
@@ -519,9 +552,13 @@ def build_attention(
     n_kv_head: int,
     head_dim: int | None = None,
     nope: bool = False,
+    window: int | None = None,
 ) -> Attention:
     """The attention module ``cfg`` names, for a model of width ``d_model``, with heads of
     ``head_dim`` channels (None: ``d_model // n_head``); ``nope``: the plain ``Attention``
-    (no rotation) in its place, for the layers of ``nope_layers``."""
+    (no rotation) in its place, for the layers of ``nope_layers``; ``window``: its sliding
+    window, for the layers of ``window_layers``."""
     cls = Attention if nope else attention_class(cfg)
-    return cls(cfg, d_model, n_head, n_kv_head, head_dim)
+    module = cls(cfg, d_model, n_head, n_kv_head, head_dim)
+    module.window = window
+    return module

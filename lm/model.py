@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm.attention import attention_class, build_attention, nope_layers
+from lm.attention import attention_class, build_attention, nope_layers, window_layers
 
 if TYPE_CHECKING:
     from lm.generation import KVCache
@@ -33,12 +33,14 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Any, attn_cfg: Any, nope: bool = False) -> None:
+    def __init__(
+        self, cfg: Any, attn_cfg: Any, nope: bool = False, window: int | None = None
+    ) -> None:
         super().__init__()
         hidden = cfg.mlp_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32)
         self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = build_attention(
-            attn_cfg, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.get("head_dim"), nope
+            attn_cfg, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.get("head_dim"), nope, window
         )
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, hidden)
@@ -91,8 +93,9 @@ class GPT(nn.Module):
             self.pos_table = None
         self.drop = nn.Dropout(cfg.dropout)
         nope = nope_layers(attn_cfg, cfg.n_layer)  # layers without rotation (Llama 4's)
+        windows = window_layers(attn_cfg, cfg.n_layer)  # sliding-window layers (Gemma's local)
         self.blocks = nn.ModuleList(
-            Block(cfg, attn_cfg, nope=i in nope) for i in range(cfg.n_layer)
+            Block(cfg, attn_cfg, nope=i in nope, window=windows.get(i)) for i in range(cfg.n_layer)
         )
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)

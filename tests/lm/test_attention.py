@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fused_rope.frequencies import rope_angles, rope_frequencies
-from fused_rope.naive import apply_rope_ref
+from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from lm.attention import (
     ATTENTIONS,
     CoRopeAttention,
@@ -16,6 +16,7 @@ from lm.attention import (
     check_attention_config,
     nope_layers,
     scaling_dict,
+    window_layers,
 )
 from lm.config import ATTENTION_SCHEMAS, ModelConfig
 from lm.profiling import AttentionTimer
@@ -252,6 +253,68 @@ def test_bad_nope_settings_name_the_key(overrides, match):
         nope_layers(attn_cfg("rope", **overrides), 4)
 
 
+@pytest.mark.parametrize("name", ["nope", "sinusoidal", "learned", "rope"])
+def test_window_layers_attend_within_their_window(name):
+    """``attention.window`` gives every layer but those of ``global_interval`` a causal
+    sliding window (Gemma 3's local layers), which reaches the attention: the fp64 math with
+    the window's mask, on both of RoPE's paths' common part (its torch path here)."""
+    from lm.model import GPT
+
+    model_cfg = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), {"d_model": 64, "n_layer": 5, "n_head": 4}
+    )
+    cfg = attn_cfg(
+        name, window=6, global_interval=3, **({"impl": "torch"} if name == "rope" else {})
+    )
+    model = GPT(model_cfg, cfg, vocab_size=11, max_len=32)
+    assert [block.attn.window for block in model.blocks] == [6, 6, None, 6, 6]
+    assert window_layers(attn_cfg(name, window=4), 3) == {0: 4, 1: 4, 2: 4}
+    assert window_layers(attn_cfg(name), 3) == {}
+    if name == "rope":
+        return  # its rotation: test_rope_window_reaches_both_paths
+    attn = build_attention(cfg, 64, 4, 2, window=6).to(DEVICE)
+    q, k, v = qkv()
+    i, j = torch.arange(37, device=DEVICE)[:, None], torch.arange(37, device=DEVICE)[None, :]
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / 4
+    s = s.masked_fill((j > i) | (j <= i - 6), float("-inf"))
+    expected = s.softmax(-1) @ v.double().repeat_interleave(2, 1)
+    assert_close("o", attn.attend(q, k, v), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_window_reaches_both_paths():
+    """RoPE's Triton path (the fused kernel, in the interpreter on a CPU) and its torch path
+    give the windowed attention of the rotated q and k."""
+    attn = build_attention(attn_cfg("rope", impl="torch"), 64, 4, 2, window=5).to(DEVICE)
+    q, k, v = qkv()
+    expected = attn.attend(q, k, v)
+    ref, _ = rope_attention_ref(q, k, v, window=5)
+    assert_close("o", expected, ref, atol=1e-5, rtol=1e-5)
+    full, _ = rope_attention_ref(q, k, v)
+    assert (full - ref).abs().max() > 1e-3  # the window hides keys here
+    attn.impl = "triton"
+    assert_close("o", attn.attend(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"window": 0}, r"attention.window must be an int >= 1 or null, got 0"),
+        ({"window": -3}, r"got -3"),
+        ({"global_interval": 2}, r"global_interval=2 .* attention.window is null"),
+        (
+            {"window": 8, "global_interval": 1},
+            r"global_interval needs an int in \[2, model.n_layer=4\]",
+        ),
+        ({"window": 8, "global_interval": 5}, r"got 5"),
+        ({"name": "corope", "window": 8}, r"Co-RoPE has no sliding window"),
+    ],
+)
+def test_bad_window_settings_name_the_key(overrides, match):
+    name = overrides.pop("name", "rope")
+    with pytest.raises(ValueError, match=match):
+        window_layers(attn_cfg(name, **overrides), 4)
+
+
 def test_nope_interval_needs_two_layers():
     with pytest.raises(ValueError, match=r"needs model.n_layer >= 2 .*got 2"):
         nope_layers(attn_cfg("rope", nope_interval=2), 1)
@@ -286,6 +349,8 @@ def test_layer_settings_are_checked_before_the_data_loads():
     model = OmegaConf.structured(ModelConfig(n_layer=2))
     with pytest.raises(ValueError, match="nope_interval"):
         check_attention_config(attn_cfg("rope", nope_interval=3), model, torch.device("cpu"))
+    with pytest.raises(ValueError, match="Co-RoPE has no sliding window"):
+        check_attention_config(attn_cfg("corope", window=4), model, torch.device("cpu"))
     with pytest.raises(ValueError, match="has none"):
         scale = {"beta": 0.1, "length": 8, "layers": "nope"}
         check_attention_config(attn_cfg("rope", query_scale=scale), model, torch.device("cpu"))

@@ -38,6 +38,10 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
         "query_scale": {"beta": 0.5, "length": 4, "layers": "nope", "offset": 1},
     },
     "corope_nope": {"nope_interval": 2},
+    # a sliding window shorter than the sequences (cached steps see only their last keys),
+    # layer 1 of 2 global (Gemma's pattern)
+    "rope_window": {"window": 5, "global_interval": 2},
+    "nope_window": {"window": 3},
 }
 
 
