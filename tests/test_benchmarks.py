@@ -786,3 +786,13 @@ def test_options_a_run_ignores_are_named(capsys):
     assert capsys.readouterr().err == f"--min-n ignored: {results_io.QUICK_IGNORES}\n"
     results_io.warn_ignored(parser, parser.parse_args([]), ["min_n", "steps"], "why")
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("N, window", [(1, 1), (7, 1), (7, 3), (7, 7), (7, 20), (64, 16)])
+def test_bench_window_counts_the_visible_pairs(N, window):
+    """The window benchmark's flops: the pairs the reference's window mask leaves visible."""
+    from experiments.bench_window import visible_pairs
+
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    assert visible_pairs(N, window) == int(((j <= i) & (j > i - window)).sum())
+    assert visible_pairs(N, None) == N * (N + 1) // 2

@@ -1,0 +1,162 @@
+"""Sliding-window RoPE attention: ``rope_attention(window=...)``'s fused kernels against the
+ways PyTorch offers, in one process on one GPU.
+
+Causal, bf16, forward and forward+backward, for each (shape, window):
+
+* ``fused``: ``rope_attention(impl="fused", window=W)``, which skips the key tiles outside
+  every window of a tile (what ``impl="auto"`` takes);
+* ``separate``: this package's Triton RoPE, then SDPA with a boolean ``NQ x NK`` window mask
+  (``impl="separate"``: SDPA has no sliding-window kernel, so it runs its memory-efficient
+  one with the mask);
+* ``flex``: the Triton RoPE, then ``torch.compile``'s ``flex_attention`` with a sliding-window
+  block mask (PyTorch's own answer to windows);
+* ``fused, no window`` and ``sdpa, no RoPE, no window``: the full causal attention the window
+  saves work against.
+
+TFLOPS count the visible (query, key) pairs only (4 D flops a pair forward, 2.5 times that
+backward, as FlashAttention counts), so a provider that does no wasted work on hidden pairs
+keeps the TFLOPS of full causal attention: the floor of a windowed call is its share of
+visible pairs times full causal attention's time, at the same TFLOPS.
+
+    python experiments/bench_window.py --out experiments/results/bench_window_h200.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from experiments.results_io import environment, markdown_table, print_report  # noqa: E402
+from experiments.timing import input_sets, time_ms  # noqa: E402
+from fused_rope.attention import rope_attention  # noqa: E402
+from fused_rope.frequencies import default_inv_freq  # noqa: E402
+from fused_rope.rope import apply_rope_qk  # noqa: E402
+from fused_rope.sdpa import sdpa_attention  # noqa: E402
+
+# name -> (B, HQ, HKV, N, D, window): a Llama-like GQA layer with Gemma 3's window (1024) and
+# Mistral's (4096)
+CASES = {
+    "GQA-4K-w1024": (2, 32, 8, 4096, 128, 1024),
+    "GQA-16K-w1024": (1, 32, 8, 16384, 128, 1024),
+    "GQA-16K-w4096": (1, 32, 8, 16384, 128, 4096),
+}
+PROVIDERS = ("fused", "separate", "flex", "fused, no window", "sdpa, no RoPE, no window")
+
+
+def visible_pairs(N: int, window: int | None) -> int:
+    """(query, key) pairs a causal attention over N tokens computes, within ``window``."""
+    if window is None or window >= N:
+        return N * (N + 1) // 2
+    return window * (window + 1) // 2 + (N - window) * window
+
+
+def _flex(B: int, HQ: int, N: int, window: int):
+    """RoPE (the Triton kernel), then compiled ``flex_attention`` with a sliding-window block
+    mask (query ``i`` sees keys ``i - window < j <= i``)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def sliding(b, h, i, j):
+        return (j <= i) & (j > i - window)
+
+    mask = create_block_mask(sliding, B=None, H=None, Q_LEN=N, KV_LEN=N, device="cuda")
+    attend = torch.compile(flex_attention, fullgraph=True)
+
+    def run(q, k, v):
+        inv_freq = default_inv_freq(q.shape[-1], 10000.0, q.device)
+        q, k = apply_rope_qk(q, k, inv_freq=inv_freq)
+        return attend(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return run
+
+
+def time_case(B: int, HQ: int, HKV: int, N: int, D: int, window: int, dtype) -> dict:
+    """Median GPU ms of each provider, forward and forward+backward, cycling through enough
+    input copies to defeat L2; and each one's max-abs error against ``fused`` (forward)."""
+    like = dict(device="cuda", dtype=dtype, requires_grad=True)
+    size = (B * HQ + 2 * B * HKV) * N * D * dtype.itemsize
+    sets = [
+        tuple(torch.randn(B, h, N, D, **like) for h in (HQ, HKV, HKV))
+        for _ in range(input_sets(size, torch.device("cuda")))
+    ]
+    grads = [t for s in sets for t in s]
+    do = torch.randn(B, HQ, N, D, device="cuda", dtype=dtype)
+    run = {
+        "fused": lambda q, k, v: rope_attention(q, k, v, impl="fused", window=window),
+        "separate": lambda q, k, v: rope_attention(q, k, v, impl="separate", window=window),
+        "flex": _flex(B, HQ, N, window),
+        "fused, no window": lambda q, k, v: rope_attention(q, k, v, impl="fused"),
+        "sdpa, no RoPE, no window": lambda q, k, v: sdpa_attention(q, k, v),
+    }
+    row = {}
+    with torch.no_grad():
+        first = [t.detach() for t in sets[0]]
+        expected = run["fused"](*first).float()
+        for name in ("separate", "flex"):
+            row[f"{name} err"] = (run[name](*first).float() - expected).abs().max().item()
+    for name, mode in itertools.product(PROVIDERS, ("fwd", "fwd+bwd")):
+        if mode == "fwd":
+            calls = [lambda a=a, f=run[name]: f(*[t.detach() for t in a]) for a in sets]
+        else:
+            calls = [lambda a=a, f=run[name]: f(*a).backward(do) for a in sets]
+        cycle = itertools.cycle(calls)
+
+        def timed(graph: bool, c=cycle) -> float:
+            return time_ms(lambda: next(c)(), graph=graph, grad_to_none=grads, rep_ms=60)[0]
+
+        try:
+            row[f"{name} {mode}"] = timed(True)
+        except RuntimeError as e:  # a compiled graph that a CUDA graph cannot capture
+            print(f"{name} {mode}: timed eagerly (do_bench), not in a CUDA graph: {e}")
+            row[f"{name} {mode}"] = timed(False)
+            row["eager"] = row.get("eager", ()) + (f"{name} {mode}",)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="markdown file to write the table to")
+    ap.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_window.py times GPU kernels; no CUDA device here")
+    dtype = torch.bfloat16
+    rows = []
+    for name in args.cases:
+        B, HQ, HKV, N, D, W = CASES[name]
+        t = time_case(B, HQ, HKV, N, D, W, dtype)
+        flops = {"fwd": 4 * B * HQ * D, "fwd+bwd": 3.5 * 4 * B * HQ * D}
+        for mode in ("fwd", "fwd+bwd"):
+            row = {"case (B, HQ/HKV, N, D, window)": f"{name} ({B}, {HQ}/{HKV}, {N}, {D}, {W})"}
+            row["mode"] = mode
+            for p in PROVIDERS:
+                pairs = visible_pairs(N, None if "no window" in p else W)
+                ms = t[f"{p} {mode}"]
+                row[f"{p} ms (TFLOPS)"] = f"{ms:.3f} ({flops[mode] * pairs / ms / 1e9:.0f})"
+            full = t[f"sdpa, no RoPE, no window {mode}"]
+            floor = full * visible_pairs(N, W) / visible_pairs(N, None)
+            row["floor ms"] = f"{floor:.3f}"
+            row["fused / floor"] = f"{t[f'fused {mode}'] / floor:.2f}"
+            rows.append(row)
+        errs = ", ".join(f"{p} {t[f'{p} err']:.1e}" for p in ("separate", "flex"))
+        eager = f"; timed eagerly: {', '.join(t['eager'])}" if "eager" in t else ""
+        print(f"{name}: forward max-abs error against fused: {errs}{eager}", flush=True)
+    env = environment()
+    text = (
+        "# Sliding-window RoPE attention (bf16, causal)\n\n"
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
+        f"{env['date']}. Median GPU ms; TFLOPS on the visible pairs; the floor is full causal "
+        "SDPA without RoPE scaled to the window's share of pairs.\n\n"
+        + markdown_table(rows, list(rows[0]))
+    )
+    print_report(text, args.out)
+
+
+if __name__ == "__main__":
+    main()
