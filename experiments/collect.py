@@ -74,6 +74,7 @@ DEFAULTS = "(defaults)"  # a run that sets none of the overrides that vary betwe
 # mfu): the same model, but a speed comparison of them needs a cell each (--ignore merges them).
 SPEED_KEYS = (
     "attention.impl",
+    "attention.chunk_size",
     "train.device",
     "train.cpu_threads",
     "train.compile",
@@ -244,7 +245,8 @@ def overrides_of(summary: dict) -> dict[str, str]:
 
 def _canonical(key: str, value: str) -> str:
     """An override's value as text that is equal where Hydra's values are: a number or a
-    boolean written either way, a string quoted or not; other values (lists) as written."""
+    boolean written either way (a whole number as an int: ``0.0`` and ``0``, ``1e4`` and
+    ``10000``), a string quoted or not; other values (lists) as written."""
     try:
         parsed = _OVERRIDES_PARSER.parse_override(f"{key}={value}").value()
     except HydraException:  # not an override Hydra would take; as written
@@ -253,7 +255,9 @@ def _canonical(key: str, value: str) -> str:
         return {True: "true", False: "false", None: "null"}[parsed]
     if isinstance(parsed, str):
         return parsed
-    return repr(parsed) if isinstance(parsed, int | float) else value
+    if isinstance(parsed, int | float):  # 0 and 0.0, 1e4 and 10000: one float to Hydra's schema
+        return repr(int(parsed)) if float(parsed).is_integer() else repr(float(parsed))
+    return value
 
 
 def _is_task_key(key: str) -> bool:

@@ -30,6 +30,7 @@ RUN_CONDUCT_KEYS = (
     "metric",
     "logger",
     "attention.impl",
+    "attention.chunk_size",
     "train.log_every",
     "train.eval_every",
     "train.ckpt_every",

@@ -332,7 +332,7 @@ def _check_options(cfg: DictConfig) -> None:
         _check_positive("train.max_minutes", t.max_minutes)
     if t.resume and t.overwrite:
         raise ValueError("train.resume=true and train.overwrite=true: pick one")
-    _check_positive("optim.lr", optim.lr)
+    _check_positive("optim.lr", optim.lr, FP32_MAX)
     check_int("optim.warmup_steps", optim.warmup_steps, 0)
     check_fraction("optim.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
     if not optim.grad_clip >= 0:  # NaN too
@@ -341,7 +341,7 @@ def _check_options(cfg: DictConfig) -> None:
         raise ValueError(f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
     for key in ("beta1", "beta2"):  # 1 would divide Adam's bias correction by 0
         _check_below_one(f"optim.{key}", optim[key])
-    _check_positive("optim.eps", optim.eps)
+    _check_positive("optim.eps", optim.eps, FP32_MAX)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device):
         raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
     if t.cpu_threads is not None:  # null: torch's default
@@ -366,10 +366,22 @@ def _check_below_one(name: str, value: float) -> None:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
 
 
-def _check_positive(name: str, value: float) -> None:
-    """ValueError naming ``name`` unless ``value`` is a finite number above 0."""
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive number, got {value}")
+# The optimizer multiplies fp32 parameters by its hyperparameters: past this, PyTorch fails at
+# the first step without naming the option.
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_positive(name: str, value: float, below: float = math.inf) -> None:
+    """ValueError naming ``name`` unless ``value`` is a finite number above 0 (and below
+    ``below``)."""
+    if not (math.isfinite(value) and 0 < value < below):
+        limit = f" below {below:.3g}" if below < math.inf else ""
+        raise ValueError(f"{name} must be a positive number{limit}, got {value}")
+
+
+def _is_number(value: Any) -> bool:
+    """A real number a sweeper can rank by (not a bool, a string or None)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _eval_keys(dataset) -> list[str]:
@@ -693,14 +705,26 @@ class _Run:
         return fingerprint
 
     def _check_metric(self) -> None:
-        """``metric`` (what train.py returns to sweepers) must be a key of the summary."""
-        # The keys from the function that makes the summary, the evaluation's values aside
-        keys = list(self._summary(dict.fromkeys(_eval_keys(self.dataset), math.nan)))
-        if self.cfg.metric not in keys:
-            raise ValueError(
-                f"metric={self.cfg.metric!r} is not a key of the run's summary: "
-                f"pick one of {', '.join(keys)}"
+        """``metric`` (what train.py returns to sweepers) must be a key of the summary whose
+        value is a number on this device: a sweeper given a string, a list or None would rank
+        runs by it, or fail at the end of the first."""
+        # The summary's keys and kinds from the function that makes it, the evaluation's
+        # values aside; the speed figures are None until a step is timed
+        summary = self._summary(dict.fromkeys(_eval_keys(self.dataset), math.nan))
+        numeric = [k for k, v in summary.items() if _is_number(v)]
+        device = self.info.device
+        numeric += [k for k in ("tokens_per_s", "step_ms", "attn_time_frac") if k not in numeric]
+        if peak_bf16_flops(device) is not None and "mfu" not in numeric:
+            numeric.append("mfu")
+        if device.type == "cuda" and "peak_mem_mib" not in numeric:
+            numeric.append("peak_mem_mib")
+        if self.cfg.metric not in numeric:
+            why = (
+                "is not a key of the run's summary"
+                if self.cfg.metric not in summary
+                else "is a key of the run's summary that holds no number on this device"
             )
+            raise ValueError(f"metric={self.cfg.metric!r} {why}: pick one of {', '.join(numeric)}")
 
     def _resume(self, ckpt: dict[str, Any]) -> None:
         saved = ckpt.get("data_fingerprint", self.data_fingerprint)  # absent: older checkpoints

@@ -803,6 +803,8 @@ def test_missing_data_file_fails_naming_it(tmp_path):
         ("train.log_every=-1", "train.log_every must be >= 0, got -1"),
         ("optim.grad_clip=-1", "optim.grad_clip must be >= 0 (0 = no clipping), got -1.0"),
         ("metric=test/error", "metric='test/error' is not a key of the run's summary"),
+        # a key whose value is no number: train.py returned "rope" to sweepers (a review's find)
+        ("metric=attention", "metric='attention' is a key of the run's summary that holds no"),
     ],
 )
 def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path):
@@ -824,7 +826,9 @@ def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path
         ),
         (["train.eval_every=-1"], "train.eval_every must be >= 0, got -1"),
         (["train.ckpt_every=-2"], "train.ckpt_every must be >= 0, got -2"),
-        (["optim.lr=0"], "optim.lr must be a positive number, got 0.0"),
+        (["optim.lr=0"], "optim.lr must be a positive number below 3.4e+38, got 0.0"),
+        # past fp32: it failed at step 0, "cannot be converted to type float without overflow"
+        (["optim.lr=1e300"], "optim.lr must be a positive number below 3.4e+38, got 1e+300"),
         (["optim.warmup_steps=-1"], "optim.warmup_steps must be >= 0, got -1"),
         (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio must be in [0.0, 1.0], got 1.5"),
         (["optim.min_lr_ratio=-0.1"], "optim.min_lr_ratio must be in [0.0, 1.0], got -0.1"),
@@ -834,7 +838,7 @@ def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path
         (["optim.weight_decay=-5"], "optim.weight_decay must be >= 0, got -5.0"),
         (["optim.beta1=1.5"], "optim.beta1 must be in [0.0, 1.0], got 1.5"),
         (["optim.beta2=1.0"], "optim.beta2 must be in [0, 1), got 1.0"),
-        (["optim.eps=-1"], "optim.eps must be a positive number, got -1.0"),
+        (["optim.eps=-1"], "optim.eps must be a positive number below 3.4e+38, got -1.0"),
         (["model.mlp_hidden=0"], "model.mlp_hidden must be >= 1, got 0"),
         (["model.head_dim=0"], "model.head_dim must be >= 1, got 0"),
         (["model.dropout=1.5"], "model.dropout must be in [0.0, 1.0], got 1.5"),
@@ -886,6 +890,15 @@ def test_resume_with_another_config_fails_naming_the_keys(tmp_path):
         "metric=test/err",
     )
     assert train(watched_otherwise, output_dir=str(tmp_path))["steps"] == 2
+
+
+def test_resume_may_change_corope_chunks(tmp_path):
+    """attention.chunk_size sets the memory Co-RoPE's PyTorch path takes, not the model: a run
+    out of memory resumes with smaller chunks (a review's find: it was refused)."""
+    common = [*SMALL, "attention=corope", "train.steps=2", "train.eval_every=0"]
+    train(compose_cfg(*common), output_dir=str(tmp_path))
+    smaller = compose_cfg(*common, "train.resume=true", "attention.chunk_size=4")
+    assert train(smaller, output_dir=str(tmp_path))["steps"] == 2
 
 
 def test_resume_on_another_number_of_processes_fails(tmp_path):

@@ -117,14 +117,22 @@ def test_how_a_run_was_carried_out_defines_no_cell(tmp_path):
 
 def test_an_override_written_two_ways_is_one_cell(tmp_path):
     # What Hydra reads as one value (a float, a boolean, a quoted string) is one cell.
-    _run(tmp_path, "a/000", ["attention=rope", "seed=0", "optim.lr=1e-3", "x.flag=True"], 0.5)
-    _run(tmp_path, "b/000", ["attention='rope'", "seed=1", "optim.lr=0.001", "x.flag=true"], 0.25)
-    _run(tmp_path, "b/001", ["attention=rope", "seed=0", "optim.lr=1e-2", "x.flag=true"], 1.0)
+    # a whole number as an int or a float (0 and 0.0 split a cell: a review's find)
+    a0 = ["attention=rope", "seed=0", "optim.lr=1e-3", "x.flag=True", "optim.weight_decay=0"]
+    b0 = ["attention='rope'", "seed=1", "optim.lr=0.001", "x.flag=true", "optim.weight_decay=0.0"]
+    b1 = ["attention=rope", "seed=0", "optim.lr=1e-2", "x.flag=true", "optim.weight_decay=0e0"]
+    _run(tmp_path, "a/000", a0, 0.5)
+    _run(tmp_path, "b/000", b0, 0.25)
+    _run(tmp_path, "b/001", b1, 1.0)
 
     table = main([str(tmp_path), "--metrics", "test/err"])
     assert "| 2 |" in _row(table, "optim.lr=0.001") and "0.375" in _row(table, "optim.lr=0.001")
     assert "| optim.lr=0.01 | 1 | 1 |" in table
-    assert "1e-3" not in table and "True" not in table
+    assert (
+        "1e-3" not in table
+        and "True" not in table
+        and "weight_decay" not in _row(table, "optim.lr=0.001")
+    )  # one value: no cell
 
 
 @pytest.mark.parametrize(
