@@ -67,7 +67,10 @@ def _flex(B: int, HQ: int, N: int, window: int):
         return (j <= i) & (j > i - window)
 
     mask = create_block_mask(sliding, B=None, H=None, Q_LEN=N, KV_LEN=N, device="cuda")
-    # one compiled function per grad mode: inference and training graphs differ
+    # one compiled function per grad mode: inference and training graphs differ. They share
+    # flex_attention's code object, so its compilations for every case and mode count against
+    # one recompile limit (8 by default; hit at the third case, after which flex ran unfused)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     attend = {grad: torch.compile(flex_attention, dynamic=False) for grad in (False, True)}
 
     def run(q, k, v):
