@@ -176,11 +176,13 @@ def window_layers(cfg: Any, n_layer: int) -> dict[int, int]:
     node = _as_dict(cfg)
     window = node.get("window")
     if window is None:
-        if node.get("global_interval") is not None:
-            raise ValueError(
-                f"attention.global_interval={node['global_interval']} picks the layers that "
-                "see every key, but attention.window is null (no layer has a window): set it"
-            )
+        for key, what in (("global_interval", "picks the layers that see every key"),
+                          ("window_theta", "is the RoPE base of the windowed layers")):  # fmt: skip
+            if node.get(key) is not None:
+                raise ValueError(
+                    f"attention.{key}={node[key]} {what}, but attention.window is null (no "
+                    "layer has a window): set it"
+                )
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"attention.window must be an int >= 1 or null, got {window!r}")
@@ -224,12 +226,18 @@ class Attention(nn.Module):
 
     input_pe: str | None = None
     rotary = False  # whether q and k are rotated (attention.query_scale.layers=nope skips it)
-    window: int | None = None  # a sliding window of keys (window_layers'), set by build_attention
 
     def __init__(
-        self, cfg: Any, d_model: int, n_head: int, n_kv_head: int, head_dim: int | None = None
+        self,
+        cfg: Any,
+        d_model: int,
+        n_head: int,
+        n_kv_head: int,
+        head_dim: int | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        self.window = window  # a causal sliding window of keys (window_layers'), or None
         if head_dim is None and d_model % n_head:
             raise ValueError(
                 f"model.d_model={d_model} must be a multiple of model.n_head={n_head}, "
@@ -398,8 +406,11 @@ class RopeAttention(Attention):
         # Plain values, not the config: torch.compile traces them without a graph break
         self.impl, self.layout = cfg.impl, cfg.layout
         self.rope_dim = _rope_dim(cfg, self.head_dim)
-        scaling = scaling_dict(cfg.scaling)
-        self.freqs = RotaryFrequencies(self.rope_dim, cfg.theta, scaling, cfg.learn_freq)
+        theta, scaling = cfg.theta, scaling_dict(cfg.scaling)
+        if self.window is not None and cfg.get("window_theta") is not None:
+            # Gemma 3's local layers: their own base, unscaled (rope_local_base_freq)
+            theta, scaling = cfg.window_theta, None
+        self.freqs = RotaryFrequencies(self.rope_dim, theta, scaling, cfg.learn_freq)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         inv_freq, factor = self.freqs.for_length(k.shape[2])
@@ -559,6 +570,4 @@ def build_attention(
     (no rotation) in its place, for the layers of ``nope_layers``; ``window``: its sliding
     window, for the layers of ``window_layers``."""
     cls = Attention if nope else attention_class(cfg)
-    module = cls(cfg, d_model, n_head, n_kv_head, head_dim)
-    module.window = window
-    return module
+    return cls(cfg, d_model, n_head, n_kv_head, head_dim, window)

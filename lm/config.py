@@ -135,6 +135,9 @@ class RopeAttentionConfig(AttentionConfig):
     # Every nope_interval-th layer (layers k - 1, 2k - 1, ...) attends without rotation (NoPE),
     # as Llama 4 and Command A interleave 1 in 4; null = every layer rotates
     nope_interval: int | None = None
+    # The RoPE base of the layers with attention.window, unscaled (Gemma 3's
+    # rope_local_base_freq: 10000, its global layers 1e6 with linear scaling); null = theta
+    window_theta: float | None = None
 
 
 @dataclass

@@ -281,6 +281,27 @@ def test_window_layers_attend_within_their_window(name):
     assert_close("o", attn.attend(q, k, v), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_window_theta_is_the_windowed_layers_unscaled_base():
+    """Gemma 3: the local (windowed) layers rotate at their own base without scaling, the
+    global ones at theta with the schedule (linear 8 here)."""
+    from lm.model import GPT
+
+    model_cfg = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), {"d_model": 64, "n_layer": 3, "n_head": 4}
+    )
+    scaling = {"type": "linear", "factor": 8.0}
+    cfg = attn_cfg(
+        "rope", window=4, global_interval=3, theta=1e6, window_theta=1e4, scaling=scaling
+    )
+    freqs = [block.attn.freqs for block in GPT(model_cfg, cfg, vocab_size=11, max_len=32).blocks]
+    assert [(f.theta, f.scaling) for f in freqs] == [(1e4, None)] * 2 + [
+        (1e6, {"type": "linear", "factor": 8.0})
+    ]
+    local = rope_frequencies(16, 1e4)[0]
+    assert torch.equal(freqs[0].inv_freq, local)
+    assert torch.equal(freqs[2].inv_freq, rope_frequencies(16, 1e6, scaling)[0])
+
+
 def test_rope_window_reaches_both_paths():
     """RoPE's Triton path (the fused kernel, in the interpreter on a CPU) and its torch path
     give the windowed attention of the rotated q and k."""
@@ -307,6 +328,10 @@ def test_rope_window_reaches_both_paths():
         ),
         ({"window": 8, "global_interval": 5}, r"got 5"),
         ({"name": "corope", "window": 8}, r"Co-RoPE has no sliding window"),
+        (
+            {"window_theta": 1e4},
+            r"window_theta=10000.0 is the RoPE base .* attention.window is null",
+        ),
     ],
 )
 def test_bad_window_settings_name_the_key(overrides, match):

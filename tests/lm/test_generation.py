@@ -39,8 +39,8 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
     },
     "corope_nope": {"nope_interval": 2},
     # a sliding window shorter than the sequences (cached steps see only their last keys),
-    # layer 1 of 2 global (Gemma's pattern)
-    "rope_window": {"window": 5, "global_interval": 2},
+    # layer 1 of 2 global (Gemma's pattern), the local layer at its own base
+    "rope_window": {"window": 5, "global_interval": 2, "window_theta": 100.0},
     "nope_window": {"window": 3},
 }
 
