@@ -39,6 +39,7 @@ from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.frequencies import default_inv_freq  # noqa: E402
 from fused_rope.rope import apply_rope_qk  # noqa: E402
 from fused_rope.sdpa import sdpa_attention  # noqa: E402
+from lm.profiling import causal_pairs  # noqa: E402
 
 # name -> (B, HQ, HKV, N, D, window): a Llama-like GQA layer with Gemma 3's window (1024) and
 # Mistral's (4096)
@@ -49,13 +50,6 @@ CASES = {
 }
 # flex last: a failed CUDA-graph capture of its compiled graph may leave the GPU unusable
 PROVIDERS = ("fused", "separate", "fused, no window", "sdpa, no RoPE, no window", "flex")
-
-
-def visible_pairs(N: int, window: int | None) -> int:
-    """(query, key) pairs a causal attention over N tokens computes, within ``window``."""
-    if window is None or window >= N:
-        return N * (N + 1) // 2
-    return window * (window + 1) // 2 + (N - window) * window
 
 
 def _flex(B: int, HQ: int, N: int, window: int):
@@ -150,11 +144,11 @@ def main() -> None:
             row = {"case (B, HQ/HKV, N, D, window)": f"{name} ({B}, {HQ}/{HKV}, {N}, {D}, {W})"}
             row["mode"] = mode
             for p in PROVIDERS:
-                pairs = visible_pairs(N, None if "no window" in p else W)
+                pairs = causal_pairs(N, None if "no window" in p else W)
                 ms = t[f"{p} {mode}"]
                 row[f"{p} ms (TFLOPS)"] = f"{ms:.3f} ({flops[mode] * pairs / ms / 1e9:.0f})"
             full = t[f"sdpa, no RoPE, no window {mode}"]
-            floor = full * visible_pairs(N, W) / visible_pairs(N, None)
+            floor = full * causal_pairs(N, W) / causal_pairs(N, None)
             row["floor ms"] = f"{floor:.3f}"
             row["fused / floor"] = f"{t[f'fused {mode}'] / floor:.2f}"
             rows.append(row)

@@ -103,7 +103,7 @@ def _auto_path(inputs) -> str:
     return _check_inputs(
         q, k, v, theta=10000.0, inv_freq=None, positions=None, q_positions=None, angles=None,
         q_angles=None, causal=True, softmax_scale=None, attention_factor=1.0, layout="half",
-        rope_dim=None, return_lse=False, impl="auto",
+        rope_dim=None, return_lse=False, impl="auto", window=None,
     )[1]  # fmt: skip
 
 

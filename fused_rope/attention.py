@@ -250,16 +250,20 @@ def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
     return _lower_right_backend(q, k, v) != "math"
 
 
-def _separate_blocker(return_lse: bool, causal: bool, nq: int, nk: int) -> str | None:
+def _separate_blocker(
+    return_lse: bool, causal: bool, nq: int, nk: int, window: int = 0
+) -> str | None:
     """Why the separate path (RoPE, then PyTorch's SDPA) cannot take a call, or None: SDPA
     returns no lse, has no kernel that returns 0 for a causal query that sees no key (NQ > NK),
     and takes a bottom-right causal mask (NQ != NK) through a mask object that torch.compile
-    cannot trace."""
+    cannot trace, unless a sliding window (``window`` > 0, below NK) makes it a plain boolean
+    mask (``sdpa_attention``)."""
     if return_lse:
         return "return_lse=True (SDPA returns no lse)"
     if causal and nq > nk:
         return f"causal NQ={nq} > NK={nk} (SDPA has no kernel for queries that see no key)"
-    if causal and nq != nk and torch.compiler.is_compiling():
+    boolean_mask = 0 < window < nk and nq > 1  # sdpa_attention's: at NQ = 1 the mask object
+    if causal and nq != nk and torch.compiler.is_compiling() and not boolean_mask:
         return "causal NQ != NK under torch.compile (which cannot trace SDPA's bottom-right mask)"
     return None
 
@@ -389,7 +393,7 @@ def _check_inputs(
     check_no_tangent("fused_rope.naive.rope_attention_ref", q=q, k=k, v=v, **rotation)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    blocker = _separate_blocker(return_lse, causal, NQ, NK)
+    blocker = _separate_blocker(return_lse, causal, NQ, NK, window)
     spans = {name: _head_span(x) for name, x in (("q", q), ("k", k), ("v", v))}
     widest = "q"  # a loop, not max(key=): Dynamo traces neither max nor sorted by symbolic keys
     for name in ("k", "v"):

@@ -61,6 +61,13 @@ def sdpa_attention(
             f"{tuple(q.shape)}, k {tuple(k.shape)}"
         )
     window = check_window(window, causal)
+    if window and window + NQ - 1 < NK:
+        # No query sees the keys before the last window + NQ - 1. A cached decoding step (NQ =
+        # 1) then sees every key left, so it takes the bottom-right causal path below, not a
+        # boolean mask, with which SDPA would take cuDNN's kernel and plan every new cache
+        # length anew (above)
+        k, v = (x[:, :, NK - (window + NQ - 1) :] for x in (k, v))
+        NK = k.shape[2]
     if window and window < NK:  # a window of NK keys or more hides nothing
         i = torch.arange(NQ, device=q.device)[:, None] + (NK - NQ)
         j = torch.arange(NK, device=q.device)[None, :]

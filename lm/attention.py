@@ -191,6 +191,11 @@ def window_layers(cfg: Any, n_layer: int) -> dict[int, int]:
             "attention.window: Co-RoPE has no sliding window (its kernels take every earlier "
             "key, and its mileage sums the gates of every key between a query and a key)"
         )
+    if node.get("window_theta") is not None:
+        try:
+            rope_frequencies(2, node["window_theta"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"attention.window_theta: {e}") from None
     every = _every_kth_layer(cfg, "global_interval", n_layer, "every k-th layer sees every key")
     return {i: window for i in range(n_layer) if i not in every}
 

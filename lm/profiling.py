@@ -12,6 +12,7 @@ alternate start, end, start, end.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -94,10 +95,31 @@ class AttentionTimer:
         return sum(e - s for s, e in zip(stamps[::2], stamps[1::2], strict=True))
 
 
-def model_flops_per_token(n_params: int, n_layer: int, d_attn: int, seq_len: int) -> float:
+def causal_pairs(seq_len: float, window: float | None = None) -> float:
+    """The (query, key) pairs causal attention over ``seq_len`` tokens computes: ``N (N + 1)
+    / 2``, or within a sliding ``window`` of keys (the query's own included)."""
+    if window is None or window >= seq_len:
+        return seq_len * (seq_len + 1) / 2
+    return window * (window + 1) / 2 + (seq_len - window) * window
+
+
+def model_flops_per_token(
+    n_params: int,
+    n_layer: int,
+    d_attn: int,
+    seq_len: float,
+    windows: Sequence[int | None] = (),
+) -> float:
     """Training FLOPs per token: ``6 P`` for the weight matmuls (forward + backward) plus the
     causal attention scores and weighted sum, ``6 L d_attn N`` (the PaLM appendix's
     ``12 L d N`` halved by the causal mask). ``P`` excludes the embedding table; ``d_attn`` is
-    ``n_head * head_dim``. Co-RoPE's gates (one more score matrix per KV head) are not counted,
-    so its MFU is a slight underestimate."""
-    return 6.0 * n_params + 6.0 * n_layer * d_attn * seq_len
+    ``n_head * head_dim``; ``windows``: each layer's sliding window (None: every key; empty:
+    none has one), which scales its attention term by the share of the causal pairs it keeps.
+    Co-RoPE's gates (one more score matrix per KV head) are not counted, so its MFU is a
+    slight underestimate."""
+    windows = list(windows) or [None] * n_layer
+    if len(windows) != n_layer:
+        raise ValueError(f"windows must have one entry per layer ({n_layer}), got {len(windows)}")
+    full = causal_pairs(seq_len)
+    layers = sum(causal_pairs(seq_len, w) / full for w in windows)
+    return 6.0 * n_params + 6.0 * layers * d_attn * seq_len

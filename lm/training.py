@@ -964,9 +964,11 @@ class _Run:
             cfg = self.cfg.model
             seq_len = s["timed_tokens"] / (s["timed_steps"] * self.t.batch_size * info.world_size)
             attn = self.model.blocks[0].attn
+            windows = [block.attn.window for block in self.model.blocks]
             flops = model_flops_per_token(
-                self.model.matmul_params(), cfg.n_layer, attn.n_head * attn.head_dim, seq_len
-            )
+                self.model.matmul_params(), cfg.n_layer, attn.n_head * attn.head_dim, seq_len,
+                windows,
+            )  # fmt: skip
             mfu = flops * tokens_per_s / (peak * info.world_size)
         return {
             "tokens_per_s": tokens_per_s,

@@ -789,10 +789,11 @@ def test_options_a_run_ignores_are_named(capsys):
 
 
 @pytest.mark.parametrize("N, window", [(1, 1), (7, 1), (7, 3), (7, 7), (7, 20), (64, 16)])
-def test_bench_window_counts_the_visible_pairs(N, window):
-    """The window benchmark's flops: the pairs the reference's window mask leaves visible."""
-    from experiments.bench_window import visible_pairs
+def test_causal_pairs_are_the_pairs_a_window_mask_keeps(N, window):
+    """The flops of the window benchmark and of the harness's MFU: the pairs the reference's
+    window mask leaves visible."""
+    from lm.profiling import causal_pairs
 
     i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
-    assert visible_pairs(N, window) == int(((j <= i) & (j > i - window)).sum())
-    assert visible_pairs(N, None) == N * (N + 1) // 2
+    assert causal_pairs(N, window) == int(((j <= i) & (j > i - window)).sum())
+    assert causal_pairs(N) == N * (N + 1) // 2

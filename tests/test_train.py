@@ -1610,20 +1610,30 @@ def test_val_loss_is_the_first_eval_splits_and_best_val_loss_its_minimum(tmp_pat
     assert len(valid) == 2 and summary["best_val_loss"] == min(valid)
 
 
-@pytest.mark.parametrize("head_dim", [None, 24])
-def test_mfu_counts_the_attention_width_n_head_times_head_dim(tmp_path, monkeypatch, head_dim):
+@pytest.mark.parametrize("head_dim, window", [(None, None), (24, None), (None, 5)])
+def test_mfu_counts_the_attention_width_n_head_times_head_dim(
+    tmp_path, monkeypatch, head_dim, window
+):
     """MFU's attention term is ``6 L (n_head head_dim) N`` per token: with ``model.head_dim``
-    that is not ``d_model`` (a peak rate stubbed in, so that the CPU has an MFU)."""
+    that is not ``d_model`` (a peak rate stubbed in, so that the CPU has an MFU); a layer with
+    a sliding window counts the pairs it keeps (it counted every causal pair: 64x too many at
+    a window of 64 over 8K tokens, a review's find)."""
     import lm.training as training
     from lm.profiling import model_flops_per_token
 
     monkeypatch.setattr(training, "peak_bf16_flops", lambda device: 1e12)
     cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=3", "train.eval_every=0",
-                      f"model.head_dim={'null' if head_dim is None else head_dim}")  # fmt: skip
+                      f"model.head_dim={'null' if head_dim is None else head_dim}",
+                      f"attention.window={'null' if window is None else window}")  # fmt: skip
     summary = train(cfg, output_dir=str(tmp_path))
     width = cfg.model.n_head * (head_dim or cfg.model.d_model // cfg.model.n_head)
     dataset = build_dataset(cfg.data)
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
     seq_len = cfg.data.seq_len  # the counting rows' length, padding included
-    flops = model_flops_per_token(model.matmul_params(), cfg.model.n_layer, width, seq_len)
+    windows = [window] * cfg.model.n_layer
+    flops = model_flops_per_token(model.matmul_params(), cfg.model.n_layer, width, seq_len, windows)
     assert summary["mfu"] == pytest.approx(flops * summary["tokens_per_s"] / 1e12, rel=1e-6)
+    if window is not None:  # fewer flops than without the window
+        assert flops < model_flops_per_token(
+            model.matmul_params(), cfg.model.n_layer, width, seq_len
+        )

@@ -1582,6 +1582,15 @@ def test_separate_prefill_under_compile_is_refused():
         torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
 
 
+def test_separate_windowed_prefill_compiles():
+    """With a sliding window the separate path's mask is a boolean tensor, which compiles: not
+    refused as the bottom-right mask object is (a review's find)."""
+    q, k, v = _qkv(nq=20, nk=50)
+    f = lambda q, k, v: rope_attention(q, k, v, impl="separate", window=7)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert_close("o", out, f(q, k, v), atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.gpu
 def test_gpu_torch_compile_fullgraph():
     q, k, v = (

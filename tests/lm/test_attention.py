@@ -332,6 +332,7 @@ def test_rope_window_reaches_both_paths():
             {"window_theta": 1e4},
             r"window_theta=10000.0 is the RoPE base .* attention.window is null",
         ),
+        ({"window": 8, "window_theta": 0.5}, r"attention.window_theta: theta must be > 1"),
     ],
 )
 def test_bad_window_settings_name_the_key(overrides, match):

@@ -122,6 +122,26 @@ def test_cached_steps_take_sdpas_bottom_right_mask(variant, monkeypatch):
     assert calls == [(1, 6), (1, 6), (1, 7), (1, 7)]  # 2 layers, 2 steps; prefill: is_causal
 
 
+@torch.no_grad()
+def test_windowed_cached_steps_take_the_windows_keys_bottom_right(monkeypatch):
+    """A cached step of a windowed layer attends to the window's last keys alone, through
+    ``causal_lower_right`` as an unwindowed step does, not through a boolean mask over the
+    cache (a review's find: with it SDPA would take cuDNN's kernel, which plans each new
+    length anew); its global layer (global_interval 2) takes the whole cache."""
+    from torch.nn.attention.bias import CausalBias
+
+    calls, real = [], CausalBias._dispatch
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(CausalBias, "_dispatch", staticmethod(spy))
+    model = make_model("rope_window", torch.float32)  # window 5: layer 0 windowed, 1 global
+    cached_logits(model, torch.randint(0, VOCAB, (1, 9), device=DEVICE), [7, 1, 1])
+    assert calls == [(1, 5), (1, 8), (1, 5), (1, 9)]
+
+
 # (dynamic NTK under impl=triton rotates inside rope_attention's kernels, which this spy misses)
 @pytest.mark.parametrize(
     "variant, impl",
