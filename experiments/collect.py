@@ -9,7 +9,9 @@ early (``run_parallel.py --job-timeout``, a killed job) by the last evaluation i
 ``metrics.jsonl`` and their ``run.json`` (``.hydra/`` for runs older than it), marked
 partial (``*`` on their steps), as are runs that ``train.max_minutes`` stopped
 (``stopped_early`` in their summary). Runs that ended with an error (``failed.json``) are left
-out and listed, with the error, under the tables and on stderr.
+out of the means and listed, with the error, under the tables and on stderr; where they record
+what they were (``run.json`` or ``.hydra/``) they still count in their cells: a ``failed``
+column, and a row with no values for a cell whose every seed failed.
 
 A cell is one setting of the overrides that vary between runs (their values as Hydra reads
 them: ``optim.lr=1e-3`` is ``optim.lr=0.001``; ``seed`` aside, as are the keys
@@ -96,6 +98,7 @@ class Run:
     path: Path
     summary: dict
     partial: bool = False
+    failed: bool = False  # failed.json: its cell only (overrides, seed), no metric
 
     def losses(self) -> list[tuple[int, float]]:
         """``(step, train/loss)`` of every training log line of ``metrics.jsonl``."""
@@ -197,18 +200,23 @@ def _add_run_facts(runs: list[Run]) -> None:
             )
 
 
-def load_runs(root: Path) -> tuple[list[Run], list[LeftOut]]:
+def load_runs(root: Path) -> tuple[list[Run], list[LeftOut], list[Run]]:
     """Every run under ``root``: finished ones (``summary.json``) and stopped ones that
     evaluated at least once (``metrics.jsonl``), then those left out: the failed ones
     (``failed.json``) and the others (failed at start-up, stopped or still running before the
-    first evaluation)."""
+    first evaluation); and the failed ones that record what they were, as runs with no
+    metric (``failed``), for their cells."""
     # .hydra, stdout.log (run_parallel.py's): a run that failed early
     markers = ("summary.json", "metrics.jsonl", "failed.json", ".hydra", "stdout.log")
     dirs = sorted({p.parent for name in markers for p in root.rglob(name)})
-    runs, failed = [], []
+    runs, failed, failed_runs = [], [], []
     for d in dirs:
         if (reason := _failure(d)) is not None:
             failed.append(LeftOut(d, reason))
+            if (record := _run_record(d)) is not None:
+                config, overrides, facts = record
+                summary = {"overrides": overrides, "seed": config.get("seed"), **facts}
+                failed_runs.append(Run(d, summary, failed=True))
         elif (d / "summary.json").exists():
             summary = json.loads((d / "summary.json").read_text())
             runs.append(Run(d, summary, partial=bool(summary.get("stopped_early"))))
@@ -216,13 +224,13 @@ def load_runs(root: Path) -> tuple[list[Run], list[LeftOut]]:
             runs.append(Run(d, summary, partial=True))
         else:  # listed under the tables too: a cell's seed count drops without it
             failed.append(LeftOut(d, "has no summary and no evaluation yet"))
-    _add_run_facts(runs)
+    _add_run_facts(runs + failed_runs)
     if not runs:
         raise FileNotFoundError(
             f"no summary.json or metrics.jsonl of a run that did not fail under {root} "
             f"({len(failed)} left out; is it a run root?)"
         )
-    return runs, failed
+    return runs, failed, failed_runs
 
 
 def drop_overrides(runs: list[Run], keys: list[str]) -> None:
@@ -347,23 +355,27 @@ def drop_repeats(runs: list[Run]) -> tuple[list[Run], list[LeftOut]]:
 
 
 def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
-    """One row per cell: ``cell``, ``task``, ``variant``, ``seeds``, ``steps`` (``*``: some
+    """One row per cell: ``cell``, ``task``, ``variant``, ``seeds`` (the runs that did not
+    fail), ``failed`` (those that did: ``Run.failed``, in no mean), ``steps`` (``*``: some
     runs stopped early) and per metric ``(mean, std)`` over the runs that have it as a finite
     number (std NaN for one such run), with that count as ``<metric>:n``: a run that lacks a
     metric, has it as null, or diverged to NaN or inf is skipped for it, and the tables say
-    how many of the cell's seeds a value covers. Sorted by task, then variant."""
+    how many of the cell's seeds a value covers. A cell whose every run failed has a row of
+    no values. Sorted by task, then variant."""
     by_cell: dict[tuple[str, str, str], list[Run]] = {}
     for key, run in zip(_cell_keys(runs), runs, strict=True):
         by_cell.setdefault(key, []).append(run)
     rows = []
-    for (task, variant, cell), members in sorted(
+    for (task, variant, cell), everyone in sorted(
         by_cell.items(), key=lambda item: tuple(map(_natural, item[0]))
     ):
+        members = [r for r in everyone if not r.failed]
         row: dict = {
             "cell": cell,
             "task": task,
             "variant": variant,
             "seeds": len(members),
+            "failed": len(everyone) - len(members),
             "steps": _steps(members),
         }
         for m in metrics:
@@ -403,17 +415,27 @@ def markdown(rows: list[dict], metrics: list[str], label: str = "cell") -> str:
     """A table of ``rows``: the ``label`` column (``cell`` or ``variant``), seeds, the metrics
     any row has, and steps where they differ or some run stopped early."""
     shown = [m for m in metrics if any(not math.isnan(r[m][0]) for r in rows)]
-    steps = len({r["steps"] for r in rows}) > 1 or any(r["steps"].endswith("*") for r in rows)
+    ran = [r for r in rows if r["seeds"]]  # a cell whose every run failed has no steps ("-")
+    steps = len({r["steps"] for r in ran}) > 1 or any(r["steps"].endswith("*") for r in ran)
+    failed = any(r["failed"] for r in rows)
     table = [
         {
             label: r[label],
             "seeds": r["seeds"],
+            "failed": r["failed"],
             "steps": r["steps"],
             **{m: _fmt(*r[m], r[f"{m}:n"], r["seeds"]) for m in shown},
         }
         for r in rows
     ]
-    return markdown_table(table, [label, "seeds", *shown, *(["steps"] if steps else [])])
+    columns = [
+        label,
+        "seeds",
+        *shown,
+        *(["steps"] if steps else []),
+        *(["failed"] if failed else []),
+    ]
+    return markdown_table(table, columns)
 
 
 def report(
@@ -449,8 +471,9 @@ def write_csvs(
     runs: list[Run], rows: list[dict], metrics: list[str], out: Path, root: Path
 ) -> None:
     """``results.csv`` (a row per cell, ``<metric>_mean`` / ``<metric>_std`` / ``<metric>_n``,
-    the runs the two cover) and ``runs.csv`` (a row per run)."""
-    head = ["task", "variant", "cell", "seeds", "steps"]
+    the runs the two cover) and ``runs.csv`` (a row per run that did not fail; ``runs`` may
+    hold failed ones, which place the cells)."""
+    head = ["task", "variant", "cell", "seeds", "failed", "steps"]
     with (out / "results.csv").open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(head + [f"{m}_{s}" for m in metrics for s in ("mean", "std", "n")])
@@ -459,13 +482,13 @@ def write_csvs(
                 [r[k] for k in head] + [v for m in metrics for v in (*map(_num, r[m]), r[f"{m}:n"])]
             )
     summaries = [r.summary for r in runs]
-    labels = cells(summaries)[0]
+    labelled = zip(runs, cells(summaries)[0], tasks_and_variants(summaries), strict=True)
     with (out / "runs.csv").open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["dir", "task", "variant", "cell", "seed", "steps", "partial", *metrics])
-        for run, label, (task, variant) in zip(
-            runs, labels, tasks_and_variants(summaries), strict=True
-        ):
+        for run, label, (task, variant) in labelled:
+            if run.failed:  # listed under the tables, with their errors
+                continue
             s = run.summary
             values = [_num(s.get(m)) for m in metrics]
             writer.writerow(
@@ -612,7 +635,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if not args.multirun_dir.is_dir():
         parser.error(f"multirun_dir {str(args.multirun_dir)!r} is not a directory")
-    runs, failed = load_runs(args.multirun_dir)
+    runs, failed, failed_runs = load_runs(args.multirun_dir)
     ignored = [k for k in args.ignore.split(",") if k]
     set_keys = {
         o.split("=", 1)[0].lstrip("+~") for r in runs for o in r.summary.get("overrides", [])
@@ -620,7 +643,7 @@ def main(argv: list[str] | None = None) -> str:
     for key in ignored:
         if not any(is_under(k, [key]) for k in set_keys):
             print(f"collect: --ignore {key}: no run sets it (a typo?)", file=sys.stderr)
-    drop_overrides(runs, [*NO_CELL_KEYS, *ignored])
+    drop_overrides(runs + failed_runs, [*NO_CELL_KEYS, *ignored])
     runs, repeats = drop_repeats(runs)
     left_out = failed + repeats
     for run in left_out:
@@ -630,15 +653,18 @@ def main(argv: list[str] | None = None) -> str:
     missing = [m for m in metrics if not any(m in s for s in summaries)]
     if missing:
         raise SystemExit(f"--metrics: {missing} in no summary; keys: {sorted(summaries[0])}")
-    rows = aggregate(runs, metrics)
+    # the failed runs place their cells (a cell whose every seed failed has a row) and the
+    # overrides every run shares
+    everyone = runs + failed_runs
+    rows = aggregate(everyone, metrics)
     out = args.out or args.multirun_dir
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(
         ["python", "experiments/collect.py", *(sys.argv[1:] if argv is None else argv)]
     )
-    table = report(rows, metrics, cells(summaries)[1], command, left_out)
+    table = report(rows, metrics, cells([r.summary for r in everyone])[1], command, left_out)
     (out / "results.md").write_text(table)
-    write_csvs(runs, rows, metrics, out, args.multirun_dir)
+    write_csvs(everyone, rows, metrics, out, args.multirun_dir)
     plot(rows, metrics, out / "results.png")
     plot_curves(runs, out / "curves.png")
     written = ["results.md", "results.csv", "runs.csv", "results.png", "curves.png"]

@@ -194,6 +194,34 @@ def test_failed_runs_are_listed_not_averaged(tmp_path, capsys):
     assert f"{crashed} left out: failed after step 7" in capsys.readouterr().err
 
 
+def test_a_cell_whose_every_seed_failed_has_a_row(tmp_path):
+    """A diverged learning rate fails every seed: its cell keeps a row (no values, its failed
+    runs counted), and the overrides heading the table are those every run shares, the failed
+    ones included (a review's find: the cell vanished and the table claimed every run had
+    optim.lr=0.003)."""
+    _run(tmp_path, "000", ["optim.lr=3e-3", "seed=0"], 0.5)
+    _run(tmp_path, "001", ["optim.lr=3e-3", "seed=1"], 0.25)
+    for i, seed in enumerate((0, 1)):
+        d = tmp_path / f"00{2 + i}"
+        d.mkdir()
+        config = {"attention": {"name": "rope"}, "data": {"name": "counting"}, "seed": seed}
+        record = {"config": config, "overrides": ["optim.lr=1e6", f"seed={seed}"]}
+        (d / "run.json").write_text(json.dumps(record))
+        failure = {"step": 3, "error": "FloatingPointError", "message": "loss is nan"}
+        (d / "failed.json").write_text(json.dumps(failure))
+
+    table = main([str(tmp_path), "--metrics", "test/err"])
+    assert "Every run" not in table
+    assert "| optim.lr=0.003 | 2 | 0.375 ± 0.1768 | 0 |" in table
+    assert "| optim.lr=1000000 | 0 | - | 2 |" in table  # seeds, test/err, failed
+    assert table.count("failed after step 3: FloatingPointError: loss is nan") == 2
+    with (tmp_path / "results.csv").open() as f:
+        rows = {r["cell"]: r for r in csv.DictReader(f)}
+    assert rows["optim.lr=1000000"]["seeds"] == "0" and rows["optim.lr=1000000"]["failed"] == "2"
+    with (tmp_path / "runs.csv").open() as f:
+        assert [r["cell"] for r in csv.DictReader(f)] == ["optim.lr=0.003"] * 2
+
+
 def test_a_seed_run_twice_in_a_cell_counts_once(tmp_path, capsys):
     _run(tmp_path, "000", ["attention=rope", "seed=0"], 0.5)
     _run(tmp_path, "001", ["attention=rope", "seed=1"], 0.25)
