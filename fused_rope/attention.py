@@ -47,7 +47,7 @@ from fused_rope.attention_backward import (
 )
 from fused_rope.attention_forward import _FWD_CONFIGS, _rope_attn_fwd_kernel, rope_attention_fwd
 from fused_rope.frequencies import default_inv_freq, rope_angles
-from fused_rope.sdpa import _lower_right_backend, sdpa_attention
+from fused_rope.sdpa import _lower_right_backend, sdpa_attention, window_hides_keys
 
 MAX_HEAD_DIM = 256
 # fp32 inputs take IEEE fp32 dots (CUDA cores, not tensor cores). At 256 channels the fused
@@ -250,20 +250,18 @@ def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
     return _lower_right_backend(q, k, v) != "math"
 
 
-def _separate_blocker(
-    return_lse: bool, causal: bool, nq: int, nk: int, window: int = 0
-) -> str | None:
+def _separate_blocker(return_lse: bool, causal: bool, nq: int, nk: int, window: int) -> str | None:
     """Why the separate path (RoPE, then PyTorch's SDPA) cannot take a call, or None: SDPA
     returns no lse, has no kernel that returns 0 for a causal query that sees no key (NQ > NK),
     and takes a bottom-right causal mask (NQ != NK) through a mask object that torch.compile
-    cannot trace, unless a sliding window (``window`` > 0, below NK) makes it a plain boolean
-    mask (``sdpa_attention``)."""
+    cannot trace, unless a sliding window makes it a plain boolean mask
+    (``window_hides_keys``)."""
     if return_lse:
         return "return_lse=True (SDPA returns no lse)"
     if causal and nq > nk:
         return f"causal NQ={nq} > NK={nk} (SDPA has no kernel for queries that see no key)"
-    boolean_mask = 0 < window < nk and nq > 1  # sdpa_attention's: at NQ = 1 the mask object
-    if causal and nq != nk and torch.compiler.is_compiling() and not boolean_mask:
+    mask_object = not window_hides_keys(nq, nk, window)
+    if causal and nq != nk and torch.compiler.is_compiling() and mask_object:
         return "causal NQ != NK under torch.compile (which cannot trace SDPA's bottom-right mask)"
     return None
 

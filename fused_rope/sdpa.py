@@ -26,6 +26,13 @@ def _lower_right_backend(q, k, v) -> str:
     return "efficient" if can_use_efficient_attention(params) else "math"
 
 
+def window_hides_keys(nq: int, nk: int, window: int | None) -> bool:
+    """Whether ``sdpa_attention`` takes a causal sliding window of ``window`` keys (None or 0:
+    none) as a boolean mask: where, among the keys it keeps (the last ``window + NQ - 1``),
+    some query's window hides some. A single query (a decoding step) sees every key kept."""
+    return bool(window) and window < min(nk, window + nq - 1)
+
+
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,7 +75,7 @@ def sdpa_attention(
         # length anew (above)
         k, v = (x[:, :, NK - (window + NQ - 1) :] for x in (k, v))
         NK = k.shape[2]
-    if window and window < NK:  # a window of NK keys or more hides nothing
+    if window_hides_keys(NQ, NK, window):
         i = torch.arange(NQ, device=q.device)[:, None] + (NK - NQ)
         j = torch.arange(NK, device=q.device)[None, :]
         mask = (j <= i) & (j > i - window)
