@@ -23,6 +23,7 @@ from fused_rope._validation import (
     check_kernel_device,
     check_no_functorch,
     check_no_tangent,
+    check_window,
     runs_eagerly,
 )
 
@@ -38,14 +39,15 @@ def _attention_op(
     leader: str,
     detach_mileage: bool,
     deterministic: bool,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # detach_mileage and deterministic only matter to the backward; they are arguments here
     # so that the autograd context receives them.
-    return corope_fwd(q, k, v, inv_freq, softmax_scale, rope_dim, leader)
+    return corope_fwd(q, k, v, inv_freq, softmax_scale, rope_dim, leader, window)
 
 
 @_attention_op.register_fake
-def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic):
+def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic, window):
     B, HQ, N, _ = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     return o, q.new_empty((B, HQ, N), dtype=torch.float32)
@@ -84,10 +86,11 @@ def _attention_backward_op(
     detach_mileage: bool,
     deterministic: bool,
     freq_grad: bool,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dw = corope_bwd(
         do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage,
-        deterministic, freq_grad=freq_grad,
+        deterministic, freq_grad=freq_grad, window=window,
     )  # fmt: skip
     # an op returns tensors: an empty one where the frequencies need no gradient
     return dq, dk, dv, inv_freq.new_empty(0) if dw is None else dw
@@ -96,7 +99,7 @@ def _attention_backward_op(
 @_attention_backward_op.register_fake
 def _(
     do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader, detach_mileage,
-    deterministic, freq_grad,
+    deterministic, freq_grad, window,
 ):  # fmt: skip
     # corope_bwd returns contiguous gradients, whatever the inputs' strides.
     grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
@@ -104,18 +107,23 @@ def _(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic = inputs
+    q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, deterministic, window = (
+        inputs
+    )
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, inv_freq)
     ctx.args = (softmax_scale, rope_dim, leader, detach_mileage, deterministic)
+    ctx.window = window
 
 
 def _backward(ctx, do, dlse):
     # lse is an auxiliary output for the backward; gradients through it are not supported.
     q, k, v, o, lse, inv_freq = ctx.saved_tensors
     freq_grad = ctx.needs_input_grad[3]
-    dq, dk, dv, dw = _attention_backward_op(do, q, k, v, o, lse, inv_freq, *ctx.args, freq_grad)
-    return dq, dk, dv, dw if freq_grad else None, None, None, None, None, None
+    dq, dk, dv, dw = _attention_backward_op(
+        do, q, k, v, o, lse, inv_freq, *ctx.args, freq_grad, ctx.window
+    )
+    return dq, dk, dv, dw if freq_grad else None, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -133,6 +141,7 @@ def corope_attention(
     leader: str = "first",
     detach_mileage: bool = False,
     deterministic: bool | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal Co-RoPE-GQA attention with fused Triton kernels, differentiable in q, k, v and
     ``inv_freq``.
@@ -162,6 +171,11 @@ def corope_attention(
             gradients; ``corope/README.md``, "Deterministic mode").
             ``None`` (the default) follows ``torch.are_deterministic_algorithms_enabled()``,
             as PyTorch's own operators do under ``torch.use_deterministic_algorithms(True)``.
+        window: a causal sliding window (as ``fused_rope.rope_attention``'s): query ``i`` sees
+            only its last ``window`` keys, ``i + NK - NQ - window < j``, its own included.
+            The mileage of a key it sees sums the gates of the keys between them, all inside
+            the window. The kernels skip the key tiles before it, so a forward and backward
+            cost ``O(N * window)``, not ``O(N^2)``. ``None``: every earlier key.
 
     Returns:
         ``o`` ``[B, HQ, NQ, D]`` in q's dtype (contiguous).
@@ -177,6 +191,9 @@ def corope_attention(
             f"{q.dtype} (corope_attention_ref runs float64)"
         )
     check_bool(detach_mileage, "detach_mileage")
+    window = check_window(window, causal=True)
+    if window >= NK:  # every row's window holds every key it sees causally
+        window = 0
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     check_bool(deterministic, "deterministic")
@@ -201,10 +218,14 @@ def corope_attention(
             "corope_attention_ref"
         )
     if NQ == 1 < NK:
+        if window:
+            # The step's mileages sum gates of the keys between, all in the window: the
+            # window's keys alone give the same output.
+            k, v = k[:, :, NK - window :], v[:, :, NK - window :]
         if runs_eagerly(q, k, v):
             # The kernels without the op's dispatch: a decoding step is bound by the host
             # (H100: 208 against 175 us a synchronized call, time_corope_decode.py).
             return corope_decode(q, k, v, w, s, R, leader)
         return _decode_op(q, k, v, w, s, R, leader)
-    o, _ = _attention_op(q, k, v, w, s, R, leader, detach_mileage, deterministic)
+    o, _ = _attention_op(q, k, v, w, s, R, leader, detach_mileage, deterministic, window)
     return o

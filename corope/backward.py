@@ -136,11 +136,12 @@ def _dot_split(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _gates(K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
+def _gates(K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd, window,
            BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
-           PREC: tl.constexpr):  # fmt: skip
+           PREC: tl.constexpr, WINDOWED: tl.constexpr):  # fmt: skip
     """Key tile ``n``: its offsets and mask ``[BLOCK_N]`` and the leader's gates
-    ``z = sigmoid(s qL k^T)`` ``[BLOCK_M, BLOCK_N]`` (0 past the diagonal).
+    ``z = sigmoid(s qL k^T)`` ``[BLOCK_M, BLOCK_N]`` (0 past the diagonal, and before the
+    sliding window of ``window`` keys where ``WINDOWED``).
 
     The logits are one product against ``GP`` copies of the tile's keys, ``[BLOCK_M, GP *
     BLOCK_N]``, which is what fixes the layout of every per-pair tile of the kernel: in the
@@ -158,8 +159,21 @@ def _gates(K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
     u = tl.dot(ql, tl.trans(k_rep.to(ql.dtype)), input_precision=PREC)
     u = tl.max(tl.reshape(u, [BLOCK_M, GP, BLOCK_N]), axis=1) * scale
     offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-    causal = (offs_n[None, :] <= offs_m[:, None]) & m_ok[:, None]
-    return offs_n, offs_n < N, tl.where(causal, tl.sigmoid(u), 0.0)
+    return (
+        offs_n,
+        offs_n < N,
+        tl.where(_seen(offs_m, m_ok, offs_n, window, WINDOWED), tl.sigmoid(u), 0.0),
+    )
+
+
+@triton.jit
+def _seen(offs_m, m_ok, offs_n, window, WINDOWED: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]``: whether query ``offs_m`` sees key ``offs_n`` (causal, and within
+    its last ``window`` keys where ``WINDOWED``)."""
+    seen = (offs_n[None, :] <= offs_m[:, None]) & m_ok[:, None]
+    if WINDOWED:
+        seen &= offs_n[None, :] > offs_m[:, None] - window
+    return seen
 
 
 @triton.jit
@@ -216,11 +230,18 @@ def _frequency(QP, KP, W, d, offs_m, m_ok, offs_n, n_ok, carry, local, two_pi, i
 
 
 @triton.jit
-def _program_range(N, key_tiles, n_splits, chain, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DETERMINISTIC: tl.constexpr):  # fmt: skip
+def _program_range(N, key_tiles, n_splits, chain, window, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, WINDOWED: tl.constexpr,
+                   SWEEP_M: tl.constexpr):  # fmt: skip
     """Program ``(m, split)`` of axis 0 and its key tiles ``[lo, hi)``: query tile ``m``, key
-    tiles ``[split * key_tiles, (split + 1) * key_tiles)`` of its causal range (empty for the
-    splits past it), and its chain ``c`` (deterministic mode; 0 otherwise).
+    tiles ``[first + split * key_tiles, first + (split + 1) * key_tiles)`` of its causal range
+    (empty for the splits past it), and its chain ``c`` (deterministic mode; 0 otherwise).
+
+    ``first`` is 0, or where ``WINDOWED`` the tile of the first key that the sweep's query tile
+    holding these rows sees (the window's start for its first row). ``SWEEP_M``, the sweep's
+    rows a tile (a multiple of BLOCK_M), anchors the splits: the gate tail, on fewer rows,
+    takes the sweep's key tiles of each split (those past its rows' diagonals have no gates),
+    as its per-split sums ``TG`` need.
 
     By default, longest sweeps first for load balance. The ordered (deterministic) mode cuts
     the query tiles into chains of ``chain`` consecutive tiles, each adding to dk and dv in a
@@ -239,7 +260,10 @@ def _program_range(N, key_tiles, n_splits, chain, BLOCK_M: tl.constexpr, BLOCK_N
         c = tl.full([], 0, tl.int32)
         m = num_m - 1 - p
     n_tiles = (tl.minimum(N, (m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
-    lo = tl.minimum(split * key_tiles, n_tiles)
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(m * BLOCK_M // SWEEP_M * SWEEP_M - window + 1, 0) // BLOCK_N
+    lo = tl.minimum(first + split * key_tiles, n_tiles)
     hi = tl.where(m < num_m, tl.minimum(lo + key_tiles, n_tiles), lo)
     return m, split, lo, hi, n_tiles, c
 
@@ -254,11 +278,11 @@ def _wait_for_earlier_query_tiles(LOCK, n, m, c, chain, BLOCK_M: tl.constexpr,
         pass
 
 
-@triton.jit(do_not_specialize=["chain"])  # no compile variant per chain length
+@triton.jit(do_not_specialize=["chain", "window"])  # no compile variant per chain or window
 def _corope_bwd_kernel(
     Q, K, V, O, DO, LSE, QL, W, QP, KP,
     DQ, DQL, DK_S, DK_G, DV, TG, LOCK, DW,
-    softmax_scale, N, HKV, group, key_tiles, n_splits, chain,
+    softmax_scale, N, HKV, group, key_tiles, n_splits, chain, window,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -281,10 +305,10 @@ def _corope_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MILEAGE: tl.constexpr, DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
     FAST_TRIG: tl.constexpr, DK_PARTS: tl.constexpr, PASS1_STAGES: tl.constexpr,
-    FREQ_GRAD: tl.constexpr, HALF_P: tl.constexpr,
+    FREQ_GRAD: tl.constexpr, HALF_P: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     m, split, lo, hi, n_tiles, c = _program_range(
-        N, key_tiles, n_splits, chain, BLOCK_M, BLOCK_N, DETERMINISTIC
+        N, key_tiles, n_splits, chain, window, BLOCK_M, BLOCK_N, DETERMINISTIC, WINDOWED, BLOCK_M
     )
     if lo == hi:
         return  # a split past the query tile's causal range (TG is zeroed by the launcher)
@@ -368,7 +392,7 @@ def _corope_bwd_kernel(
     for step in range(0, n_tiles - hi):
         _offs_n, _n_ok, z = _gates(
             K, ql, n_tiles - 1 - step, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn,
-            stride_kd, BLOCK_M, GP, BLOCK_N, PREC,
+            stride_kd, window, BLOCK_M, GP, BLOCK_N, PREC, WINDOWED,
         )  # fmt: skip
         carry_z += tl.sum(z, axis=1).to(tl.float64)
     carry_g = tl.zeros([BLOCK_M], dtype=tl.float32)  # phase gradient of the split's later keys
@@ -386,8 +410,8 @@ def _corope_bwd_kernel(
             other=0.0,
         )
         offs_n, n_ok, z = _gates(
-            K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
-            BLOCK_M, GP, BLOCK_N, PREC,
+            K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd, window,
+            BLOCK_M, GP, BLOCK_N, PREC, WINDOWED,
         )  # fmt: skip
         # The forward's mileage: delta = carry + in-tile exclusive suffix sum of the gates.
         local = tl.cumsum(z, axis=1, reverse=True) - z
@@ -427,7 +451,7 @@ def _corope_bwd_kernel(
             )
             sn2 = tl.dot(qn2, tl.trans(kn), input_precision=PREC)
             s3 += tl.permute(tl.reshape(sn2, [GP, BLOCK_M, BLOCK_N]), (1, 0, 2))
-        valid = qh_ok[:, :, None] & (offs_n[None, None, :] <= offs_m[:, None, None])
+        valid = qh_ok[:, :, None] & _seen(offs_m, m_ok, offs_n, window, WINDOWED)[:, None, :]
         p3 = tl.where(valid, tl.exp2(s3 * (scale * 1.4426950408889634) - lse2[:, :, None]), 0.0)
         do_ptrs = DO + h_r[:, None] * stride_doh + i_r[:, None] * stride_don
         do_ptrs += offs_d[None, :] * stride_dod
@@ -556,17 +580,18 @@ def _corope_bwd_kernel(
         tl.store(DW + freq, dw, mask=freq < HALF)  # summed over programs by the launcher
 
 
-@triton.jit(do_not_specialize=["chain"])  # no compile variant per chain length
+@triton.jit(do_not_specialize=["chain", "window"])  # no compile variant per chain or window
 def _gate_tail_kernel(
     QL, K, TG, DQL, DK_T, LOCK_T,
-    softmax_scale, N, HKV, key_tiles, n_splits, chain,
+    softmax_scale, N, HKV, key_tiles, n_splits, chain, window,
     stride_qlb, stride_qlh, stride_qln, stride_qld,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_tgb, stride_tgs,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_lock, stride_dql_split, stride_dk_chain,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DETERMINISTIC: tl.constexpr, PREC: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, PREC: tl.constexpr, WINDOWED: tl.constexpr,
+    SWEEP_M: tl.constexpr,
 ):  # fmt: skip
     """The ``C`` part of the gate gradient, gates only, no phases: for key ``t`` in split
     ``s``, ``du[i, t] += C_s[i] z (1 - z)`` with ``C_s = sum_{s' <= s} TG[s']`` (the phase
@@ -576,7 +601,7 @@ def _gate_tail_kernel(
     sum_{j < t} g[i, j]``. The sweep's programs, tiles and order (and, deterministic, the same
     chains and per-key-tile counters)."""
     m, split, lo, hi, _n_tiles, ch = _program_range(
-        N, key_tiles, n_splits, chain, BLOCK_M, BLOCK_N, DETERMINISTIC
+        N, key_tiles, n_splits, chain, window, BLOCK_M, BLOCK_N, DETERMINISTIC, WINDOWED, SWEEP_M
     )
     if lo == hi:
         return
@@ -611,8 +636,8 @@ def _gate_tail_kernel(
     for n in range(lo, hi):
         # GP = 1: no copies of the keys, the layout of the sweep's tiles is not needed.
         offs_n, n_ok, z = _gates(
-            K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd,
-            BLOCK_M, 1, BLOCK_N, PREC,
+            K, ql, n, offs_m, m_ok, offs_d, d_ok, N, scale, stride_kn, stride_kd, window,
+            BLOCK_M, 1, BLOCK_N, PREC, WINDOWED,
         )  # fmt: skip
         zpc = z * (1.0 - z) * zpc_scale
         kt = tl.load(
@@ -704,9 +729,24 @@ def _pass1_stages(half: int) -> int:
     return 3 if half >= 64 else 1
 
 
+def swept_tiles(seq_len: int, block_m: int, block_n: int, window: int = 0) -> int:
+    """The most key tiles a query tile of ``block_m`` rows sweeps: every one, or with a sliding
+    window of ``window`` keys those its rows' ``block_m + window - 1`` keys span."""
+    key_tiles = cdiv(seq_len, block_n)
+    if not window:
+        return key_tiles
+    return min(key_tiles, (block_m + window - 2) // block_n + 2)
+
+
+def _tiles_of_query_tile(m: int, seq_len: int, block_m: int, block_n: int, window: int) -> int:
+    """The key tiles query tile ``m`` sweeps (``_program_range``'s ``n_tiles - first``)."""
+    first = max(m * block_m - window + 1, 0) // block_n if window else 0
+    return cdiv(min(seq_len, (m + 1) * block_m), block_n) - first
+
+
 @cache
 def _key_tiles_per_program(
-    groups: int, seq_len: int, block_m: int, block_n: int, device: torch.device
+    groups: int, seq_len: int, block_m: int, block_n: int, device: torch.device, window: int = 0
 ) -> int:
     """Key tiles a program sweeps: enough programs for about 8 per SM (2 fit on an SM at once
     where their shared memory allows: every bf16 tile needs 80 KiB or less, offline, since dO
@@ -718,15 +758,18 @@ def _key_tiles_per_program(
 
     Short sequences have too few query tiles to fill the GPU (N = 1K, (1, 32/8, 128): 128
     programs of one 4-warp CTA for 132 SMs, the longest sweeping 32 key tiles); a split
-    costs only its start (the gates of the key tiles above it, one product a tile)."""
-    key_tiles = cdiv(seq_len, block_n)
+    costs only its start (the gates of the key tiles above it, one product a tile). A sliding
+    window of ``window`` keys (0: none) bounds each sweep (``swept_tiles``)."""
+    key_tiles = swept_tiles(seq_len, block_m, block_n, window)
     query_tiles = cdiv(seq_len, block_m)
     if interpreting() or device.type != "cuda":
         return key_tiles
     target = 8 * num_sms(device)
     if groups * query_tiles >= target:
         return key_tiles
-    work = groups * sum(cdiv(min(seq_len, (m + 1) * block_m), block_n) for m in range(query_tiles))
+    work = groups * sum(
+        _tiles_of_query_tile(m, seq_len, block_m, block_n, window) for m in range(query_tiles)
+    )
     return min(key_tiles, max(2, cdiv(work, target)))
 
 
@@ -827,6 +870,7 @@ def corope_bwd(
     deterministic: bool = False,
     key_tiles_per_program: int | None = None,
     freq_grad: bool = False,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of causal Co-RoPE-GQA attention with respect to q, k, v and the frequencies.
 
@@ -859,6 +903,9 @@ def corope_bwd(
             chain's copies fit the bound with them).
         freq_grad: also form the gradient with respect to ``inv_freq`` (learned
             frequencies); it holds with ``detach_mileage`` too (the phase is ``delta * w``).
+        window: the forward's causal sliding window of keys (``i - window < j <= i``), 0 for
+            none (unchecked: ``corope_attention`` validates it); each query tile sweeps only
+            the key tiles its rows' windows touch, and the splits divide that range.
 
     Returns:
         ``(dq [B, HQ, N, D], dk [B, HKV, N, D], dv [B, HKV, N, D])`` in the inputs' dtype, and
@@ -931,8 +978,9 @@ def corope_bwd(
         zeroed (atomic adds): a launch that does not fit fails before it writes, but a later
         slice's failure (a fallback) comes after the earlier slices' adds."""
         num_m, key_tiles = cdiv(N, block_m), cdiv(N, block_n)
+        swept = swept_tiles(N, block_m, block_n, window)  # the longest sweep of a query tile
         per_program = key_tiles_per_program or _key_tiles_per_program(
-            B * HKV, N, block_m, block_n, device
+            B * HKV, N, block_m, block_n, device, window
         )
         # dk and dv: the query tiles add to the same keys, atomically into one copy, or,
         # deterministic, each chain of query tiles into a copy of its own, in the chain's
@@ -941,7 +989,7 @@ def corope_bwd(
         # tile, key tile) and buffer; all summed in a fixed order afterwards.
         chain, parts = num_m, _dk_parts(block_m, num_warps)
         if deterministic:
-            per_program = _items_a_copy(key_tiles, 4 * B * (HQ + HKV) * N * D, per_program)
+            per_program = _items_a_copy(swept, 4 * B * (HQ + HKV) * N * D, per_program)
             # A chain's copies: dv, dk's score part once a row group (its adds in a fixed
             # order within a group; one copy, summed across warps, where a chain's copies
             # would not fit), and with the mileage dk's two gate parts.
@@ -949,7 +997,7 @@ def corope_bwd(
             if (kinds + parts) * one_copy > DETERMINISTIC_COPY_BYTES:
                 parts = 1
             chain = _items_a_copy(num_m, (kinds + parts) * one_copy)
-        n_splits, chains = cdiv(key_tiles, per_program), cdiv(num_m, chain)
+        n_splits, chains = cdiv(swept, per_program), cdiv(num_m, chain)
         # dk's score part: [parts * chains, ...], row group p's copies [p * chains, (p + 1) *
         # chains) (by default one copy that every group adds to); dk: the first group's.
         dk_s = accumulator(HKV, parts * chains if deterministic else 1).zero_()
@@ -990,7 +1038,7 @@ def corope_bwd(
             _corope_bwd_kernel[(chains * chain * n_splits, B * HKV)](
                 q[:, sl], k, v, o[:, sl], do[:, sl], lse[:, sl], qL, inv_freq, qp[:, sl], kp,
                 dq[0, :, sl], dql[0], dk[0], dk_g[0], dv[0], tg, locks[0], dw,
-                s, N, HKV, G, per_program, n_splits, chain,
+                s, N, HKV, G, per_program, n_splits, chain, window,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *qL.stride(), *qp.stride()[:3], *kp.stride()[:3],
                 *dq.stride()[1:], *dk.stride()[1:], *tg.stride()[:2], locks.stride(1),
@@ -1004,7 +1052,7 @@ def corope_bwd(
                 FAST_TRIG=fast_trig(q),
                 DK_PARTS=parts,
                 PASS1_STAGES=_pass1_stages(half),
-                FREQ_GRAD=freq_grad, HALF_P=next_power_of_2(half),
+                FREQ_GRAD=freq_grad, HALF_P=next_power_of_2(half), WINDOWED=window > 0,
                 num_warps=num_warps, num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip
         return tg, locks[1], per_program, n_splits, chains, dw_parts, dq, dql, dk_s, dk_g, dk_t, dv
@@ -1017,24 +1065,26 @@ def corope_bwd(
     tg, locks_t, per_program, n_splits, chains, dw_parts, dq, dql, dk_s, dk_g, dk_t, dv = swept
     del swept  # each copy is freed once summed
     if not detach_mileage:
-        _block_m, block_n, num_warps, _heads = config
+        sweep_m, block_n, num_warps, _heads = config
 
         def tail(block_m):
-            # Any row count works: the splits are key-tile ranges, TG is per row, and the
-            # sweep's chains (of its query tiles) become as many chains, or fewer, of these.
+            # Any row count works: the splits are key-tile ranges (a window's anchored at the
+            # sweep's query tiles: SWEEP_M), TG is per row, and the sweep's chains (of its
+            # query tiles) become as many chains, or fewer, of these.
             chain = cdiv(cdiv(N, block_m), chains)
             _gate_tail_kernel[(cdiv(cdiv(N, block_m), chain) * chain * n_splits, B * HKV)](
                 qL, k, tg, dql[0], dk_t[0], locks_t, s, N, HKV, per_program, n_splits, chain,
-                *qL.stride(), *k.stride(), *tg.stride()[:2], *dk_t.stride()[1:],
+                window, *qL.stride(), *k.stride(), *tg.stride()[:2], *dk_t.stride()[1:],
                 locks_t.stride(0), _copy_stride(dql), _copy_stride(dk_t),
                 D=D, D_PAD=d_pad, BLOCK_M=block_m,
-                BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec, num_warps=num_warps,
+                BLOCK_N=block_n, DETERMINISTIC=deterministic, PREC=prec,
+                WINDOWED=window > 0, SWEEP_M=sweep_m, num_warps=num_warps,
                 num_stages=SWEEP_NUM_STAGES,
             )  # fmt: skip
 
         # Its own shared-memory fallback (fewer rows): the "mean" leader's fp32 qL at D = 256
         # does not fit at the sweep's 64 rows when the sweep itself does.
-        rows = [(r,) for r in (64, 32, 16) if r <= _block_m]
+        rows = [(r,) for r in (64, 32, 16) if r <= sweep_m]
         _first_fitting(("tail", *key, config), rows, tail)
     if gate_parts:
         dk_s[:chains].add_(dk_g).add_(dk_t)  # the first row group's copies

@@ -123,10 +123,10 @@ def distinct_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> 
 
 @triton.autotune(
     configs=FWD_CONFIGS,
-    key=["G_PAD", "HEAD_DIM", "ROPE_DIM", "N_BUCKET"],
+    key=["G_PAD", "HEAD_DIM", "ROPE_DIM", "N_BUCKET", "WINDOWED"],
     prune_configs_by={"early_config_prune": distinct_tiles},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # no compile variant per window length
 def _corope_fwd_kernel(
     Q, K, V, QC, KC, W, ANG, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -138,7 +138,9 @@ def _corope_fwd_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     HKV, NQ, NK, gate_scale, qk_scale,
-    N_BUCKET,  # autotune key only: NK rounded up to a power of two (at least 512)
+    window,  # a sliding window's keys (WINDOWED), else unused
+    N_BUCKET,  # autotune key only: the keys a row sweeps (NK or the window), a power of two >= 512
+    WINDOWED: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -221,7 +223,12 @@ def _corope_fwd_kernel(
     ang_ptrs = ang_row[None, :] + offs_f[:, None] * BLOCK_M
 
     n_tiles = (tl.minimum(NK, shift + m0 + BLOCK_M) + BLOCK_N - 1) // BLOCK_N
-    for step in range(0, n_tiles):
+    # The sweep stops at the tile of the first key the tile's rows see: the window's start
+    # for its first row (a sliding window), else key 0.
+    first_tile = 0
+    if WINDOWED:
+        first_tile = tl.maximum(shift + m0 - window + 1, 0) // BLOCK_N
+    for step in range(0, n_tiles - first_tile):
         offs_j = (n_tiles - 1 - step) * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = offs_j < NK
         k = tl.load(
@@ -244,6 +251,8 @@ def _corope_fwd_kernel(
             u_lead = tl.sum(u, axis=0) / G
         else:
             u_lead = tl.sum(tl.where(offs_h[:, None, None] == 0, u, 0.0), axis=0)
+        # Keys before a row's window need no mask here: their gates reach only the mileages
+        # of keys further back (the sweep descends), which the scores' mask hides.
         causal = (offs_j[None, :] <= shift + offs_i[:, None]) & key_ok[None, :]  # [BM, BN]
         z = tl.where(causal, tl.sigmoid(u_lead * gate_scale), 0.0)
         local = tl.cumsum(z, axis=1, reverse=True) - z
@@ -286,10 +295,13 @@ def _corope_fwd_kernel(
             s += tl.dot(q_pass, tl.trans(k), input_precision=DOT_PRECISION)
         s = s * qk_scale
         mask = (offs_j[None, :] <= shift + cols_i[:, None]) & key_ok[None, :]
+        if WINDOWED:
+            mask &= offs_j[None, :] > shift + cols_i[:, None] - window
         s = tl.where(mask, s, float("-inf"))
 
-        # Online softmax in base 2 along the keys. A row can be fully masked in the first
-        # tile when BLOCK_M > BLOCK_N; its max stays -inf and is replaced by 0.
+        # Online softmax in base 2 along the keys. A row can be fully masked in a tile (the
+        # first when BLOCK_M > BLOCK_N, the last ones past its window's start): its max stays
+        # what it was (-inf before any key it sees, replaced by 0 in the exponents only).
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -383,6 +395,7 @@ def corope_fwd(
     softmax_scale: float,
     rope_dim: int,
     leader: str,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward kernel; unchecked: ``corope_attention`` validates first
     (shapes that do not match read and write out of range; the public API is ``corope``'s).
@@ -396,10 +409,13 @@ def corope_fwd(
         softmax_scale: ``s``; scales the gate logits and the scores.
         rope_dim: ``R``, even, ``<= D``.
         leader: ``"first"`` or ``"mean"``.
+        window: a causal sliding window of keys (``i + NK - NQ - window < j``), 0 for none;
+            the sweep skips the key tiles before it, so its cost grows with ``NQ * window``.
 
     Returns:
         ``o`` ``[B, HQ, NQ, D]`` in q's dtype and ``lse`` ``[B, HQ, NQ]`` fp32, the natural-log
-        log-sum-exp of the scaled scores over the keys each row sees (``j <= i + NK - NQ``).
+        log-sum-exp of the scaled scores over the keys each row sees (``j <= i + NK - NQ``,
+        within the window).
 
     Besides o and lse, the launch allocates the rotary channels of q (in q's dtype, the group
     padded to ``product_heads(G)`` heads) and of k (fp32), interleaved by
@@ -442,8 +458,9 @@ def corope_fwd(
         q, k, v, qc, kc, w, ang, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *qc.stride()[:2], *kc.stride()[:2],
         ang.stride(0), *o.stride(), *lse.stride(),
-        HKV, NQ, NK, softmax_scale, softmax_scale * LOG2E, max(512, next_power_of_2(NK)),
-        G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, HALF_PAD=half_pad,
+        HKV, NQ, NK, softmax_scale, softmax_scale * LOG2E, window,
+        max(512, next_power_of_2(min(NK, window) if window else NK)),
+        WINDOWED=window > 0, G=G, G_PAD=g_pad, HEAD_DIM=D, ROPE_DIM=rope_dim, HALF_PAD=half_pad,
         LEADER_MEAN=leader == "mean",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The hardware sin/cos for fp32 too, unlike fast_trig: the per-pair phases are reduced

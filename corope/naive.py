@@ -24,6 +24,7 @@ from fused_rope._validation import (
     check_inv_freq,
     check_rope_dim,
     check_softmax_scale,
+    check_window,
     under_functorch,
 )
 from fused_rope.frequencies import default_inv_freq
@@ -142,10 +143,14 @@ def _chunk_rows(
     detach_mileage: bool,
     unit_gates: bool,
     rotated_key_dtype: torch.dtype | None = None,
+    window: int = 0,  # a sliding window's keys (0: every earlier key)
 ):
     M, N = q.shape[-2], k.shape[-2]
     rows = torch.arange(i0, i0 + M, device=q.device)
-    causal = torch.arange(N, device=q.device)[None, :] <= rows[:, None]  # [M, N]
+    keys = torch.arange(N, device=q.device)[None, :]
+    causal = keys <= rows[:, None]  # [M, N]
+    if window:
+        causal &= keys > rows[:, None] - window
     if unit_gates:
         z = causal.to(q.dtype).expand(*qL.shape[:2], M, N)
     else:
@@ -190,6 +195,7 @@ def corope_attention_ref(
     return_lse: bool = False,
     rotated_key_dtype: torch.dtype | None = None,
     rows: range | None = None,
+    window: int | None = None,
 ):
     """Causal Co-RoPE-GQA attention, differentiable through q, k and v.
 
@@ -216,6 +222,10 @@ def corope_attention_ref(
             (the baseline of such a kernel's scores; default: no rounding).
         rows: compute only these rows of q (a ``range`` of step 1, ``0 <= start < stop <= NQ``),
             in O(len(rows) * NK) memory: how long sequences are checked on sampled rows.
+        window: a causal sliding window: query ``i`` sees only its last ``window`` keys,
+            ``i - window < j <= i`` (positions), its own included. The mileage of a key it
+            sees sums the gates of keys between the two, all inside the window, so a window
+            changes which keys are seen, not their distances. ``None``: every earlier key.
 
     Returns:
         ``o`` ``[B, HQ, M, D]`` in q's dtype, and with ``return_lse`` the natural-log
@@ -223,6 +233,7 @@ def corope_attention_ref(
         ``len(rows)``. Computed in fp32 (fp64 for fp64 inputs).
     """
     R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=True)
+    window = check_window(window, causal=True)
     for name, flag in (
         ("detach_mileage", detach_mileage),
         ("unit_gates", unit_gates),
@@ -288,6 +299,7 @@ def corope_attention_ref(
             detach_mileage,
             unit_gates,
             rotated_key_dtype,
+            window,
         )
         o, lse = (
             checkpoint(_chunk_rows, *args, use_reentrant=False) if recompute else _chunk_rows(*args)

@@ -84,14 +84,15 @@ def rope_sdpa(q, k, v, angles):
     )
 
 
-def rows_accuracy(o, q, k, v) -> str:
+def rows_accuracy(o, q, k, v, window=None) -> str:
     """Flash-attention's rule (the tests' helper) on three blocks of 8 sampled query rows
-    (start, middle, end); the baseline is the fp32 reference rounded to the kernel's dtype."""
+    (start, middle, end); the baseline is the fp32 reference rounded to the kernel's dtype.
+    ``window``: the sliding window ``o`` was computed with."""
     N = q.shape[2]
     for i0 in sorted({0, N // 2, max(0, N - 8)}):
         rows = range(i0, min(N, i0 + 8))
         o64, o32 = (
-            corope_attention_ref(q.to(cd), k.to(cd), v.to(cd), rows=rows)
+            corope_attention_ref(q.to(cd), k.to(cd), v.to(cd), rows=rows, window=window)
             for cd in (torch.float64, torch.float32)
         )
         passed, msg = check_against_baseline(o[:, :, i0 : rows.stop], o64, o32.to(q.dtype))

@@ -171,8 +171,9 @@ def _every_kth_layer(cfg: Any, key: str, n_layer: int, what: str) -> set[int]:
 def window_layers(cfg: Any, n_layer: int) -> dict[int, int]:
     """``{layer: window}`` for the layers that attend within ``attention.window`` keys: every
     layer but those of ``attention.global_interval`` (Gemma's global layers), none without a
-    window. Refused: a window that is not an int >= 1, an interval without a window, and a
-    window on Co-RoPE (its kernels have none, and a window would cut its mileage short)."""
+    window. Refused: a window that is not an int >= 1, and an interval or window_theta without
+    a window. Co-RoPE takes a window too: the mileage of a key a query sees sums the gates of
+    the keys between them, all inside the window."""
     node = _as_dict(cfg)
     window = node.get("window")
     if window is None:
@@ -186,11 +187,6 @@ def window_layers(cfg: Any, n_layer: int) -> dict[int, int]:
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"attention.window must be an int >= 1 or null, got {window!r}")
-    if node.get("name") == "corope":
-        raise ValueError(
-            "attention.window: Co-RoPE has no sliding window (its kernels take every earlier "
-            "key, and its mileage sums the gates of every key between a query and a key)"
-        )
     if node.get("window_theta") is not None:
         try:
             rope_frequencies(2, node["window_theta"])
@@ -529,6 +525,7 @@ class CoRopeAttention(Attention):
             rope_dim=self.rope_dim,
             leader=self.leader,
             detach_mileage=self.detach_mileage,
+            window=self.window,
         )
         # The kernels take q and k of one length (training, a prefill) or, without autograd,
         # the queries of a cached chunk (a decoding step: one row); with autograd, such a

@@ -99,7 +99,7 @@ class AttentionConfig:
     name: str = MISSING
     query_scale: QueryScaleConfig = field(default_factory=QueryScaleConfig)
     # A causal sliding window: each query sees its last `window` keys, its own included
-    # (transformers' sliding_window: Mistral, Gemma 2/3, GPT-OSS); null = every key. Not corope.
+    # (transformers' sliding_window: Mistral, Gemma 2/3, GPT-OSS); null = every key
     window: int | None = None
     # With a window, every global_interval-th layer (layers k - 1, 2k - 1, ...) sees every key:
     # Gemma 3's 1 in 6, Gemma 2's and GPT-OSS's 1 in 2; null = every layer windowed (Mistral)

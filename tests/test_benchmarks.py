@@ -210,6 +210,19 @@ def test_bench_corope_flags_a_wrong_output():
         assert note.startswith(f"{ACC_FAIL} rows {block}+"), note
 
 
+def test_bench_corope_checks_a_windowed_output_against_the_windowed_reference():
+    """bench_corope_window's accuracy note: a windowed output passes against the reference with
+    the same window, and the unwindowed output (which differs where the window hides keys)
+    fails it."""
+    from experiments import bench_corope
+
+    q, k, v = (torch.randn(1, h, 40, 32, device=DEVICE) for h in (2, 1, 1))
+    o = bench_corope.corope_attention(q, k, v, window=6)
+    assert bench_corope.rows_accuracy(o, q, k, v, window=6) == "acc ok"
+    full = bench_corope.corope_attention(q, k, v)
+    assert bench_corope.rows_accuracy(full, q, k, v, window=6).startswith(ACC_FAIL)
+
+
 def test_bench_rope_attention_flags_a_wrong_output(monkeypatch):
     """rope_attention 0.05 off the fp32 reference: "ACC FAIL" rows, and its (shape, dtype,
     pass) miss the targets although it is as fast as the floor."""

@@ -308,14 +308,15 @@ def test_compile_fullgraph_traces_custom_op(dynamic):
     # deterministic backward makes bitwise equality the right check (on a GPU the default
     # one's atomic adds may land in another order). dynamic=True makes the head dim and the
     # float defaults (theta) symbolic, which the input checks must trace. Learned frequencies
-    # too: the backward op's fourth output.
+    # too: the backward op's fourth output; and a sliding window, an argument of both ops.
     q, k, v = (x.requires_grad_() for x in _inputs(1, 2, 1, 17, 64, torch.float32))
     w = corope_inv_freq(64, 500.0, None, q.device).clone().requires_grad_()
     leaves = (q, k, v, w)
 
     def fn(q, k, v, w):
         o = corope_attention(q, k, v, deterministic=True)
-        return o.square().sum() + corope_attention(q, k, v, inv_freq=w, deterministic=True).sum()
+        learned = corope_attention(q, k, v, inv_freq=w, deterministic=True, window=6)
+        return o.square().sum() + learned.sum()
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
     g_eager = torch.autograd.grad(fn(*leaves), leaves)
@@ -469,9 +470,10 @@ def test_backward_op_fake_matches_real_strides_for_transposed_inputs():
     o, lse = corope_fwd(q, k, v, w, D**-0.5, D, "first")
     args = (torch.randn_like(o), q, k, v, o, lse, w, D**-0.5, D, "first", False, False)
     for freq_grad in (False, True):  # dinv_freq: [R/2], or empty where none is asked for
-        torch.library.opcheck(
-            _attention_backward_op, (*args, freq_grad), test_utils=("test_faketensor",)
-        )
+        for window in (0, 5):  # 0: none
+            torch.library.opcheck(
+                _attention_backward_op, (*args, freq_grad, window), test_utils=("test_faketensor",)
+            )
 
 
 def test_index_span_past_int32_is_refused():

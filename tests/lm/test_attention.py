@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from corope.naive import corope_attention_ref
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from lm.attention import (
@@ -316,6 +317,19 @@ def test_rope_window_reaches_both_paths():
     assert_close("o", attn.attend(q, k, v), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_corope_window_reaches_both_paths():
+    """Co-RoPE's Triton path (its kernels, in the interpreter on a CPU) and its torch path
+    (the reference) give the windowed attention, which differs from the unwindowed one."""
+    attn = build_attention(attn_cfg("corope", impl="torch"), 128, 4, 2, window=5).to(DEVICE)
+    q, k, v = qkv(D=32)  # a head dim the kernels take
+    expected = attn.attend(q, k, v)
+    ref = corope_attention_ref(q, k, v, window=5)
+    assert_close("o", expected, ref, atol=1e-5, rtol=1e-5)
+    assert (corope_attention_ref(q, k, v) - ref).abs().max() > 1e-3  # the window hides keys
+    attn.impl = "triton"
+    assert_close("o", attn.attend(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -327,7 +341,6 @@ def test_rope_window_reaches_both_paths():
             r"global_interval needs an int in \[2, model.n_layer=4\]",
         ),
         ({"window": 8, "global_interval": 5}, r"got 5"),
-        ({"name": "corope", "window": 8}, r"Co-RoPE has no sliding window"),
         (
             {"window_theta": 1e4},
             r"window_theta=10000.0 is the RoPE base .* attention.window is null",
@@ -375,8 +388,6 @@ def test_layer_settings_are_checked_before_the_data_loads():
     model = OmegaConf.structured(ModelConfig(n_layer=2))
     with pytest.raises(ValueError, match="nope_interval"):
         check_attention_config(attn_cfg("rope", nope_interval=3), model, torch.device("cpu"))
-    with pytest.raises(ValueError, match="Co-RoPE has no sliding window"):
-        check_attention_config(attn_cfg("corope", window=4), model, torch.device("cpu"))
     with pytest.raises(ValueError, match="has none"):
         scale = {"beta": 0.1, "length": 8, "layers": "nope"}
         check_attention_config(attn_cfg("rope", query_scale=scale), model, torch.device("cpu"))

@@ -42,6 +42,7 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
     # layer 1 of 2 global (Gemma's pattern), the local layer at its own base
     "rope_window": {"window": 5, "global_interval": 2, "window_theta": 100.0},
     "nope_window": {"window": 3},
+    "corope_window": {"window": 4, "global_interval": 2},
 }
 
 
@@ -442,7 +443,7 @@ def test_model_refuses_a_cached_sequence_past_max_len():
 
 
 @pytest.mark.parametrize("steps", ["tokens", "chunks"])
-@pytest.mark.parametrize("variant", ["rope", "corope"])
+@pytest.mark.parametrize("variant", ["rope", "corope", "corope_window"])
 @torch.no_grad()
 def test_triton_decoding_is_as_close_as_the_torch_path(variant, steps):
     """A prefill and cached steps by the kernels (RoPE: the Triton RoPE of the new rows, then
