@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -101,9 +102,11 @@ def main() -> None:
             row = {"case (B, HQ/HKV, N, D, window)": f"{name} ({B}, {HQ}/{HKV}, {N}, {D}, {W})"}
             row["mode"] = mode
             for p in PROVIDERS:
-                row[f"{p} ms"] = f"{t[f'{p} {mode}']:.3f}"
+                ms = t[f"{p} {mode}"]
+                row[f"{p} ms"] = "skipped" if math.isnan(ms) else f"{ms:.3f}"
             full = t[f"corope, no window {mode}"]
-            row["no window / window"] = f"{full / t[f'corope, window {mode}']:.1f}"
+            ratio = full / t[f"corope, window {mode}"]
+            row["no window / window"] = "" if math.isnan(ratio) else f"{ratio:.1f}"
             row["sin/cos floor ms"] = f"{floor_ms:.3f}"
             row["window / floor"] = f"{t[f'corope, window {mode}'] / floor_ms:.2f}"
             row["MiB beyond q,k,v,o,grads"] = f"{t['mem']:.0f}" if mode == "fwd+bwd" else ""
@@ -113,7 +116,9 @@ def main() -> None:
     text = (
         "# Sliding-window Co-RoPE (bf16, causal)\n\n"
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
-        f"{env['date']}. Median GPU ms (`experiments/bench_corope_window.py`); the floor is the "
+        f"{env['date']}. GPU ms, `triton.testing.do_bench`'s median over 60 ms of calls (a call "
+        "over 30 ms is timed once, after do_bench's warm-up and estimate calls; "
+        "`experiments/bench_corope_window.py`); the floor is the "
         "sin/cos floor on the pairs the window keeps (forward+backward: twice the forward's)."
         "\n\n" + markdown_table(rows, list(rows[0]))
     )
