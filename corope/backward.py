@@ -97,6 +97,7 @@ from fused_rope._validation import (
     check_inv_freq,
     check_kernel_device,
     check_same_device,
+    check_window,
     interpreting,
 )
 
@@ -903,8 +904,8 @@ def corope_bwd(
             chain's copies fit the bound with them).
         freq_grad: also form the gradient with respect to ``inv_freq`` (learned
             frequencies); it holds with ``detach_mileage`` too (the phase is ``delta * w``).
-        window: the forward's causal sliding window of keys (``i - window < j <= i``), 0 for
-            none (unchecked: ``corope_attention`` validates it); each query tile sweeps only
+        window: the forward's causal sliding window of keys (``i - window < j <= i``), 0 or
+            None for none; each query tile sweeps only
             the key tiles its rows' windows touch, and the splits divide that range.
 
     Returns:
@@ -931,6 +932,10 @@ def corope_bwd(
     check_kernel_device(device, "q", dot_dtype=q.dtype)
     check_bool(deterministic, "deterministic")
     check_bool(freq_grad, "freq_grad")
+    if window is None or (type(window) is int and window == 0):
+        window = 0  # no window (the kernels' convention)
+    else:
+        window = check_window(window, causal=True)
     if key_tiles_per_program is not None:
         if type(key_tiles_per_program) is not int:
             raise TypeError(

@@ -263,6 +263,29 @@ def test_bad_windows_are_refused(fn, window, exc, words):
         fn(q, k, v, window=window)
 
 
+@pytest.mark.parametrize(
+    "window, exc, words",
+    [
+        (-5, ValueError, "window must be at least 1"),
+        (True, TypeError, "got bool"),
+        (False, TypeError, "got bool"),
+        (2.5, TypeError, "got float"),
+    ],
+)
+def test_backward_launcher_refuses_bad_windows(window, exc, words):
+    """corope_bwd checks its window as it checks its other arguments (a negative one ran the
+    unwindowed backward, True a window of one key); 0 and None are no window."""
+    q, k, v = _inputs(1, 2, 1, 8, 8, 32, F32)
+    w = corope_inv_freq(32, 10000.0, None, q.device)
+    o, lse = corope_fwd(q, k, v, w, 32**-0.5, 32, "first")
+    args = (torch.randn_like(q), q, k, v, o, lse, w, 32**-0.5, 32, "first", False)
+    with pytest.raises(exc, match=words):
+        corope_bwd(*args, window=window)
+    none = corope_bwd(*args, deterministic=True, window=None)
+    for a, b in zip(none[:3], corope_bwd(*args, deterministic=True, window=0)[:3], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_swept_tiles_bound_every_query_tiles_sweep():
     for N in (1, 63, 64, 500, 1000):
         for W in (0, 1, 31, 32, 33, 100, 2000):
