@@ -186,21 +186,25 @@ def test_gate_tail_on_fewer_rows_takes_the_sweeps_splits(monkeypatch, determinis
 
 
 def test_keys_before_the_window_are_never_read():
-    """NaN in v and k at the first key tile (32 keys): the forward's rows whose query tile's
-    windows start past it (from row 64, window 16, 32-row tiles), the backward's dq of those
-    rows and dk, dv of the keys that only they see stay finite, which holds only if neither
-    kernel loads that tile for them."""
-    N, D, W = 160, 64, 16
+    """NaN in v and k at the first 32 keys: the rows whose tiles' windows all start past the
+    first key tile, and the backward's gradients of the rows and keys of query tiles that do,
+    stay finite, which holds only if neither kernel loads that tile for them (a loaded NaN
+    value reaches every row of the tile through ``P @ V``, whose hidden weights are 0). The
+    bounds hold for every tile either kernel takes (forward: at most 128 keys and 32 rows at
+    G = 2; backward: 64 rows, 32 keys), with window 16: the forward's row tiles from 160 on,
+    the backward's from 256 on."""
+    N, D, W = 320, 64, 16
     q, k, v = _inputs(1, 4, 2, N, N, D, F32)
     k[:, :, :32] = float("nan")
     v[:, :, :32] = float("nan")
     w = corope_inv_freq(D, 10000.0, None, q.device)
     o, lse = corope_fwd(q, k, v, w, D**-0.5, D, "first", W)
-    assert o[:, :, 64:].isfinite().all() and lse[:, :, 64:].isfinite().all()
+    assert o[:, :, 160:].isfinite().all() and lse[:, :, 160:].isfinite().all()
+    assert not o[:, :, :32].isfinite().any()  # the rows that see the poisoned keys
     do = torch.randn_like(q)
     dq, dk, dv, _ = corope_bwd(do, q, k, v, o, lse, w, D**-0.5, D, "first", False, window=W)
-    assert dq[:, :, 64:].isfinite().all()
-    assert dk[:, :, 64:].isfinite().all() and dv[:, :, 64:].isfinite().all()
+    assert dq[:, :, 256:].isfinite().all()
+    assert dk[:, :, 256:].isfinite().all() and dv[:, :, 256:].isfinite().all()
 
 
 @pytest.mark.parametrize("key_tiles", [None, 1])
