@@ -269,6 +269,20 @@ def test_a_bad_key_reaches_only_the_rows_that_see_it(bad):
     assert torch.equal(o[:, :, :8], clean[:, :, :8])
 
 
+def test_a_chunk_takes_only_the_keys_its_rows_see():
+    """Each chunk of rows computes over the keys its rows see (none past its last row, none
+    before its first row's window), as a kernel's query tile does: a NaN value at key 8, which
+    the weights' zeros would carry into every row of a chunk that held it (P @ v), reaches
+    the chunks of rows 8.. only, and with a window of 3 not the chunks from row 12 on."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 16, device=DEVICE) for _ in range(3))
+    v[0, 0, 8, 0] = float("nan")
+    o = corope_attention_ref(q, k, v, chunk_size=4)
+    assert o[:, :, :8].isfinite().all() and not o[:, :, 8:12].isfinite().all()
+    o = corope_attention_ref(q, k, v, chunk_size=4, window=3)
+    assert o[:, :, :8].isfinite().all() and o[:, :, 12:].isfinite().all()
+
+
 def test_fp64_frequencies_stay_fp64():
     """The float64 reference keeps float64 frequencies (it rounded them to fp32, which
     gradcheck with respect to inv_freq exposed)."""
