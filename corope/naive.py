@@ -104,6 +104,8 @@ def check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=F
             f"q's head count {HQ} must be a positive multiple of k's head count {HKV} (each KV "
             "group needs a leader query)"
         )
+    if not isinstance(leader, str):  # a 0-d numpy array of "first" compares equal to it
+        raise TypeError(f"leader must be a str, one of {LEADERS}, got {type(leader).__name__}")
     if leader not in LEADERS:
         raise ValueError(f"leader must be one of {LEADERS}, got {leader!r}")
     R = check_rope_dim(rope_dim, D)

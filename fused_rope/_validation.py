@@ -47,6 +47,8 @@ def check_float_tensor(
     """``x`` is a floating-point tensor (of one of ``dtypes``) with ``ndim`` dimensions."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:  # the kernels and the references index dense memory
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if dtypes is not None and x.dtype not in dtypes:

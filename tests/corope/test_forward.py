@@ -15,6 +15,7 @@ kernel never writes fails the comparison.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -371,6 +372,13 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         (lambda: (_small()[0][0], *_small()[1:]), {}, ValueError, "dimensions"),
         (lambda: (_small()[0].long(), *_small()[1:]), {}, TypeError, "floating"),
         (lambda: _small(), {"leader": "last"}, ValueError, "leader"),
+        (lambda: _small(), {"leader": np.array("first")}, TypeError, "leader must be a str"),
+        (
+            lambda: (_small()[0].to_sparse(), *_small()[1:]),
+            {},
+            TypeError,
+            "q must be a dense",
+        ),
         (lambda: _small(), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
         (lambda: _small(), {"inv_freq": torch.ones(5, device=DEVICE)}, ValueError, "inv_freq"),
         (
@@ -410,6 +418,8 @@ def _small(dtype=torch.float32, HQ=4, HKV=2, N=8, D=64):
         "3d-q",
         "int-q",
         "bad-leader",
+        "numpy-leader",
+        "sparse-q",
         "negative-scale",
         "inv-freq-length",
         "inv-freq-fp16",

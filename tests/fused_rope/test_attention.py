@@ -902,6 +902,7 @@ BAD_INPUTS = [
         ValueError,
         "returns no lse",
     ),
+    ("sparse k", lambda q, k, v: (q, k.to_sparse(), v, {}), TypeError, "k must be a dense"),
     ("window 0", lambda q, k, v: (q, k, v, {"window": 0}), ValueError, "window must be at least 1"),
     (
         "window float",
