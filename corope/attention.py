@@ -191,9 +191,7 @@ def corope_attention(
             f"{q.dtype} (corope_attention_ref runs float64)"
         )
     check_bool(detach_mileage, "detach_mileage")
-    window = check_window(window, causal=True)
-    if window >= NK:  # every row's window holds every key it sees causally
-        window = 0
+    window = check_window(window, causal=True, keys=NK)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     check_bool(deterministic, "deterministic")

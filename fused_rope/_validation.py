@@ -156,10 +156,11 @@ def check_bool(value, name: str) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def check_window(window, causal: bool) -> int:
+def check_window(window, causal: bool, keys: int | None = None) -> int:
     """A causal sliding window: ``None`` (none) or a positive int, the keys a query sees, its
     own included (transformers' ``sliding_window``; FlashAttention's ``window_size=(window - 1,
-    0)``). Returns it as an int, 0 for none (the kernels' convention)."""
+    0)``). Returns it as an int, 0 for none (the kernels' convention), and 0 too for a window of
+    at least ``keys`` (given: NK), which holds every key a query sees causally."""
     if window is None:
         return 0
     if isinstance(window, bool) or not isinstance(window, numbers.Integral):
@@ -168,7 +169,7 @@ def check_window(window, causal: bool) -> int:
         raise ValueError(f"window must be at least 1 (the query's own key), got {window}")
     if not causal:
         raise ValueError(f"window={window} needs causal=True (a window left of the diagonal)")
-    return int(window)
+    return 0 if keys is not None and window >= keys else int(window)
 
 
 def may_overlap(x: torch.Tensor) -> bool:

@@ -378,9 +378,7 @@ def _check_inputs(
     rope_dim = check_rope_dim(rope_dim, D)
     check_bool(causal, "causal")
     check_bool(return_lse, "return_lse")
-    window = check_window(window, causal)
-    if window >= NK:  # every query's window holds all the keys it sees causally
-        window = 0
+    window = check_window(window, causal, keys=NK)
     check_softmax_scale(softmax_scale, D)
     check_scale(attention_factor, "attention_factor", FP16_MAX)  # the fused kernels' fp16 tables
     rotation = dict(
