@@ -84,21 +84,26 @@ def _reference_grads(q, k, v, do, dtype, **kw):
     return (o.detach(), lse.detach(), *torch.autograd.grad(o, (q, k, v), do.to(dtype)))
 
 
+def kernel_grads(case, scale: float, seed: int, device: torch.device):
+    """``(kernel, baseline, truth)``: the kernel's dq, dk, dv, the fp32 reference's and float64
+    autograd's through the reference, at ``case`` with inputs drawn from ``seed``."""
+    B, HQ, HKV, N, D, leader, detach = case
+    kw = dict(leader=leader, detach_mileage=detach, softmax_scale=scale)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, h, N, D, generator=gen).to(device) for h in (HQ, HKV, HKV, HQ))
+    truth = _reference_grads(q, k, v, do, torch.float64, **kw)[2:]
+    o, lse, *baseline = _reference_grads(q, k, v, do, torch.float32, **kw)
+    w = corope_inv_freq(D, 10000.0, None, device)
+    grads = corope_bwd(do, q, k, v, o, lse, w, scale, D, leader, detach, False)
+    return grads[:3], tuple(baseline), truth
+
+
 def kernel_ratios(case, scale: float, seeds: int, device: torch.device) -> list[float]:
     """The largest over ``seeds`` of the kernel's rel-RMSE over the fp32 reference's, for dq,
     dk and dv, both against float64 autograd through the reference."""
-    B, HQ, HKV, N, D, leader, detach = case
-    kw = dict(leader=leader, detach_mileage=detach, softmax_scale=scale)
     worst = [0.0, 0.0, 0.0]
     for seed in range(seeds):
-        gen = torch.Generator().manual_seed(seed)
-        q, k, v, do = (
-            torch.randn(B, h, N, D, generator=gen).to(device) for h in (HQ, HKV, HKV, HQ)
-        )
-        truth = _reference_grads(q, k, v, do, torch.float64, **kw)[2:]
-        o, lse, *baseline = _reference_grads(q, k, v, do, torch.float32, **kw)
-        w = corope_inv_freq(D, 10000.0, None, device)
-        grads = corope_bwd(do, q, k, v, o, lse, w, scale, D, leader, detach, False)
+        grads, baseline, truth = kernel_grads(case, scale, seed, device)
         for i in range(3):
             ratio = rel_rmse(grads[i], truth[i]) / rel_rmse(baseline[i], truth[i])
             worst[i] = max(worst[i], ratio)

@@ -29,7 +29,7 @@ from experiments.results_io import (
     upsert_rows,
 )
 from fused_rope._validation import interpreter_blocker
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, assert_close_to_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -444,10 +444,13 @@ def test_corope_large_logits_explains_the_recomputed_weights(tmp_path):
     assert small["other order, eager lse"] < 1.2 * small["eager"]
     assert large["other order, eager lse"] > 1.4 * large["eager"]
     assert large["other order, own lse"] < 1.2 * large["eager"]
-    ratios = study.kernel_ratios(
-        (1, 2, 1, 17, 32, "mean", False), 32**-0.5, 1, torch.device(DEVICE)
+    # The suite's rule, with its floor of 8 fp32 roundings of rel-RMSE: the bare ratio at this
+    # 17-row shape, where both errors are near 1e-7, reached 2.15 for dk on an H200 (session 46)
+    grads, baseline, truth = study.kernel_grads(
+        (1, 2, 1, 17, 32, "mean", False), 32**-0.5, 0, torch.device(DEVICE)
     )
-    assert all(0 < r <= 2 for r in ratios), ratios
+    for name, g, b, t in zip(("dq", "dk", "dv"), grads, baseline, truth, strict=True):
+        assert_close_to_baseline(name, g, t, b)
     study.main(["--no-kernel", "--scales", "0.9", "--seeds", "1", "--out", str(tmp_path / "r.md")])
     assert "| 0.9 |" in (tmp_path / "r.md").read_text()
 
