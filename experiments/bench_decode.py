@@ -81,7 +81,7 @@ def time_decoding(
     step_ids = torch.randint(0, VOCAB, (B, 1), device=device)
     prefill_ms, step_ms = [], []
     for run in range(4):  # run 0 warms up
-        cache = KVCache(len(model.blocks), P + max(steps, 2))  # 2 warm-up steps
+        cache = KVCache.for_model(model, P + max(steps, 2))  # 2 warm-up steps
         sync(device)
         t0 = time.perf_counter()
         model(prompt, cache)

@@ -36,7 +36,7 @@ def profile_steps(variant: str, B: int, P: int, steps: int, top: int) -> str:
     model = build_model(variant, SMALL, P + 3 * steps + 4, device, torch.bfloat16)
     prompt = torch.randint(0, VOCAB, (B, P), device=device)
     ids = torch.randint(0, VOCAB, (B, 1), device=device)
-    cache = KVCache(len(model.blocks), P + 3 * steps + 4)
+    cache = KVCache.for_model(model, P + 3 * steps + 4)
     model(prompt, cache)
     for _ in range(steps):  # compiles and autotunes the step's kernels
         model(ids, cache)

@@ -18,8 +18,9 @@ training). Decoding continues a ``lm.generation.KVCache`` through ``attend_cache
 cached call computes what a forward over the ``NK`` tokens computes at its rows: RoPE caches
 its keys rotated (each rotated once, at its position); Co-RoPE caches them as projected and
 rotates them all at each call, since the new query's gates set every key's mileage, and so
-does RoPE with dynamic NTK, whose frequencies follow ``NK`` (``lm/generation.py`` says where
-it departs from the forward).
+does RoPE with dynamic NTK, whose frequencies follow the sequence's length
+(``lm/generation.py`` says where it departs from the forward). A windowed layer's cache holds
+only the keys its next queries see.
 """
 
 from __future__ import annotations
@@ -298,10 +299,10 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
         """q ``(B, H, N, D)``, k and v ``(B, HKV, N, D)`` of the ``N`` tokens after the
-        ``cache.length`` that ``cache`` holds: stores k and v in slot ``layer`` and attends to
-        every position held -> ``(B, H, N, D)``. Here the cache holds the keys as projected and
-        ``attend`` sees them all."""
-        k, v = cache.append(layer, k, v)  # (B, HKV, cache.length + N, D) each
+        ``cache.length`` that ``cache`` has seen: stores k and v in slot ``layer`` and attends
+        to every position held (all, or a windowed layer's last ones) -> ``(B, H, N, D)``. Here
+        the cache holds the keys as projected and ``attend`` sees them all."""
+        k, v = cache.append(layer, k, v)  # (B, HKV, held + N, D) each
         return self.attend(q, k, v)
 
 
@@ -440,13 +441,16 @@ class RopeAttention(Attention):
         A chunk of several rows runs SDPA too, where ``rope_attention`` would have picked
         its fused kernel for a long chunk (it would rotate the cached keys again). Dynamic
         NTK's frequencies follow the length, so it keeps the keys as projected and rotates
-        them all at each call."""
-        if self.freqs.dynamic:
-            return super().attend_cached(q, k, v, cache, layer)
-        inv_freq, factor = self.freqs.for_length(cache.length + q.shape[2])
+        the held ones at their positions at each call."""
+        length = cache.length + q.shape[2]  # the sequence's tokens, these N included
+        inv_freq, factor = self.freqs.for_length(length)
         triton = resolve_impl(self.impl, q.device, "rope") == "triton"
-        q, k = self._rotate(q, k, cache.length, inv_freq, factor, triton)
-        k, v = cache.append(layer, k, v)  # (B, HKV, length + N, D) each, the keys rotated
+        if self.freqs.dynamic:
+            k, v = cache.append(layer, k, v)  # (B, HKV, held + N, D): the last held + N tokens
+            q, k = self._rotate(q, k, length - k.shape[2], inv_freq, factor, triton)
+        else:
+            q, k = self._rotate(q, k, cache.length, inv_freq, factor, triton)
+            k, v = cache.append(layer, k, v)  # (B, HKV, held + N, D) each, the keys rotated
         return sdpa_attention(q, k, v, window=self.window)
 
     def _rotate(
@@ -519,7 +523,23 @@ class CoRopeAttention(Attention):
                 )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        inv_freq, _ = self.freqs.for_length(k.shape[2])  # the factor is 1 (checked above)
+        return self._corope(q, k, v, k.shape[2])
+
+    def attend_cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        """As ``Attention.attend_cached``, with dynamic NTK's frequencies of the sequence's
+        length, which a windowed layer's held keys fall short of."""
+        length = cache.length + q.shape[2]
+        k, v = cache.append(layer, k, v)  # (B, HKV, held + N, D) each
+        return self._corope(q, k, v, length)
+
+    def _corope(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """``attend`` of q ``(B, H, NQ, D)`` over the last ``NK`` keys of a sequence of
+        ``length`` tokens (the frequencies' length) -> ``(B, H, NQ, D)``."""
+        inv_freq, _ = self.freqs.for_length(length)  # the factor is 1 (checked above)
         kwargs = dict(
             inv_freq=inv_freq,
             rope_dim=self.rope_dim,

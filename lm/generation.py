@@ -1,14 +1,16 @@
 """Text generation with a KV cache, for every attention of ``lm.attention``.
 
 ``generate`` runs the prompt once (prefill), then one token per step: each step's query
-attends to the keys and values that ``KVCache`` kept from every earlier position. RoPE
+attends to the keys and values that ``KVCache`` kept from every earlier position (a layer
+with a sliding window keeps only the last ones its queries see). RoPE
 caches its keys rotated at their positions; Co-RoPE caches them as the layer projected them
 and rotates them at each call, as it must: its rotation of key ``j`` for query ``i`` depends
 on the mileage from ``j`` to ``i``, which the new query's gates set. So a cached call
 computes what a forward over the sequence so far computes at its rows
 (``tests/lm/test_generation.py`` checks it for every attention). One exception: dynamic
 NTK, whose frequencies follow the sequence length, so its cache holds the keys unrotated
-too. The first layer's keys are rotated with the frequencies of the current length, but a
+too and rotates them at their positions at each call. The first layer's keys are rotated
+with the frequencies of the current length, but a
 deeper layer's cached keys come from hidden states computed at the lengths of their time,
 where a forward over the whole sequence would recompute them: past the original length such
 a model decodes close to, not exactly as, the forward (``use_cache=False`` decodes exactly,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 
 import torch
 
@@ -42,27 +45,63 @@ class KVCache:
 
     ``GPT.forward(idx, cache)`` appends each layer's keys and values of ``idx``'s tokens
     (``append``) and then advances ``length`` by their number. The buffers are allocated at
-    the first append, ``[B, HKV, capacity, D]`` in the keys' dtype and device (bf16 under
+    the first append, ``[B, HKV, rows, D]`` in the keys' dtype and device (bf16 under
     autocast). Inference only: the appended tensors must not require grad.
+
+    A layer with a sliding window (its queries see their last ``window`` keys, transformers'
+    ``sliding_window``) keeps only the last ``window - 1`` tokens between calls, the keys the
+    next token sees besides its own: its buffer has ``min(capacity, 2 * window)`` rows, and
+    when a call's tokens do not fit after the held ones, those move to the front (one copy of
+    ``window - 1`` rows every ``window + 1`` decoding steps at least). Its memory and each
+    step's attention then grow with the window, not with the sequence, as Mistral's rolling
+    buffer cache does (the keys dropped are those no later query sees, so a cached call
+    computes what it computed with every key held; Co-RoPE's mileage to a key it sees sums
+    the gates of the keys between them, all held too).
 
     Args:
         n_layer: the model's number of layers.
         capacity: the most tokens the cache will hold (prompt + generated).
+        windows: each layer's sliding window (an int >= 1) or None (every key held); default
+            None for every layer. ``KVCache.for_model`` takes them from a model.
     """
 
-    def __init__(self, n_layer: int, capacity: int) -> None:
+    def __init__(
+        self, n_layer: int, capacity: int, windows: Sequence[int | None] | None = None
+    ) -> None:
         self.n_layer = check_int("n_layer", n_layer, 1)
         self.capacity = check_int("capacity", capacity, 1)
-        self.length = 0  # tokens held
+        windows = [None] * n_layer if windows is None else list(windows)
+        if len(windows) != n_layer:
+            raise ValueError(f"windows must hold one entry a layer ({n_layer}), got {len(windows)}")
+        self.windows = [
+            None if w is None else check_int(f"windows[{i}]", w, 1) for i, w in enumerate(windows)
+        ]
+        self.length = 0  # tokens seen
+        # each layer's buffer rows: 2 * window give a window's keys room for window + 1 more
+        self._rows = [capacity if w is None else min(capacity, 2 * w) for w in self.windows]
+        self._start = [0] * n_layer  # the held tokens are rows start:end of the buffer
+        self._end = [0] * n_layer
         self._k: list[torch.Tensor | None] = [None] * n_layer
         self._v: list[torch.Tensor | None] = [None] * n_layer
+
+    @classmethod
+    def for_model(cls, model: GPT, capacity: int) -> KVCache:
+        """A cache for ``model``'s layers, each with its attention's sliding window."""
+        return cls(len(model.blocks), capacity, [block.attn.window for block in model.blocks])
+
+    def held(self, layer: int) -> int:
+        """The tokens slot ``layer`` holds: ``length``, or at most ``window - 1`` once
+        ``length`` has passed them."""
+        return self._end[layer] - self._start[layer]
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores ``k`` and ``v`` ``[B, HKV, N, D]`` of the ``N`` new tokens after the
-        ``length`` held ones in slot ``layer``; returns the keys and values of all of them,
-        ``[B, HKV, length + N, D]`` each (views of the buffers)."""
+        ``length`` seen ones in slot ``layer``; returns the keys and values of the tokens it
+        held (every one, or a windowed layer's last ``window - 1`` or fewer) followed by the
+        new ones, ``[B, HKV, held + N, D]`` each (views of the buffers, or, for a chunk longer
+        than a windowed layer's buffer, new tensors)."""
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"layer must be in [0, {self.n_layer}), got {layer}")
         if k.shape != v.shape or k.ndim != 4:
@@ -77,16 +116,16 @@ class KVCache:
             )
         if k.requires_grad or v.requires_grad:
             raise ValueError("KVCache is for inference: run the model under torch.no_grad()")
-        end = self.length + k.shape[2]
-        if end > self.capacity:
+        N = k.shape[2]
+        if self.length + N > self.capacity:
             raise ValueError(
                 f"the cache holds {self.length} of its capacity {self.capacity} tokens and "
-                f"cannot take {k.shape[2]} more"
+                f"cannot take {N} more"
             )
         if self._k[layer] is None:
             B, HKV, _, D = k.shape
-            self._k[layer] = k.new_empty(B, HKV, self.capacity, D)
-            self._v[layer] = v.new_empty(B, HKV, self.capacity, D)
+            self._k[layer] = k.new_empty(B, HKV, self._rows[layer], D)
+            self._v[layer] = v.new_empty(B, HKV, self._rows[layer], D)
         buf_k, buf_v = self._k[layer], self._v[layer]
         held = (buf_k.shape[:2], buf_k.shape[3], buf_k.dtype, buf_k.device)
         if (k.shape[:2], k.shape[3], k.dtype, k.device) != held:
@@ -95,12 +134,31 @@ class KVCache:
                 f"{buf_k.dtype} on {buf_k.device}, got keys {tuple(k.shape)} in {k.dtype} on "
                 f"{k.device}"
             )
-        buf_k[:, :, self.length : end] = k
-        buf_v[:, :, self.length : end] = v
-        return buf_k[:, :, :end], buf_v[:, :, :end]
+        window, start, end = self.windows[layer], self._start[layer], self._end[layer]
+        if end + N > buf_k.shape[2]:  # a windowed layer's: the held tokens go to the front
+            n_held = end - start
+            if n_held + N > buf_k.shape[2]:  # a chunk longer than the buffer (a long prompt)
+                keys = torch.cat([buf_k[:, :, start:end], k], 2)
+                values = torch.cat([buf_v[:, :, start:end], v], 2)
+                keep = min(window - 1, keys.shape[2])
+                buf_k[:, :, :keep] = keys[:, :, keys.shape[2] - keep :]
+                buf_v[:, :, :keep] = values[:, :, keys.shape[2] - keep :]
+                self._start[layer], self._end[layer] = 0, keep
+                return keys, values
+            # clone: the rows overlap where start < n_held
+            buf_k[:, :, :n_held] = buf_k[:, :, start:end].clone()
+            buf_v[:, :, :n_held] = buf_v[:, :, start:end].clone()
+            start, end = 0, n_held
+        buf_k[:, :, end : end + N] = k
+        buf_v[:, :, end : end + N] = v
+        end += N
+        self._end[layer] = end
+        if window is not None:  # the next call's queries see none before its last window - 1
+            self._start[layer] = max(start, end - (window - 1))
+        return buf_k[:, :, start:end], buf_v[:, :, start:end]
 
     def advance(self, n: int) -> None:
-        """Counts ``n`` more tokens held, once every layer has appended theirs."""
+        """Counts ``n`` more tokens seen, once every layer has appended theirs."""
         check_int("n", n, 0)
         if self.length + n > self.capacity:
             raise ValueError(
@@ -225,7 +283,7 @@ def generate(
     was_training = model.training
     model.eval()
     tokens = prompt
-    cache = KVCache(len(model.blocks), total) if use_cache else None
+    cache = KVCache.for_model(model, total) if use_cache else None
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
     try:
         with autocast(device), torch.compiler.set_stance("force_eager"):

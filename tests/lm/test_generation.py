@@ -43,6 +43,15 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
     "rope_window": {"window": 5, "global_interval": 2, "window_theta": 100.0},
     "nope_window": {"window": 3},
     "corope_window": {"window": 4, "global_interval": 2},
+    # dynamic NTK's frequencies follow the sequence's length, not the windowed cache's keys
+    "rope_window_ntk": {
+        "window": 3,
+        "scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
+    },
+    "corope_window_ntk": {
+        "window": 3,
+        "scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
+    },
 }
 
 
@@ -80,7 +89,7 @@ def forward_logits(model: GPT, x: torch.Tensor, chunks: list[int]) -> torch.Tens
 
 def cached_logits(model: GPT, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     """``(B, N, V)`` from feeding ``x`` through a ``KVCache`` in chunks of these sizes."""
-    cache, out = KVCache(len(model.blocks), x.shape[1]), []
+    cache, out = KVCache.for_model(model, x.shape[1]), []
     for start, end in chunk_ends(chunks):
         out.append(model(x[:, start:end], cache))
         assert cache.length == end
@@ -143,17 +152,24 @@ def test_windowed_cached_steps_take_the_windows_keys_bottom_right(monkeypatch):
     assert calls == [(1, 5), (1, 8), (1, 5), (1, 9)]
 
 
-# (dynamic NTK under impl=triton rotates inside rope_attention's kernels, which this spy misses)
 @pytest.mark.parametrize(
     "variant, impl",
-    [("rope", "torch"), ("rope", "triton"), ("rope_interleaved", "triton"), ("rope_ntk", "torch")],
+    [
+        ("rope", "torch"),
+        ("rope", "triton"),
+        ("rope_interleaved", "triton"),
+        ("rope_ntk", "torch"),
+        ("rope_ntk", "triton"),
+        ("rope_window_ntk", "torch"),
+    ],
 )
 @torch.no_grad()
 def test_rope_rotates_each_key_once_unless_its_frequencies_follow_the_length(
     variant, impl, monkeypatch
 ):
     """RoPE caches its keys rotated: a step rotates its own row of q and k, not every cached
-    key again. Dynamic NTK's frequencies follow the length, so it rotates them all."""
+    key again. Dynamic NTK's frequencies follow the length, so it rotates them all (with a
+    window of 3, the 2 held and its own)."""
     import fused_rope.naive
     import fused_rope.rope
 
@@ -173,7 +189,7 @@ def test_rope_rotates_each_key_once_unless_its_frequencies_follow_the_length(
     monkeypatch.setattr(fused_rope.rope, "apply_rope_qk", spy_qk)
     model = make_model(variant, torch.float32, impl)
     cached_logits(model, torch.randint(0, VOCAB, (1, 7), device=DEVICE), [5, 1, 1])
-    per_layer = [5, 6, 7] if variant == "rope_ntk" else [5, 1, 1]
+    per_layer = {"rope_ntk": [5, 6, 7], "rope_window_ntk": [5, 3, 3]}.get(variant, [5, 1, 1])
     assert rows == [n for n in per_layer for _ in model.blocks]
 
 
@@ -431,10 +447,57 @@ def test_cache_refuses_overflow_mismatches_and_gradients():
         KVCache(2.0, 4)
 
 
+@pytest.mark.parametrize("window", [1, 3])
+def test_windowed_cache_holds_the_last_keys_in_a_buffer_of_twice_the_window(window):
+    """A windowed layer's slot returns the tokens it held, its last ``window - 1`` at most, then
+    the new ones, in order, through decoding steps that move the held rows to the front of its
+    ``2 * window`` rows and chunks longer than them; a layer without a window holds all."""
+    cache = KVCache(2, 40, windows=[window, None])
+    gen = torch.Generator().manual_seed(0)
+    keys_so_far = values_so_far = torch.empty(1, 2, 0, 4)
+    for n in [1, 4, 1, 1, 1, 1, 9, 1, 2, 1, 1, 1, 1]:
+        k, v = torch.randn(2, 1, 2, n, 4, generator=gen)
+        keys_so_far = torch.cat([keys_so_far, k], 2)
+        values_so_far = torch.cat([values_so_far, v], 2)
+        first = max(0, cache.length - (window - 1))  # the first token held
+        keys, values = cache.append(0, k, v)
+        assert torch.equal(keys, keys_so_far[:, :, first:])
+        assert torch.equal(values, values_so_far[:, :, first:])
+        keys, values = cache.append(1, k, v)
+        assert torch.equal(keys, keys_so_far) and torch.equal(values, values_so_far)
+        cache.advance(n)
+        assert cache.held(0) == min(cache.length, window - 1) and cache.held(1) == cache.length
+    assert cache._k[0].shape[2] == 2 * window and cache._k[1].shape[2] == 40
+    assert KVCache(1, 5, windows=[4]).windows == [4]  # 5 rows: the capacity, not 2 * window
+    with pytest.raises(ValueError, match=r"windows must hold one entry a layer \(2\), got 1"):
+        KVCache(2, 5, windows=[3])
+    with pytest.raises(ValueError, match=r"windows\[1\] must be >= 1, got 0"):
+        KVCache(2, 5, windows=[3, 0])
+    with pytest.raises(TypeError, match=r"windows\[0\] must be an int"):
+        KVCache(2, 5, windows=[3.0, None])
+
+
+@torch.no_grad()
+def test_generate_holds_a_windowed_layers_last_keys_only(monkeypatch):
+    """``generate`` builds its cache with each layer's window (``KVCache.for_model``): a
+    windowed layer of window 5 holds 4 tokens after 30, a global one all 30."""
+    import lm.generation
+
+    caches = []
+    monkeypatch.setattr(
+        lm.generation.KVCache, "advance",
+        lambda self, n, real=KVCache.advance: (caches.append(self), real(self, n))[1],
+    )  # fmt: skip
+    model = make_model("rope_window", torch.float32)  # window 5: layer 0 windowed, 1 global
+    generate(model, torch.zeros(1, 20, dtype=torch.long, device=DEVICE), 10, temperature=0)
+    cache = caches[-1]
+    assert cache.length == 29 and (cache.held(0), cache.held(1)) == (4, 29)
+
+
 @torch.no_grad()
 def test_model_refuses_a_cached_sequence_past_max_len():
     model = make_model("learned")
-    cache = KVCache(len(model.blocks), MAX_LEN + 4)
+    cache = KVCache.for_model(model, MAX_LEN + 4)
     model(torch.zeros(1, MAX_LEN - 2, dtype=torch.long, device=DEVICE), cache)
     with pytest.raises(
         ValueError, match=f"sequence length {MAX_LEN + 1} exceeds the model's max_len"
