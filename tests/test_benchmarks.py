@@ -664,7 +664,7 @@ def test_bench_decode_times_three_prefills_and_the_steps_after_the_warm_up(monke
     step_s = iter([0.5, 0.5, 0.001, 0.002, 0.003])  # two warm-up steps, then three
 
     class Model:
-        blocks = [None, None]
+        blocks = [types.SimpleNamespace(attn=types.SimpleNamespace(window=None))] * 2
 
         def __call__(self, ids, cache):
             clock["now"] += next(prefill_s if ids.shape[1] > 1 else step_s)
