@@ -9,6 +9,9 @@ model, the median of ``--steps`` steps, each synchronized). RoPE runs its Triton
 then SDPA reads the cache of rotated keys); Co-RoPE prefills
 with ``corope_attention`` and decodes with it too (one query row: the decoding kernels of
 ``corope/decode.py``, its gates and mileage over every cached key), NoPE is SDPA.
+``--window W`` adds each attention with a sliding window of ``W`` keys in every layer, whose
+cache holds a layer's last ``W - 1`` tokens (``lm.generation.KVCache``); each row's note gives
+the cache's bytes.
 
 The floor of a step is the bytes it must read from memory, the bf16 weights and the cached
 keys and values of every layer, over the measured copy bandwidth; eager decoding of a model
@@ -60,9 +63,14 @@ QUICK = {"d_model": 64, "n_layer": 2, "n_head": 2, "n_kv_head": 1}
 VOCAB = 256
 
 
-def build_model(variant: str, model: dict, max_len: int, device, dtype) -> GPT:
+def build_model(
+    variant: str, model: dict, max_len: int, device, dtype, window: int | None = None
+) -> GPT:
+    """``model=small`` (or ``model``'s sizes) with attention ``variant``, every layer
+    windowed at ``window`` keys (None: no window), in eval mode."""
     model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), model)
     attn_cfg = OmegaConf.structured(ATTENTION_SCHEMAS[variant])  # impl auto: Triton on CUDA
+    attn_cfg.window = window
     return GPT(model_cfg, attn_cfg, VOCAB, max_len).to(device, dtype).eval()
 
 
@@ -74,9 +82,9 @@ def sync(device) -> None:
 @torch.no_grad()
 def time_decoding(
     model: GPT, B: int, P: int, steps: int, device
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], int]:
     """(the ms of each of 3 prefills, the ms of each of ``steps`` decoding steps after the
-    last) after a warm-up run."""
+    last, the bytes of the last run's cache) after a warm-up run."""
     prompt = torch.randint(0, VOCAB, (B, P), device=device)
     step_ids = torch.randint(0, VOCAB, (B, 1), device=device)
     prefill_ms, step_ms = [], []
@@ -92,7 +100,7 @@ def time_decoding(
             model(step_ids, cache)
             sync(device)
             step_ms.append((time.perf_counter() - t0) * 1e3)
-    return prefill_ms[1:], step_ms[2:]
+    return prefill_ms[1:], step_ms[2:], cache.nbytes()
 
 
 def quantiles(ms: list[float]) -> tuple[float, float, float]:
@@ -113,9 +121,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_output_arguments(parser)
     parser.add_argument("--steps", type=int, default=32, help="decoding steps timed per case")
+    parser.add_argument(
+        "--window", type=int, help="also time every attention with this sliding window"
+    )
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.window is not None and args.window < 1:
+        parser.error(f"--window must be >= 1, got {args.window}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick, args.out = quick_and_output(args, device, "bench_decode")
     if quick:
@@ -128,15 +141,19 @@ def main() -> None:
     sizes = QUICK if quick else SMALL
     batches, prompts, steps = ((1,), (16,), 2) if quick else (BATCHES, PROMPTS, args.steps)
     print(f"results into {args.out}; copy bandwidth {gbps:.4g} GB/s", flush=True)
-    for variant in VARIANTS:
-        model = build_model(variant, sizes, max(prompts) + max(steps, 2), device, dtype)
+    windows = (None,) if args.window is None else (None, args.window)
+    for variant, window in ((v, w) for w in windows for v in VARIANTS):
+        max_len = max(prompts) + max(steps, 2)
+        model = build_model(variant, sizes, max_len, device, dtype, window)
+        provider = variant if window is None else f"{variant}, window {window}"
         for B in batches:
             for P in prompts:
-                prefill_ms, step_ms = time_decoding(model, B, P, steps, device)
+                prefill_ms, step_ms, cache_bytes = time_decoding(model, B, P, steps, device)
                 prefill, step = quantiles(prefill_ms), quantiles(step_ms)
-                common = {"op": OP, "provider": variant, "shape": f"B{B}-P{P}", **env}
+                common = {"op": OP, "provider": provider, "shape": f"B{B}-P{P}", **env}
                 common["dtype"] = "bf16" if dtype == torch.bfloat16 else "fp32"
-                floor = floor_ms(model, B, P, gbps)
+                floor = floor_ms(model, B, P if window is None else min(P, window), gbps)
+                cache = f"cache {cache_bytes / 2**20:.3g} MiB"
                 timing = lambda q: dict(zip(("ms", "ms_p20", "ms_p80"), q, strict=True))
                 rows = [
                     {**common, "mode": "prefill", **timing(prefill), "note": "3 prefills"},
@@ -144,10 +161,14 @@ def main() -> None:
                         **common,
                         "mode": "decode step",
                         **timing(step),
-                        "note": f"{B / step[0] * 1e3:.0f} tok/s; floor {floor * 1e3:.0f} us",
+                        "note": f"{B / step[0] * 1e3:.0f} tok/s; floor {floor * 1e3:.0f} us; "
+                        + cache,
                     },
                 ]
-                print(f"{variant} B={B} P={P}: prefill {prefill[0]:.2f} ms, step {step[0]:.3f} ms")
+                print(
+                    f"{provider} B={B} P={P}: prefill {prefill[0]:.2f} ms, step {step[0]:.3f} "
+                    f"ms, {cache}"
+                )
                 upsert_rows(rows, csv_path)  # case by case: a run cut short keeps its rows
         del model
     rows = read_rows(csv_path, OP, env["gpu"])

@@ -89,6 +89,10 @@ class KVCache:
         """A cache for ``model``'s layers, each with its attention's sliding window."""
         return cls(len(model.blocks), capacity, [block.attn.window for block in model.blocks])
 
+    def nbytes(self) -> int:
+        """Bytes of the buffers allocated so far (keys and values of every layer)."""
+        return sum(b.nbytes for b in self._k + self._v if b is not None)
+
     def held(self, layer: int) -> int:
         """The tokens slot ``layer`` holds: ``length``, or at most ``window - 1`` once
         ``length`` has passed them."""

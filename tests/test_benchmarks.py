@@ -672,9 +672,30 @@ def test_bench_decode_times_three_prefills_and_the_steps_after_the_warm_up(monke
     monkeypatch.setattr(
         bench_decode, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"])
     )
-    prefill, steps = bench_decode.time_decoding(Model(), 1, 4, 3, torch.device("cpu"))
+    prefill, steps, cache_bytes = bench_decode.time_decoding(Model(), 1, 4, 3, torch.device("cpu"))
     assert prefill == pytest.approx([10.0, 20.0, 30.0])
     assert steps == pytest.approx([1.0, 2.0, 3.0])
+    assert cache_bytes == 0  # the fake model stores no keys
+
+
+def test_bench_decode_quick_run_with_a_window(tmp_path):
+    """``--quick --window 3``: every attention with and without the window; a windowed
+    cache's buffers have 2 * 3 rows, the others 16 prompt tokens + 2 steps (2 layers, keys and
+    values, 1 KV head of 32 fp32 channels: 3072 and 9216 bytes)."""
+    script = Path(__file__).resolve().parents[1] / "experiments" / "bench_decode.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--quick", "--window", "3", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = (tmp_path / "bench_decode.md").read_text()
+    for variant in ("rope", "corope", "nope"):
+        assert f"| {variant} | " in report and f"| {variant}, window 3 | " in report
+    lines = [line for line in report.splitlines() if "decode step" in line]
+    assert len(lines) == 6
+    for line in lines:
+        cache = 3072 if "window 3" in line else 9216
+        assert f"cache {cache / 2**20:.3g} MiB" in line, line
 
 
 def test_bench_decode_floor_reads_the_weights_and_every_layers_keys_and_values():
