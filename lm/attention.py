@@ -15,7 +15,7 @@ information enters (or not):
 
 ``attend`` takes queries for the last ``NQ`` of the ``NK`` key positions (``NQ = NK`` in
 training). Decoding continues a ``lm.generation.KVCache`` through ``attend_cached``, so that a
-cached call computes what a forward over the ``NK`` tokens computes at its rows: RoPE caches
+cached call computes what a forward over the sequence so far computes at its rows: RoPE caches
 its keys rotated (each rotated once, at its position); Co-RoPE caches them as projected and
 rotates them all at each call, since the new query's gates set every key's mileage, and so
 does RoPE with dynamic NTK, whose frequencies follow the sequence's length
@@ -274,6 +274,7 @@ class Attention(nn.Module):
         if self.query_scale is not None:
             q = self._scale_queries(q, 0 if cache is None else cache.length)
         if cache is not None:  # inference: the timer is of training steps
+            cache.check_window(layer, self.window)  # it holds the keys this layer sees
             o = self.attend_cached(q, k, v, cache, layer)
         elif self.timer:
             o = self.timer.around(self.attend, q, k, v)

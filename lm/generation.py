@@ -44,9 +44,11 @@ class KVCache:
     """The keys and values of every layer for the tokens a model has seen so far.
 
     ``GPT.forward(idx, cache)`` appends each layer's keys and values of ``idx``'s tokens
-    (``append``) and then advances ``length`` by their number. The buffers are allocated at
-    the first append, ``[B, HKV, rows, D]`` in the keys' dtype and device (bf16 under
-    autocast). Inference only: the appended tensors must not require grad.
+    (``append``) and then advances ``length`` by their number, which commits them: a forward
+    that fails before it (out of memory, interrupted) leaves the cache as it was, and a
+    second ``append`` to a layer before ``advance`` replaces the first. The buffers are
+    allocated at the first append, ``[B, HKV, rows, D]`` in the keys' dtype and device (bf16
+    under autocast). Inference only: the appended tensors must not require grad.
 
     A layer with a sliding window (its queries see their last ``window`` keys, transformers'
     ``sliding_window``) keeps only the last ``window - 1`` tokens between calls, the keys the
@@ -60,7 +62,7 @@ class KVCache:
 
     Args:
         n_layer: the model's number of layers.
-        capacity: the most tokens the cache will hold (prompt + generated).
+        capacity: the most tokens the cache will see (prompt + generated).
         windows: each layer's sliding window (an int >= 1) or None (every key held); default
             None for every layer. ``KVCache.for_model`` takes them from a model.
     """
@@ -81,6 +83,9 @@ class KVCache:
         self._rows = [capacity if w is None else min(capacity, 2 * w) for w in self.windows]
         self._start = [0] * n_layer  # the held tokens are rows start:end of the buffer
         self._end = [0] * n_layer
+        # what advance() commits, per layer that appended: (N, start, end, tail), tail the
+        # keys and values to write to the front first (a chunk longer than the buffer)
+        self._staged: list[tuple | None] = [None] * n_layer
         self._k: list[torch.Tensor | None] = [None] * n_layer
         self._v: list[torch.Tensor | None] = [None] * n_layer
 
@@ -98,14 +103,26 @@ class KVCache:
         ``length`` has passed them."""
         return self._end[layer] - self._start[layer]
 
+    def check_window(self, layer: int, window: int | None) -> None:
+        """ValueError unless slot ``layer`` keeps the keys that a layer of sliding window
+        ``window`` (None: every key) needs: every token, or the last ``w - 1`` for a window
+        ``w >= window``."""
+        kept = self.windows[layer]
+        if kept is not None and (window is None or kept < window):
+            raise ValueError(
+                f"layer {layer}'s cache keeps its last {kept - 1} tokens (window {kept}), but "
+                f"the layer's window is {window} (None: every key): build the cache with "
+                "KVCache.for_model(model, capacity)"
+            )
+
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores ``k`` and ``v`` ``[B, HKV, N, D]`` of the ``N`` new tokens after the
-        ``length`` seen ones in slot ``layer``; returns the keys and values of the tokens it
-        held (every one, or a windowed layer's last ``window - 1`` or fewer) followed by the
-        new ones, ``[B, HKV, held + N, D]`` each (views of the buffers, or, for a chunk longer
-        than a windowed layer's buffer, new tensors)."""
+        """Stores ``k`` and ``v`` ``[B, HKV, N, D]`` of the ``N`` tokens after the ``length``
+        seen ones in slot ``layer`` (held from ``advance`` on); returns the keys and values of
+        the tokens it holds (every one, or a windowed layer's last ``window - 1`` or fewer)
+        followed by the new ones, ``[B, HKV, held + N, D]`` each (views of the buffers, or,
+        for a chunk longer than a windowed layer's buffer, new tensors)."""
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"layer must be in [0, {self.n_layer}), got {layer}")
         if k.shape != v.shape or k.ndim != 4:
@@ -139,36 +156,49 @@ class KVCache:
                 f"{k.device}"
             )
         window, start, end = self.windows[layer], self._start[layer], self._end[layer]
-        if end + N > buf_k.shape[2]:  # a windowed layer's: the held tokens go to the front
+        # Only a windowed layer's tokens can overflow its buffer (the others' has capacity
+        # rows, and end == length there)
+        if end + N > buf_k.shape[2]:
             n_held = end - start
             if n_held + N > buf_k.shape[2]:  # a chunk longer than the buffer (a long prompt)
                 keys = torch.cat([buf_k[:, :, start:end], k], 2)
                 values = torch.cat([buf_v[:, :, start:end], v], 2)
-                keep = min(window - 1, keys.shape[2])
-                buf_k[:, :, :keep] = keys[:, :, keys.shape[2] - keep :]
-                buf_v[:, :, :keep] = values[:, :, keys.shape[2] - keep :]
-                self._start[layer], self._end[layer] = 0, keep
+                first = max(0, keys.shape[2] - (window - 1))  # the first token kept
+                tail = (keys[:, :, first:], values[:, :, first:])
+                self._staged[layer] = (N, 0, keys.shape[2] - first, tail)
                 return keys, values
-            # clone: the rows overlap where start < n_held
+            # The held tokens move to the front, committed at once (the same tokens, held
+            # elsewhere); clone: the rows overlap where start < n_held
             buf_k[:, :, :n_held] = buf_k[:, :, start:end].clone()
             buf_v[:, :, :n_held] = buf_v[:, :, start:end].clone()
-            start, end = 0, n_held
-        buf_k[:, :, end : end + N] = k
+            start, end = self._start[layer], self._end[layer] = 0, n_held
+        buf_k[:, :, end : end + N] = k  # past the held rows: a failed call leaves them as they are
         buf_v[:, :, end : end + N] = v
-        end += N
-        self._end[layer] = end
-        if window is not None:  # the next call's queries see none before its last window - 1
-            self._start[layer] = max(start, end - (window - 1))
-        return buf_k[:, :, start:end], buf_v[:, :, start:end]
+        # the next call's queries see none before its last window - 1
+        new_start = start if window is None else max(start, end + N - (window - 1))
+        self._staged[layer] = (N, new_start, end + N, None)
+        return buf_k[:, :, start : end + N], buf_v[:, :, start : end + N]
 
     def advance(self, n: int) -> None:
-        """Counts ``n`` more tokens seen, once every layer has appended theirs."""
+        """Counts ``n`` more tokens seen, once every layer has appended theirs, and commits
+        what each layer appended (the ``n`` tokens' keys and values)."""
         check_int("n", n, 0)
         if self.length + n > self.capacity:
             raise ValueError(
                 f"the cache holds {self.length} of its capacity {self.capacity} tokens and "
                 f"cannot count {n} more"
             )
+        wrong = {i: st[0] for i, st in enumerate(self._staged) if st is not None and st[0] != n}
+        if wrong:
+            raise ValueError(f"advance({n}) after appends of other lengths: {{layer: N}} {wrong}")
+        for layer, staged in enumerate(self._staged):
+            if staged is None:
+                continue
+            _, self._start[layer], self._end[layer], tail = staged
+            if tail is not None:
+                self._k[layer][:, :, : tail[0].shape[2]] = tail[0]
+                self._v[layer][:, :, : tail[1].shape[2]] = tail[1]
+            self._staged[layer] = None
         self.length += n
 
 

@@ -477,6 +477,46 @@ def test_windowed_cache_holds_the_last_keys_in_a_buffer_of_twice_the_window(wind
         KVCache(2, 5, windows=[3.0, None])
 
 
+@pytest.mark.parametrize("variant", ["rope", "rope_window", "corope_window"])
+@torch.no_grad()
+def test_a_failed_cached_call_leaves_the_cache_as_it_was(variant, monkeypatch):
+    """A cached forward that fails in its last layer (out of memory, say) after the first
+    layer appended leaves every slot as it was: the retried steps, a long chunk among them
+    (past a windowed layer's buffer), compute the forward of the sequence. A review found the
+    first layer's keys stored twice, and a crash without a window, when appends moved the
+    slots before ``advance``."""
+    model = make_model(variant)
+    x = torch.randint(0, VOCAB, (2, 30), device=DEVICE)
+    chunks = [6, 1, 1, 12, 1, 1, 1]
+    expected = forward_logits(model, x, chunks)
+    attention, real = model.blocks[-1].attn, model.blocks[-1].attn.attend_cached
+    cache, out = KVCache.for_model(model, x.shape[1]), []
+    for start, end in chunk_ends(chunks):
+        if start:  # every step fails once first
+            monkeypatch.setattr(attention, "attend_cached", lambda *a: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                model(x[:, start:end], cache)
+            monkeypatch.setattr(attention, "attend_cached", real)
+        out.append(model(x[:, start:end], cache))
+    torch.testing.assert_close(torch.cat(out, 1), expected, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"advance\(2\) after appends of other lengths"):
+        cache.append(0, *(torch.zeros(2, 2, 1, 16, dtype=torch.float64, device=DEVICE),) * 2)
+        cache.advance(2)
+
+
+@torch.no_grad()
+def test_a_cache_that_drops_keys_a_layer_sees_is_refused():
+    """A cache built with a smaller window than a layer's, or with one for a layer without a
+    window, would drop keys the layer attends to: refused by name (a review's find: the
+    logits were silently off by 0.17). A larger window holds more keys than needed: taken."""
+    x = torch.zeros(1, 4, dtype=torch.long, device=DEVICE)
+    model = make_model("rope_window")  # window 5 in layer 0, layer 1 global
+    for windows, layer in (([3, None], 0), ([5, 5], 1)):
+        with pytest.raises(ValueError, match=f"layer {layer}'s cache keeps its last"):
+            model(x, KVCache(2, 8, windows))
+    model(x, KVCache(2, 8, [6, None]))
+
+
 @torch.no_grad()
 def test_generate_holds_a_windowed_layers_last_keys_only(monkeypatch):
     """``generate`` builds its cache with each layer's window (``KVCache.for_model``): a
