@@ -152,6 +152,25 @@ def test_windowed_cached_steps_take_the_windows_keys_bottom_right(monkeypatch):
     assert calls == [(1, 5), (1, 8), (1, 5), (1, 9)]
 
 
+@torch.no_grad()
+def test_a_windowed_rope_prefill_takes_the_fused_kernel(monkeypatch):
+    """Under ``impl=triton`` a windowed layer's prefill into an empty cache runs
+    ``rope_attention`` (its fused kernel skips the keys outside the window; SDPA would mask
+    every pair), the global layer and the decoding steps do not."""
+    import fused_rope.attention
+
+    calls, real = [], fused_rope.attention.rope_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape[2], k.shape[2], kwargs["window"]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(fused_rope.attention, "rope_attention", spy)
+    model = make_model("rope_window", torch.float32, "triton")  # layer 0: window 5
+    cached_logits(model, torch.randint(0, VOCAB, (1, 9), device=DEVICE), [7, 1, 1])
+    assert calls == [(7, 7, 5)]
+
+
 @pytest.mark.parametrize(
     "variant, impl",
     [
@@ -546,7 +565,9 @@ def test_model_refuses_a_cached_sequence_past_max_len():
 
 
 @pytest.mark.parametrize("steps", ["tokens", "chunks"])
-@pytest.mark.parametrize("variant", ["rope", "corope", "corope_window"])
+@pytest.mark.parametrize(
+    "variant", ["rope", "rope_window", "rope_window_ntk", "corope", "corope_window"]
+)
 @torch.no_grad()
 def test_triton_decoding_is_as_close_as_the_torch_path(variant, steps):
     """A prefill and cached steps by the kernels (RoPE: the Triton RoPE of the new rows, then
