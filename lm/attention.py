@@ -441,17 +441,16 @@ class RopeAttention(Attention):
         key at each step took 1.4x the attention's GPU time at B = 8 with 16K cached tokens).
         A chunk of several rows runs SDPA too, where ``rope_attention`` would have picked
         its fused kernel for a long chunk (it would rotate the cached keys again), except a
-        windowed layer's prefill into an empty cache on the Triton path. Dynamic
+        windowed layer's prefill past its window into an empty cache on the Triton path. Dynamic
         NTK's frequencies follow the length, so it keeps the keys as projected and rotates
         the held ones at their positions at each call."""
         length = cache.length + q.shape[2]  # the sequence's tokens, these N included
         inv_freq, factor = self.freqs.for_length(length)
         triton = resolve_impl(self.impl, q.device, "rope") == "triton"
-        if triton and self.window is not None and cache.length == 0 and q.shape[2] > 1:
-            # A windowed layer's prefill: the training path, whose fused kernel skips the
-            # keys outside the window, where SDPA would mask every pair (3.1x the time of the
-            # unwindowed prefill at B = 8, 16K tokens, window 1024, on an H200); the keys are
-            # rotated once more for the cache
+        if triton and self.window is not None and cache.length == 0 and q.shape[2] > self.window:
+            # A windowed layer's prefill past its window: the training path, whose fused
+            # kernel skips the keys outside the window, where SDPA has no window kernel (a
+            # boolean mask over chunks of queries); the keys are rotated once more for the cache
             o = self.attend(q, k, v)
             if not self.freqs.dynamic:
                 k = self._rotate_keys(k, 0, inv_freq, factor)

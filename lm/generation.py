@@ -164,7 +164,8 @@ class KVCache:
                 keys = torch.cat([buf_k[:, :, start:end], k], 2)
                 values = torch.cat([buf_v[:, :, start:end], v], 2)
                 first = max(0, keys.shape[2] - (window - 1))  # the first token kept
-                tail = (keys[:, :, first:], values[:, :, first:])
+                # copies: views would keep the whole chunk's keys alive until advance
+                tail = (keys[:, :, first:].clone(), values[:, :, first:].clone())
                 self._staged[layer] = (N, 0, keys.shape[2] - first, tail)
                 return keys, values
             # The held tokens move to the front, committed at once (the same tokens, held
@@ -188,9 +189,13 @@ class KVCache:
                 f"the cache holds {self.length} of its capacity {self.capacity} tokens and "
                 f"cannot count {n} more"
             )
-        wrong = {i: st[0] for i, st in enumerate(self._staged) if st is not None and st[0] != n}
+        appended = [0 if st is None else st[0] for st in self._staged]
+        wrong = {i: N for i, N in enumerate(appended) if N != n}
         if wrong:
-            raise ValueError(f"advance({n}) after appends of other lengths: {{layer: N}} {wrong}")
+            raise ValueError(
+                f"advance({n}) needs every layer to have appended {n} tokens, got "
+                f"{{layer: N}} {wrong}"
+            )
         for layer, staged in enumerate(self._staged):
             if staged is None:
                 continue

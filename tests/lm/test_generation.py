@@ -443,6 +443,9 @@ def test_cache_refuses_overflow_mismatches_and_gradients():
     k = torch.randn(1, 2, 3, 8)
     keys, values = cache.append(0, k, k + 1)
     assert torch.equal(keys, k) and torch.equal(values, k + 1)
+    with pytest.raises(ValueError, match=r"advance\(3\) needs every layer to have appended 3 "):
+        cache.advance(3)  # layer 1 has not
+    cache.append(1, k, k)
     cache.advance(3)
     with pytest.raises(ValueError, match="holds 3 of its capacity 5 tokens and cannot take 3"):
         cache.append(0, k, k)
@@ -480,6 +483,9 @@ def test_windowed_cache_holds_the_last_keys_in_a_buffer_of_twice_the_window(wind
         values_so_far = torch.cat([values_so_far, v], 2)
         first = max(0, cache.length - (window - 1))  # the first token held
         keys, values = cache.append(0, k, v)
+        tail = cache._staged[0][3]  # a chunk longer than the buffer: its last keys, copied
+        if tail is not None:  # (views would keep the whole chunk alive until advance)
+            assert all(t.untyped_storage().nbytes() == t.nbytes for t in tail)
         assert torch.equal(keys, keys_so_far[:, :, first:])
         assert torch.equal(values, values_so_far[:, :, first:])
         keys, values = cache.append(1, k, v)
@@ -518,7 +524,7 @@ def test_a_failed_cached_call_leaves_the_cache_as_it_was(variant, monkeypatch):
             monkeypatch.setattr(attention, "attend_cached", real)
         out.append(model(x[:, start:end], cache))
     torch.testing.assert_close(torch.cat(out, 1), expected, atol=1e-10, rtol=1e-10)
-    with pytest.raises(ValueError, match=r"advance\(2\) after appends of other lengths"):
+    with pytest.raises(ValueError, match=r"advance\(2\) needs every layer to have appended 2"):
         cache.append(0, *(torch.zeros(2, 2, 1, 16, dtype=torch.float64, device=DEVICE),) * 2)
         cache.advance(2)
 
