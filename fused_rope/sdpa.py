@@ -26,6 +26,12 @@ def _lower_right_backend(q, k, v) -> str:
     return "efficient" if can_use_efficient_attention(params) else "math"
 
 
+# The query rows of one SDPA call with a window's mask, at least: each call's mask spans its
+# rows and the window before them, so a chunk of the window's size computes twice the pairs
+# its rows keep; smaller chunks would compute fewer but launch more calls
+WINDOW_CHUNK = 512
+
+
 def window_hides_keys(nq: int, nk: int, window: int | None) -> bool:
     """Whether ``sdpa_attention`` takes a causal sliding window of ``window`` keys (None or 0:
     none) as a boolean mask: where, among the keys it keeps (the last ``window + NQ - 1``),
@@ -47,8 +53,10 @@ def sdpa_attention(
     the last ``NQ`` of k's positions: a prefill or a decoding step that continues a KV cache).
     q ``[B, HQ, NQ, D]``, k and v ``[B, HKV, NK, D]`` -> ``[B, HQ, NQ, D]``; ``scale``
     defaults to ``1/sqrt(D)``; ``window`` (causal only): query ``i`` sees only its last
-    ``window`` keys, ``j > i + NK - NQ - window`` (a boolean ``NQ x NK`` mask: SDPA has no
-    sliding-window kernel; ``rope_attention``'s fused kernel skips the hidden key tiles).
+    ``window`` keys, ``j > i + NK - NQ - window`` (SDPA has no sliding-window kernel: a
+    boolean mask, over the queries in chunks of ``max(window, WINDOW_CHUNK)`` rows, each with
+    the keys its windows reach, so that the pairs computed grow with ``NQ * window``, not
+    ``NQ * NK``; ``rope_attention``'s fused kernel skips the hidden key tiles).
 
     ``NQ != NK`` goes through ``causal_lower_right``, which dispatches to the flash,
     memory-efficient or math kernel, never to cuDNN's: a plain mask (or none, at ``NQ =
@@ -76,22 +84,42 @@ def sdpa_attention(
         k, v = (x[:, :, NK - (window + NQ - 1) :] for x in (k, v))
         NK = k.shape[2]
     if window_hides_keys(NQ, NK, window):
-        i = torch.arange(NQ, device=q.device)[:, None] + (NK - NQ)
-        j = torch.arange(NK, device=q.device)[None, :]
-        mask = (j <= i) & (j > i - window)
-        # with a mask, SDPA's GQA runs only in its math kernel: the memory-efficient one takes
-        # every head
-        expand = HQ != HKV
-    else:
-        mask = causal_lower_right(NQ, NK) if causal and NQ != NK else None
-        # causal_lower_right hands the memory-efficient kernel k and v as they are, without
-        # the GQA head expansion of its other branches (torch 2.5-2.13): give it every head.
-        expand = mask is not None and HQ != HKV and _lower_right_backend(q, k, v) == "efficient"
-    if expand:
+        chunk = max(window, WINDOW_CHUNK)
+        outs = []
+        for a in range(0, NQ, chunk):
+            # query rows a..b-1 (positions a + NK - NQ on) see keys lo..hi-1, the last of them
+            # at its last row: aligned bottom-right as the whole call's rows are
+            b = min(a + chunk, NQ)
+            lo, hi = max(0, a + NK - NQ - window + 1), b + NK - NQ
+            outs.append(_window_masked(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], window, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    mask = causal_lower_right(NQ, NK) if causal and NQ != NK else None
+    # causal_lower_right hands the memory-efficient kernel k and v as they are, without the
+    # GQA head expansion of its other branches (torch 2.5-2.13): give it every head.
+    if mask is not None and HQ != HKV and _lower_right_backend(q, k, v) == "efficient":
         k, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
+    return _sdpa(q, k, v, mask, causal and mask is None, scale)
+
+
+def _window_masked(q, k, v, window: int, scale: float | None) -> torch.Tensor:
+    """``sdpa_attention``'s window as a boolean ``[NQ, NK]`` mask, bottom-right (any window,
+    also one that hides no key: torch.compile cannot trace ``causal_lower_right``)."""
+    NQ, NK = q.shape[2], k.shape[2]
+    i = torch.arange(NQ, device=q.device)[:, None] + (NK - NQ)
+    j = torch.arange(NK, device=q.device)[None, :]
+    mask = (j <= i) & (j > i - window)
+    # with a mask, SDPA's GQA runs only in its math kernel: the memory-efficient one takes
+    # every head
+    if q.shape[1] != k.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    return _sdpa(q, k, v, mask, False, scale)
+
+
+def _sdpa(q, k, v, mask, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """PyTorch's SDPA, with its GQA where k and v have fewer heads than q."""
     # enable_gqa must be a bool, which a head-count comparison is not under
     # torch.compile(dynamic=True) (a SymBool); a branch on it is guarded into one.
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, **gqa
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, **gqa
     )

@@ -1273,6 +1273,44 @@ def test_sdpa_attention_window_is_the_reference_without_rotation(NQ, window):
         assert (plain - ref).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("chunk", [4, 7])
+@pytest.mark.parametrize("window", [1, 3, 9, 40])
+@pytest.mark.parametrize("NQ, NK", [(37, 37), (30, 45), (9, 60)])
+def test_sdpa_attention_window_in_chunks_of_queries(NQ, NK, window, chunk, monkeypatch):
+    """A window's mask over the queries in chunks (``WINDOW_CHUNK``, made small here; at
+    least the window), each with the keys its windows reach: the reference's output and
+    gradients, bottom-right, GQA; and the calls take those chunks."""
+    import fused_rope.sdpa
+
+    monkeypatch.setattr(fused_rope.sdpa, "WINDOW_CHUNK", chunk)
+    calls, real = [], fused_rope.sdpa._window_masked
+
+    def spy(q, k, *args):
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, *args)
+
+    monkeypatch.setattr(fused_rope.sdpa, "_window_masked", spy)
+    f64 = dict(device=DEVICE, dtype=torch.float64)
+    q = torch.randn(2, 4, NQ, 16, **f64, requires_grad=True)
+    k, v = (torch.randn(2, 2, NK, 16, **f64, requires_grad=True) for _ in range(2))
+    do = torch.randn(2, 4, NQ, 16, **f64)
+    out = sdpa_attention(q, k, v, window=window)
+    ref, _ = rope_attention_ref(q, k, v, inv_freq=torch.zeros(8, **f64), window=window)
+    assert_close("o", out, ref, 1e-12, 1e-12)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    # (window 1: dq is 0, each query's single weight being 1; so no relative measure)
+    torch.testing.assert_close(grads, torch.autograd.grad(ref, (q, k, v), do), rtol=0, atol=1e-12)
+    size = max(window, chunk)
+    kept = min(NK, window + NQ - 1)  # the keys any query sees
+    if window < kept:  # masks over chunks of `size` rows and the keys their windows reach
+        assert calls == [
+            (min(size, NQ - a), min(size, NQ - a) + min(window - 1, kept - NQ + a))
+            for a in range(0, NQ, size)
+        ]
+    else:  # no query's window hides a key it would see: causal attention, no mask
+        assert calls == []
+
+
 def test_window_skips_the_key_tiles_outside_it():
     """The fused forward does not load the key tiles outside a query tile's windows (its cost
     grows with NQ * window): NaN values there reach no query tile whose windows begin past
