@@ -1346,8 +1346,14 @@ def test_window_rows_whose_scores_are_all_very_negative(dtype):
     o = rope_attention(q, k, v, impl="fused", **no_rotation)
     ref, lse = rope_attention_ref(q.double(), k.double(), v.double(), **no_rotation)
     assert lse.max() < -24 * math.log(2), "the case must have every visible score below -24"
-    half = dtype == torch.float16  # o rounded to fp16: 2**-11 of values up to about 4
-    assert_close("o", o, ref, atol=4e-3 if half else 1e-5, rtol=1e-3 if half else 1e-6)
+    zero = torch.zeros(NQ, D // 2, device=DEVICE)
+    baseline = _torch_same_dtype(
+        q, k, v, q_angles=zero, k_angles=zero, causal=True, scale=D**-0.5, layout="half",
+        rope_dim=D, window=7,
+    )[0]  # fmt: skip
+    # the flash-attention rule (a fixed 1e-6 rel-RMSE failed the fp32 kernel on an H200 at
+    # 1.3e-6: scores of 45 in fp32 keep errors of 3e-6 in their exponent)
+    assert_close_to_baseline("o", o, ref, baseline)
 
 
 @pytest.mark.parametrize(
