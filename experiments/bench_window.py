@@ -5,9 +5,9 @@ Causal, bf16, forward and forward+backward, for each (shape, window):
 
 * ``fused``: ``rope_attention(impl="fused", window=W)``, which skips the key tiles outside
   every window of a tile (what ``impl="auto"`` takes);
-* ``separate``: this package's Triton RoPE, then SDPA with a boolean ``NQ x NK`` window mask
-  (``impl="separate"``: SDPA has no sliding-window kernel, so it runs its memory-efficient
-  one with the mask);
+* ``separate``: this package's Triton RoPE, then SDPA with a boolean window mask over chunks
+  of queries, each with the keys their windows reach (``impl="separate"``: SDPA has no
+  sliding-window kernel, so it runs its memory-efficient one with the mask);
 * ``flex``: the Triton RoPE, then ``torch.compile``'s ``flex_attention`` with a sliding-window
   block mask (PyTorch's own answer to windows);
 * ``fused, no window`` and ``sdpa, no RoPE, no window``: the full causal attention the window

@@ -415,7 +415,7 @@ def _check_inputs(
         # (One expression: Dynamo 2.11 writes `True |= ...` for `|=` on a traced constant
         # when NQ is symbolic, a SyntaxError under torch.compile(dynamic=True).)
         # A sliding window: the fused kernel skips the key tiles outside it, where SDPA has no
-        # window kernel and runs a boolean NQ x NK mask.
+        # window kernel and runs a boolean mask (over query chunks: twice the window's pairs).
         fused_first = not under_functorch() and (
             (
                 bottom_right
@@ -528,7 +528,7 @@ def rope_attention(
             (transformers' ``sliding_window``; FlashAttention's ``window_size=(window - 1,
             0)``); None (default) for none. The fused kernel skips the key tiles outside the
             window, so its cost grows with ``NQ * window``, not ``NQ * NK``; "auto" takes it
-            where it can run (the separate path builds a boolean ``NQ x NK`` mask for SDPA).
+            where it can run (the separate path gives SDPA a boolean mask, over chunks of queries).
         softmax_scale: default ``1/sqrt(D)``.
         attention_factor: the factor ``rope_frequencies`` returns with YaRN's and LongRoPE's
             frequencies (Hugging Face multiplies it into cos and sin): it scales q's and k's
