@@ -415,7 +415,8 @@ def _check_inputs(
         # (One expression: Dynamo 2.11 writes `True |= ...` for `|=` on a traced constant
         # when NQ is symbolic, a SyntaxError under torch.compile(dynamic=True).)
         # A sliding window: the fused kernel skips the key tiles outside it, where SDPA has no
-        # window kernel and runs a boolean mask (over query chunks: twice the window's pairs).
+        # window kernel and runs a boolean mask (over query chunks: max(window, 128) +
+        # window - 1 pairs a query).
         fused_first = not under_functorch() and (
             (
                 bottom_right

@@ -26,10 +26,10 @@ def _lower_right_backend(q, k, v) -> str:
     return "efficient" if can_use_efficient_attention(params) else "math"
 
 
-# The query rows of one SDPA call with a window's mask, at least: each call's mask spans its
-# rows and the window before them, so a chunk of the window's size computes twice the pairs
-# its rows keep; smaller chunks would compute fewer but launch more calls
-WINDOW_CHUNK = 512
+# The query rows of a chunk of a window's mask, at least: a chunk's mask spans its rows and
+# the window before them, so a row computes C + window - 1 pairs for the window's: twice them
+# for windows from this size on; smaller chunks would waste fewer but give SDPA tiny problems
+WINDOW_CHUNK = 128
 
 
 def window_hides_keys(nq: int, nk: int, window: int | None) -> bool:
@@ -55,8 +55,9 @@ def sdpa_attention(
     defaults to ``1/sqrt(D)``; ``window`` (causal only): query ``i`` sees only its last
     ``window`` keys, ``j > i + NK - NQ - window`` (SDPA has no sliding-window kernel: a
     boolean mask, over the queries in chunks of ``max(window, WINDOW_CHUNK)`` rows, each with
-    the keys its windows reach, so that the pairs computed grow with ``NQ * window``, not
-    ``NQ * NK``; ``rope_attention``'s fused kernel skips the hidden key tiles).
+    the keys its windows reach, so that the pairs computed grow with ``NQ * window`` (twice
+    it from windows of ``WINDOW_CHUNK`` on), not ``NQ * NK``; ``rope_attention``'s fused
+    kernel skips the hidden key tiles).
 
     ``NQ != NK`` goes through ``causal_lower_right``, which dispatches to the flash,
     memory-efficient or math kernel, never to cuDNN's: a plain mask (or none, at ``NQ =
@@ -84,21 +85,54 @@ def sdpa_attention(
         k, v = (x[:, :, NK - (window + NQ - 1) :] for x in (k, v))
         NK = k.shape[2]
     if window_hides_keys(NQ, NK, window):
-        chunk = max(window, WINDOW_CHUNK)
-        outs = []
-        for a in range(0, NQ, chunk):
-            # query rows a..b-1 (positions a + NK - NQ on) see keys lo..hi-1, the last of them
-            # at its last row: aligned bottom-right as the whole call's rows are
-            b = min(a + chunk, NQ)
-            lo, hi = max(0, a + NK - NQ - window + 1), b + NK - NQ
-            outs.append(_window_masked(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], window, scale))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if NQ <= max(window, WINDOW_CHUNK):
+            return _window_masked(q, k, v, window, scale)
+        return _window_chunked(q, k, v, window, scale)
     mask = causal_lower_right(NQ, NK) if causal and NQ != NK else None
     # causal_lower_right hands the memory-efficient kernel k and v as they are, without the
     # GQA head expansion of its other branches (torch 2.5-2.13): give it every head.
     if mask is not None and HQ != HKV and _lower_right_backend(q, k, v) == "efficient":
         k, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
     return _sdpa(q, k, v, mask, causal and mask is None, scale)
+
+
+def _window_chunked(q, k, v, window: int, scale: float | None) -> torch.Tensor:
+    """``sdpa_attention``'s window over the queries in chunks of ``C = max(window,
+    WINDOW_CHUNK)`` rows, each with the ``C + window - 1`` keys its windows reach: one SDPA
+    call with the chunks in the batch, so the work grows with ``NQ * (C + window)`` and the
+    chunk count stays symbolic under torch.compile (a Python loop over chunks specialized the
+    graph to each length, and its slices' backward zero-filled whole gradients per chunk).
+    Needs ``NQ + window - 1 >= NK`` (``sdpa_attention`` slices the keys no query sees)."""
+    B, HQ, NQ, D = q.shape
+    HKV, NK = k.shape[1], k.shape[2]
+    C = max(window, WINDOW_CHUNK)
+    K = C + window - 1  # the keys of a chunk
+    n = (NQ + C - 1) // C
+    # Padded, query row i of chunk c (q's row c * C + i) sits at key row c * C + i + window - 1
+    # (left: the keys its window would reach before the first); rows and keys past the end
+    # are zeros, which only the padded rows see
+    left, pad = window - 1 - (NK - NQ), n * C - NQ
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+    q = q.view(B, HQ, n, C, D).transpose(1, 2).reshape(B * n, HQ, C, D)
+    k, v = (
+        torch.nn.functional.pad(x, (0, 0, left, pad))
+        .unfold(2, K, C)  # [B, HKV, n, D, K]
+        .permute(0, 2, 1, 4, 3)
+        .reshape(B * n, HKV, K, D)
+        for x in (k, v)
+    )
+    i = torch.arange(C, device=q.device)[:, None]
+    r = torch.arange(K, device=q.device)[None, :]
+    first = torch.arange(n, device=q.device)[:, None, None] * C  # each chunk's first key row
+    # query i of a chunk sees key rows i .. i + window - 1, none of the left padding
+    mask = (r >= i) & (r < i + window) & (first + r >= left)  # [n, C, K]
+    mask = mask[None, :, None].expand(B, n, 1, C, K).reshape(B * n, 1, C, K)
+    # with a mask, SDPA's GQA runs only in its math kernel: the memory-efficient one takes
+    # every head
+    if HQ != HKV:
+        k, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
+    o = _sdpa(q, k, v, mask, False, scale)  # [B * n, HQ, C, D]
+    return o.view(B, n, HQ, C, D).transpose(1, 2).reshape(B, HQ, n * C, D)[:, :, :NQ]
 
 
 def _window_masked(q, k, v, window: int, scale: float | None) -> torch.Tensor:

@@ -1275,40 +1275,61 @@ def test_sdpa_attention_window_is_the_reference_without_rotation(NQ, window):
 
 @pytest.mark.parametrize("chunk", [4, 7])
 @pytest.mark.parametrize("window", [1, 3, 9, 40])
-@pytest.mark.parametrize("NQ, NK", [(37, 37), (30, 45), (9, 60)])
+@pytest.mark.parametrize("NQ, NK", [(37, 37), (30, 45), (9, 60), (28, 28)])
 def test_sdpa_attention_window_in_chunks_of_queries(NQ, NK, window, chunk, monkeypatch):
     """A window's mask over the queries in chunks (``WINDOW_CHUNK``, made small here; at
-    least the window), each with the keys its windows reach: the reference's output and
-    gradients, bottom-right, GQA; and the calls take those chunks."""
+    least the window), each with the keys its windows reach, in one batched call: the
+    reference's output and gradients, bottom-right, GQA, also where the chunks pad the
+    queries (37 rows) or fill them exactly (28)."""
     import fused_rope.sdpa
 
     monkeypatch.setattr(fused_rope.sdpa, "WINDOW_CHUNK", chunk)
-    calls, real = [], fused_rope.sdpa._window_masked
-
-    def spy(q, k, *args):
-        calls.append((q.shape[2], k.shape[2]))
-        return real(q, k, *args)
-
-    monkeypatch.setattr(fused_rope.sdpa, "_window_masked", spy)
+    calls = []
+    for name in ("_window_masked", "_window_chunked"):
+        real = getattr(fused_rope.sdpa, name)
+        spy = lambda *args, real=real, name=name: (calls.append(name), real(*args))[1]  # noqa: E731
+        monkeypatch.setattr(fused_rope.sdpa, name, spy)
     f64 = dict(device=DEVICE, dtype=torch.float64)
     q = torch.randn(2, 4, NQ, 16, **f64, requires_grad=True)
     k, v = (torch.randn(2, 2, NK, 16, **f64, requires_grad=True) for _ in range(2))
     do = torch.randn(2, 4, NQ, 16, **f64)
-    out = sdpa_attention(q, k, v, window=window)
-    ref, _ = rope_attention_ref(q, k, v, inv_freq=torch.zeros(8, **f64), window=window)
+    out = sdpa_attention(q, k, v, window=window, scale=0.3)
+    ref, _ = rope_attention_ref(
+        q, k, v, inv_freq=torch.zeros(8, **f64), window=window, softmax_scale=0.3
+    )
     assert_close("o", out, ref, 1e-12, 1e-12)
     grads = torch.autograd.grad(out, (q, k, v), do)
     # (window 1: dq is 0, each query's single weight being 1; so no relative measure)
     torch.testing.assert_close(grads, torch.autograd.grad(ref, (q, k, v), do), rtol=0, atol=1e-12)
-    size = max(window, chunk)
-    kept = min(NK, window + NQ - 1)  # the keys any query sees
-    if window < kept:  # masks over chunks of `size` rows and the keys their windows reach
-        assert calls == [
-            (min(size, NQ - a), min(size, NQ - a) + min(window - 1, kept - NQ + a))
-            for a in range(0, NQ, size)
-        ]
-    else:  # no query's window hides a key it would see: causal attention, no mask
+    if window >= min(NK, window + NQ - 1):  # no query's window hides a key it could see
         assert calls == []
+    else:
+        assert calls == ["_window_chunked" if NQ > max(window, chunk) else "_window_masked"]
+
+
+def test_sdpa_attention_window_compiles_once_for_every_length(monkeypatch):
+    """The chunks of a window's mask stay one graph under torch.compile(dynamic=True) for
+    every query length past one chunk (a Python loop over the chunks specialized the graph
+    to each length, and fullgraph failed at the recompile limit: a review's find)."""
+    import fused_rope.sdpa
+
+    monkeypatch.setattr(fused_rope.sdpa, "WINDOW_CHUNK", 4)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(
+        lambda q, k, v: sdpa_attention(q, k, v, window=3), backend=backend, fullgraph=True,
+        dynamic=True,
+    )  # fmt: skip
+    for N in (9, 12, 17, 23, 30):
+        q, k, v = (torch.randn(1, h, N, 8, device=DEVICE) for h in (4, 2, 2))
+        ref, _ = rope_attention_ref(q, k, v, inv_freq=torch.zeros(4, device=DEVICE), window=3)
+        assert_close("o", f(q, k, v), ref, 1e-5, 1e-5)
+    assert len(graphs) == 1
 
 
 def test_window_skips_the_key_tiles_outside_it():

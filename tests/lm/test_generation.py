@@ -155,8 +155,8 @@ def test_windowed_cached_steps_take_the_windows_keys_bottom_right(monkeypatch):
 @torch.no_grad()
 def test_a_windowed_rope_prefill_takes_the_fused_kernel(monkeypatch):
     """Under ``impl=triton`` a windowed layer's prefill into an empty cache runs
-    ``rope_attention`` (its fused kernel skips the keys outside the window; SDPA would mask
-    every pair), the global layer and the decoding steps do not."""
+    ``rope_attention`` (its fused kernel skips the keys outside the window, where SDPA has no
+    window kernel), the global layer and the decoding steps do not."""
     import fused_rope.attention
 
     calls, real = [], fused_rope.attention.rope_attention
