@@ -396,6 +396,7 @@ class _SnapshotsLaunches:
         return launch
 
 
+@pytest.mark.skipif(ON_GPU, reason="counts the interpreter's tiles (the GPU autotunes others)")
 @pytest.mark.parametrize("leader", ["first", "mean"])
 def test_backward_deterministic_splits_add_into_copies_of_their_own(monkeypatch, leader):
     """The deterministic mode's split sweeps: split ``s`` adds its dq and dqL (sweep and gate
@@ -426,6 +427,7 @@ def test_backward_deterministic_splits_add_into_copies_of_their_own(monkeypatch,
             assert torch.equal(touched[s], rows >= first_key), (name, s)
 
 
+@pytest.mark.skipif(ON_GPU, reason="counts the interpreter's tiles (the GPU autotunes others)")
 @pytest.mark.parametrize("leader", ["first", "mean"])
 @pytest.mark.parametrize("parts", [4, 1])
 def test_backward_deterministic_chains_add_into_copies_of_their_own(monkeypatch, leader, parts):

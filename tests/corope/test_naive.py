@@ -95,7 +95,7 @@ def test_reference_matches_the_math_written_out(leader):
     reference, so an error in both would pass every other test."""
     q, k, v = _qkv(2, 4, 2, 7, 8)
     # fp32 frequencies, as the reference (and the kernels) use them
-    w = torch.tensor([50.0 ** (-2 * d / 6) for d in range(3)]).float()
+    w = torch.tensor([50.0 ** (-2 * d / 6) for d in range(3)], device=DEVICE).float()
     out = corope_attention_ref(q, k, v, inv_freq=w, rope_dim=6, softmax_scale=0.7, leader=leader)
     expected = _corope_written_out(q, k, v, w.tolist(), 0.7, leader)
     assert_close("reference vs written out", out, expected, atol=1e-12, rtol=1e-10)
@@ -143,7 +143,7 @@ def test_chunks_are_recomputed_in_the_backward_unless_the_call_is_one_small_chun
 
     monkeypatch.setattr(naive, "checkpoint", counted)
     leaves = [x.requires_grad_() for x in _qkv(1, 4, 2, 23, 16)]
-    do = torch.randn(1, 4, 23, 16, dtype=torch.float64)
+    do = torch.randn(1, 4, 23, 16, dtype=torch.float64, device=DEVICE)
 
     def grads(**kw):
         return torch.autograd.grad(corope_attention_ref(*leaves, **kw), leaves, do)
