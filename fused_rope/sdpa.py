@@ -127,23 +127,21 @@ def _window_chunked(q, k, v, window: int, scale: float | None) -> torch.Tensor:
     # query i of a chunk sees key rows i .. i + window - 1, none of the left padding
     mask = (r >= i) & (r < i + window) & (first + r >= left)  # [n, C, K]
     mask = mask[None, :, None].expand(B, n, 1, C, K).reshape(B * n, 1, C, K)
-    # with a mask, SDPA's GQA runs only in its math kernel: the memory-efficient one takes
-    # every head
-    if HQ != HKV:
-        k, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
-    o = _sdpa(q, k, v, mask, False, scale)  # [B * n, HQ, C, D]
+    o = _sdpa_masked(q, k, v, mask, scale)  # [B * n, HQ, C, D]
     return o.view(B, n, HQ, C, D).transpose(1, 2).reshape(B, HQ, n * C, D)[:, :, :NQ]
 
 
 def _window_masked(q, k, v, window: int, scale: float | None) -> torch.Tensor:
-    """``sdpa_attention``'s window as a boolean ``[NQ, NK]`` mask, bottom-right (any window,
-    also one that hides no key: torch.compile cannot trace ``causal_lower_right``)."""
+    """``sdpa_attention``'s window as one boolean ``[NQ, NK]`` mask, bottom-right."""
     NQ, NK = q.shape[2], k.shape[2]
     i = torch.arange(NQ, device=q.device)[:, None] + (NK - NQ)
     j = torch.arange(NK, device=q.device)[None, :]
-    mask = (j <= i) & (j > i - window)
-    # with a mask, SDPA's GQA runs only in its math kernel: the memory-efficient one takes
-    # every head
+    return _sdpa_masked(q, k, v, (j <= i) & (j > i - window), scale)
+
+
+def _sdpa_masked(q, k, v, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """PyTorch's SDPA with a boolean mask, k and v given every head of q: with a mask, SDPA's
+    GQA runs only in its math kernel, the memory-efficient one takes every head."""
     if q.shape[1] != k.shape[1]:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     return _sdpa(q, k, v, mask, False, scale)
