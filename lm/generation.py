@@ -72,7 +72,10 @@ class KVCache:
     ) -> None:
         self.n_layer = check_int("n_layer", n_layer, 1)
         self.capacity = check_int("capacity", capacity, 1)
-        windows = [None] * n_layer if windows is None else list(windows)
+        if windows is None:
+            windows = [None] * n_layer
+        if not isinstance(windows, Sequence) or isinstance(windows, str):
+            raise TypeError(f"windows must be a sequence of ints or None, got {windows!r}")
         if len(windows) != n_layer:
             raise ValueError(f"windows must hold one entry a layer ({n_layer}), got {len(windows)}")
         self.windows = [

@@ -500,6 +500,8 @@ def test_windowed_cache_holds_the_last_keys_in_a_buffer_of_twice_the_window(wind
         KVCache(2, 5, windows=[3, 0])
     with pytest.raises(TypeError, match=r"windows\[0\] must be an int"):
         KVCache(2, 5, windows=[3.0, None])
+    with pytest.raises(TypeError, match="windows must be a sequence of ints or None, got 3"):
+        KVCache(2, 5, windows=3)
 
 
 @pytest.mark.parametrize("variant", ["rope", "rope_window", "corope_window"])
