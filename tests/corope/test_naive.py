@@ -160,7 +160,7 @@ def test_chunks_are_recomputed_in_the_backward_unless_the_call_is_one_small_chun
         corope_attention_ref(*leaves, chunk_size=5)
     assert len(calls) == 6
     # learned frequencies alone need a gradient: still checkpointed (numpy's ints are ints)
-    w = corope_inv_freq(16, 10000.0, None, "cpu", torch.float64).clone().requires_grad_()
+    w = corope_inv_freq(16, 10000.0, None, DEVICE, torch.float64).clone().requires_grad_()
     frozen = [x.detach() for x in leaves]
     corope_attention_ref(*frozen, inv_freq=w, chunk_size=np.int64(5)).sum().backward()
     assert len(calls) == 11 and w.grad is not None
