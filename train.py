@@ -4,14 +4,34 @@ Configs in ``configs/`` (root: ``configs/train.yaml``); the loop is ``lm.trainin
 Returns ``cfg.metric`` from the run's summary, so Hydra sweepers (Optuna) can optimise it.
 """
 
+import atexit
 import faulthandler
+import os
 import signal
+import sys
 
-if __name__ == "__main__" and hasattr(signal, "SIGUSR1"):  # SIGUSR1 is POSIX only
-    # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: where a
-    # hung process (a DDP rank at a collective, say) waits. Registered before the imports
-    # below, which take seconds: until then SIGUSR1 would end the process.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+_INTERRUPTED = []  # holds True once Ctrl-C has ended the run
+
+
+def _exit_by_sigint() -> None:
+    """Ends a run that Ctrl-C stopped by SIGINT itself, as a shell expects of it (a loop of runs
+    then stops too). Python does this for an uncaught ``KeyboardInterrupt``, but an import of
+    ``fused_rope`` on the H200 machine (Python 3.12, PyTorch 2.11) clears its flag, and the run
+    exited with status 1. Registered before any other exit handler, so it runs after them all."""
+    if _INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+if __name__ == "__main__":
+    atexit.register(_exit_by_sigint)
+    if hasattr(signal, "SIGUSR1"):  # SIGUSR1 is POSIX only
+        # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: where a
+        # hung process (a DDP rank at a collective, say) waits. Registered before the imports
+        # below, which take seconds: until then SIGUSR1 would end the process.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
@@ -47,4 +67,8 @@ def _interrupt(signum, frame):
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        _INTERRUPTED.append(True)
+        raise
