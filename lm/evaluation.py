@@ -29,6 +29,8 @@ def autocast(device: torch.device):
 
 def metric_names(kind: str) -> tuple[str, ...]:
     """What ``evaluate_split`` reports for a dataset of ``kind`` ("lm" or "task")."""
+    if kind not in ("lm", "task"):
+        raise ValueError(f"kind must be 'lm' or 'task', got {kind!r}")
     return ("loss", "acc", "ppl") if kind == "lm" else ("loss", "acc", "seq_acc", "err")
 
 
@@ -36,6 +38,7 @@ def metric_names(kind: str) -> tuple[str, ...]:
 def evaluate_split(model: nn.Module, batches, kind: str, device: torch.device) -> dict[str, float]:
     """Metrics of ``model`` over ``batches`` of ``(x, y)``, int64 ``(B, L)``; ``y ==
     IGNORE_INDEX`` (-100) marks a position without a target."""
+    names = metric_names(kind)  # checks kind before the batches run
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = correct = seqs = seqs_right = 0
     for x, y in batches:
@@ -62,7 +65,7 @@ def evaluate_split(model: nn.Module, batches, kind: str, device: torch.device) -
         "seq_acc": seq_acc,
         "err": 1.0 - seq_acc,
     }
-    return {name: values[name] for name in metric_names(kind)}
+    return {name: values[name] for name in names}
 
 
 def evaluate(

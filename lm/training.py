@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
@@ -64,7 +65,7 @@ from lm.checkpoint import (
     set_rng_state,
     write_json,
 )
-from lm.config import RUN_CONDUCT_KEYS, is_under, schema_defaults, unknown_keys
+from lm.config import ATTENTION_SCHEMAS, RUN_CONDUCT_KEYS, is_under, schema_defaults, unknown_keys
 from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, check_fraction, check_int
 from lm.data.synthetic import SyntheticTask
@@ -309,6 +310,31 @@ def _checkpoint_to_resume(
     return ckpt
 
 
+def _check_attention_group(attention: DictConfig) -> None:
+    """``attention.name`` names the attention of its config group's schema: ``attention=rope
+    attention.name=nope`` would train NoPE and silently drop the group's theta and scaling,
+    and ``attention.name=corope`` over RoPE's group would fail deep in the model."""
+    schema = OmegaConf.get_type(attention)
+    expected = ATTENTION_SCHEMAS[attention.name]
+    if schema in ATTENTION_SCHEMAS.values() and schema is not expected:
+        group = next(name for name, cls in ATTENTION_SCHEMAS.items() if cls is schema)
+        raise ValueError(
+            f"attention.name={attention.name} over the config group of {group} (its options are "
+            f"{schema.__name__}'s): select the group instead (attention={attention.name})"
+        )
+
+
+def _check_sweep_ckpt_path(ckpt_path: str) -> None:
+    """An absolute ``train.ckpt_path`` in a multirun would be one file for every job: each
+    job would replace (``train.overwrite``) or resume (``train.resume``) the one before."""
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun and Path(ckpt_path).is_absolute():
+        raise ValueError(
+            f"train.ckpt_path={ckpt_path} is absolute in a multirun: every job would write that "
+            "file; give a path relative to the job's output directory"
+        )
+
+
 def _check_options(cfg: DictConfig) -> None:
     """ValueError (TypeError) naming the first loop or optimizer option out of range, an
     unknown attention, and keys no schema declares, before any data is loaded."""
@@ -318,6 +344,9 @@ def _check_options(cfg: DictConfig) -> None:
             "run would ignore them; check their spelling (lm/config.py, configs/)"
         )
     attention_class(cfg.attention)
+    _check_attention_group(cfg.attention)
+    if t_ckpt := cfg.train.ckpt_path:
+        _check_sweep_ckpt_path(t_ckpt)
     t, optim = cfg.train, cfg.optim
     for key in ("steps", "batch_size", "eval_batch_size", "grad_accum_steps"):
         check_int(f"train.{key}", t[key], 1)
@@ -437,10 +466,11 @@ class _Jsonl:
         self.path = path
         # The last step the file recorded before this run: the logger's service has it too
         self.recorded_through: int | None = None
+        self.kept: list[dict] = []  # the records a resume keeps
         if keep_until is not None and path.exists():
             records = read_jsonl(path)
             self.recorded_through = max((r["step"] for r in records), default=None)
-            kept = [
+            kept = self.kept = [
                 r
                 for r in records
                 if r["step"] <= keep_until and not r.get("stopped_early")  # _Run._record
@@ -636,6 +666,9 @@ class _Run:
         if ckpt is not None:
             self._resume(ckpt)
         if self.t.compile:
+            # A multirun's jobs share the process, and dynamo's graphs of earlier jobs count
+            # toward its recompile limit (8), past which it runs the forward eagerly: forgotten.
+            torch._dynamo.reset()
             # nn.Module.compile: the same module and state_dict, its calls through
             # torch.compile; the first evaluations compile their shapes too (then dynamic).
             model.compile()
@@ -669,7 +702,8 @@ class _Run:
             resumed_run = self.logger.run_id is not None and (
                 self.logger.run_id == self.state.get("logger_run_id")
             )
-            self.state["logger_run_id"] = self.logger.run_id
+            if self.logger.run_id is not None:  # a start with none keeps the service run's id
+                self.state["logger_run_id"] = self.logger.run_id
             _clear_outcome(out_dir)
             if self.t.overwrite:
                 # Replaced now, not at the first save: a run killed before that save would
@@ -681,6 +715,15 @@ class _Run:
                 out_dir / "logged.json", self.logger.run_id, resumed_run,
                 self.jsonl.recorded_through,
             )  # fmt: skip
+            if resumed_run:
+                # A start without the service (logger=none) may have checkpointed steps that
+                # its run lacks: they come from metrics.jsonl, each once.
+                for record in self.jsonl.kept:
+                    kind = "train" if "train/loss" in record else "eval"
+                    if not self.logged.has(kind, record["step"]):
+                        metrics = {k: v for k, v in record.items() if k != "step"}
+                        self.logger.log(metrics, record["step"])
+                        self.logged.add(kind, record["step"])
         # Last: a check above that fails leaves no DDP wrapper behind (see train()'s finally).
         self.ddp = (
             DistributedDataParallel(
@@ -866,7 +909,10 @@ class _Run:
         if self.timer:
             self.timer.enabled = True
         first = self.dataset.eval_splits()[0]
-        self.state["best_val_loss"] = min(self.state["best_val_loss"], metrics[f"{first}/loss"])
+        loss = metrics[f"{first}/loss"]
+        # min() would keep an earlier loss over a NaN: a diverged run would rank by its past
+        best = self.state["best_val_loss"]
+        self.state["best_val_loss"] = loss if math.isnan(loss) else min(best, loss)
         return metrics
 
     def loop(self) -> dict[str, Any]:

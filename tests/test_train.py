@@ -4,6 +4,7 @@ failures with clear messages."""
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -298,6 +299,28 @@ def test_resume_logs_each_step_once_into_the_same_service_run(tmp_path, monkeypa
     assert RecordingLogger.logged == [(step, metrics) for step, metrics in full if step > 3]
 
 
+def test_a_start_without_a_logger_keeps_the_service_runs_id_for_the_next(tmp_path, monkeypatch):
+    """Killed after step 5 (checkpoint at 3), resumed with logger=none past the checkpoint of
+    step 6 and killed again, then resumed with the service: that checkpoint kept the service
+    run's id, so the last start continues that run with the steps it lacks (6 to 8). It had
+    saved None, and the service opened a new run that lacked step 6 (a review's find)."""
+    cfg, full = _uninterrupted_logged_run(tmp_path / "full", monkeypatch)
+    train_killed_at_step(cfg, tmp_path / "cut", 5)
+    cfg.train.resume = True
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lm.training, "instantiate", lambda _, **kwargs: NullLogger())
+        train_killed_at_step(cfg, tmp_path / "cut", 7)
+    ckpt = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert ckpt["step"] == 6 and ckpt["state"]["logger_run_id"] == "run-1"
+
+    def new_run_unless_resumed(_, run_id=None, **kwargs):
+        return RecordingLogger(run_id=run_id or "run-2", **kwargs)
+
+    monkeypatch.setattr(lm.training, "instantiate", new_run_unless_resumed)
+    train(cfg, output_dir=str(tmp_path / "cut"))
+    assert RecordingLogger.logged == full
+
+
 def test_resume_logs_what_the_service_run_lacks_after_a_kill_in_an_evaluation_or_two_kills(
     tmp_path, monkeypatch
 ):
@@ -367,8 +390,8 @@ def test_sigterm_to_the_process_group_leaves_every_logged_step_in_wandb(tmp_path
             time.sleep(0.2)
         os.killpg(proc.pid, signum)
         # Python ends an uncaught KeyboardInterrupt by SIGINT itself, as a shell expects
-        rc = proc.wait(timeout=60)
-        assert rc == (128 + signum if signum == signal.SIGTERM else -signum), proc.stderr.read()[-5000:]
+        expected = 128 + signum if signum == signal.SIGTERM else -signum
+        assert proc.wait(timeout=60) == expected, proc.stderr.read()[-5000:]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -846,6 +869,10 @@ def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path
         (["model.init_std=-1"], "model.init_std must be a positive number, got -1.0"),
         (["model.n_layer=0"], "model.n_layer must be >= 1, got 0"),
         (["attention=corope", "attention.chunk_size=0"], "attention.chunk_size must be >= 1"),
+        # another attention's name over a group: NoPE trained, the group's theta dropped
+        (["attention=rope", "attention.name=nope"], "attention.name=nope over the config group"),
+        (["attention=sinusoidal", "attention.name=learned"], "(attention=learned)"),
+        (["attention=rope", "attention.name=corope"], "its options are RopeAttentionConfig's"),
     ],
 )
 def test_bad_loop_options_fail_before_the_data_is_loaded(
@@ -859,6 +886,45 @@ def test_bad_loop_options_fail_before_the_data_is_loaded(
         train(compose_cfg(*SMALL, *overrides), output_dir=str(tmp_path))
     assert expected in str(info.value)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_compiled_job_starts_from_empty_dynamo_caches(tmp_path, monkeypatch):
+    """A multirun's jobs share one process: a compiled job resets dynamo before it compiles,
+    else the graphs of the jobs before it count toward dynamo's recompile limit (8), and the
+    ninth job ran eagerly while its record said train.compile=true (a review's find)."""
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+    monkeypatch.setattr(GPT, "compile", lambda self, *args, **kwargs: calls.append("compile"))
+    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=1", "train.compile=true")
+    train(cfg, output_dir=str(tmp_path))
+    assert calls == ["reset", "compile"]
+
+
+@pytest.mark.slow
+def test_an_absolute_ckpt_path_is_refused_in_a_multirun(tmp_path):
+    """Every job of ``-m`` would write one absolute checkpoint path: each job would replace or
+    resume the one before. A relative path is each job's own (under its directory)."""
+    sweep = run_cli("train.py", "-m", "seed=0,1", f"train.ckpt_path={tmp_path / 'ckpt.pt'}",
+                    *SMALL, "train.steps=1", f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert sweep.returncode != 0
+    assert "is absolute in a multirun: every job would write that file" in sweep.stderr
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_a_nan_evaluation_is_the_best_val_loss(tmp_path, monkeypatch):
+    """An evaluation whose loss is NaN makes best_val_loss NaN, which a sweeper sees: min()
+    kept the earlier loss and ranked a diverged run by its past (a review's find)."""
+    real, calls = lm.training.evaluate, []
+
+    def nan_second(*args, **kwargs):
+        metrics = real(*args, **kwargs)
+        calls.append(1)
+        return {**metrics, "valid/loss": math.nan} if len(calls) == 2 else metrics
+
+    monkeypatch.setattr(lm.training, "evaluate", nan_second)
+    cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=3", "train.eval_every=1")
+    summary = train(cfg, output_dir=str(tmp_path))
+    assert len(calls) >= 3 and math.isnan(summary["best_val_loss"])
 
 
 def test_resume_with_another_config_fails_naming_the_keys(tmp_path):

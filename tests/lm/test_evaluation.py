@@ -119,3 +119,15 @@ def test_a_diverged_model_gets_a_finite_ppl_and_a_split_without_targets_is_an_er
     assert metrics["loss"] > 710 and metrics["ppl"] == math.exp(700.0)
     with pytest.raises(ValueError, match="no target tokens"):
         evaluate_split(model, [(x, torch.full_like(y, IGNORE_INDEX))], "task", CPU)
+
+
+@pytest.mark.parametrize("kind", ["language", "LM", None])
+def test_an_unknown_kind_is_refused_before_the_batches_run(kind):
+    """A kind that is neither "lm" nor "task" got the task metrics silently (a review's find)."""
+
+    def batches():
+        raise AssertionError("a batch ran")
+        yield
+
+    with pytest.raises(ValueError, match="kind must be 'lm' or 'task'"):
+        evaluate_split(NextTokenTable(), batches(), kind, CPU)
