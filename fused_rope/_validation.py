@@ -247,6 +247,7 @@ def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:
     """``inv_freq`` is a ``[rope_dim // 2]`` tensor of one of ``dtypes`` (default fp32 or fp64:
     frequencies rounded to half precision put far positions off by whole radians)."""
     check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=dtypes)
+    check_finite_on_cpu(inv_freq, "inv_freq")
     if inv_freq.shape[0] != rope_dim // 2:
         raise ValueError(
             f"inv_freq must have rope_dim // 2 = {rope_dim // 2} entries, got {inv_freq.shape[0]}"
@@ -268,6 +269,16 @@ def check_scale(value, name: str, limit: float = FP32_MAX) -> float:
     if not -limit < value < limit:  # NaN fails too
         raise ValueError(f"{name} must be finite, of magnitude below {limit:.6g}, got {value}")
     return float(value)
+
+
+def check_attention_factor(value, limit: float = FP32_MAX) -> float:
+    """``attention_factor`` (YaRN's and LongRoPE's magnitude of the rotated channels) as a
+    float: positive, where an output scale may be negative. 0 would erase the rotated channels,
+    and a negative factor cancels in the attention's products, hiding the mistake there."""
+    value = check_scale(value, "attention_factor", limit)
+    if value <= 0:
+        raise ValueError(f"attention_factor must be positive, got {value}")
+    return value
 
 
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
@@ -340,6 +351,17 @@ def check_position_tensor(positions, name: str, ndim: tuple[int, ...] | None = N
             f"{name} must have {' or '.join(map(str, ndim))} dimensions, "
             f"got shape {tuple(positions.shape)}"
         )
+    check_finite_on_cpu(positions, name)
+
+
+def check_finite_on_cpu(x: torch.Tensor, name: str) -> None:
+    """A floating-point tensor on the CPU holds no NaN or infinity (their angles would be NaN,
+    and so every output they reach). Read in eager mode on the CPU only: on a GPU the check
+    would wait for the device at every call, and a tracer's tensors hold no values."""
+    if x.is_floating_point() and x.device.type == "cpu" and x.numel() and runs_eagerly(x):
+        bad = ~x.isfinite()
+        if bool(bad.any()):
+            raise ValueError(f"{name} must be finite, got {x[bad][0].item()}")
 
 
 def check_attention_shapes(q, k, v) -> None:

@@ -22,6 +22,7 @@ from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
+    check_attention_factor,
     check_attention_shapes,
     check_bool,
     check_float_tensor,
@@ -32,7 +33,6 @@ from fused_rope._validation import (
     check_rope_dim,
     check_rotation_inputs,
     check_same_device,
-    check_scale,
     check_softmax_scale,
     check_window,
     element_span,
@@ -380,7 +380,7 @@ def _check_inputs(
     check_bool(return_lse, "return_lse")
     window = check_window(window, causal, keys=NK)
     check_softmax_scale(softmax_scale, D)
-    check_scale(attention_factor, "attention_factor", FP16_MAX)  # the fused kernels' fp16 tables
+    check_attention_factor(attention_factor, FP16_MAX)  # the fused kernels' fp16 tables
     rotation = dict(
         inv_freq=inv_freq, positions=positions, q_positions=q_positions, angles=angles,
         q_angles=q_angles,

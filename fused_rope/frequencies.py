@@ -23,6 +23,7 @@ import torch
 from fused_rope._validation import (
     FREQ_DTYPES,
     check_bool,
+    check_finite_on_cpu,
     check_float_tensor,
     check_position_tensor,
     check_same_device,
@@ -93,7 +94,12 @@ def _number(
     """``params[key]`` as a finite number above ``minimum`` (``>=`` when not ``strict``) and
     at most ``maximum``."""
     value = params[key]
-    low_ok = _is_number(value) and (value > minimum or (not strict and value == minimum))
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"scaling[{key!r}] for type {kind!r} must be a number, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
+    low_ok = is_finite(value) and (value > minimum or (not strict and value == minimum))
     if not (low_ok and value <= maximum):
         bound = f"> {minimum}" if strict else f">= {minimum}"
         bound += f" and <= {maximum}" if maximum < math.inf else ""
@@ -107,16 +113,28 @@ def _flag(params: Mapping, key: str, kind: str, default: bool) -> bool:
     """``params[key]`` (``default`` when absent), which must be a bool."""
     value = params.get(key, default)
     if not isinstance(value, bool):
-        raise ValueError(f"scaling[{key!r}] for type {kind!r} must be a bool, got {value!r}")
+        raise TypeError(f"scaling[{key!r}] for type {kind!r} must be a bool, got {value!r}")
     return value
 
 
 def _positive_int(params: Mapping, key: str, kind: str) -> int:
-    value = params[key]
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(
-            f"scaling[{key!r}] for type {kind!r} must be a positive int, got {value!r}"
+    value = _optional_positive_int(params[key], f"scaling[{key!r}] for type {kind!r}")
+    if value is None:
+        raise TypeError(f"scaling[{key!r}] for type {kind!r} must be a positive int, got None")
+    return value
+
+
+def _optional_positive_int(value, name: str) -> int | None:
+    """``value`` as an int >= 1, or None: TypeError for another kind of value (a float, a
+    bool), ValueError for an int below 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a positive int, got {value!r} of type {type(value).__name__}"
         )
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
@@ -558,18 +576,9 @@ def rope_frequencies(
     _check_theta(theta)
     if isinstance(seq_len, torch.Tensor) and seq_len.dim() == 0 and not seq_len.is_floating_point():
         seq_len = int(seq_len)  # max(position_ids) + 1
-    if seq_len is not None and (
-        isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len <= 0
-    ):
-        raise ValueError(f"seq_len must be None or a positive int, got {seq_len!r}")
-    seq_len = None if seq_len is None else int(seq_len)
-    if head_dim is not None and (
-        isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1
-    ):
-        raise ValueError(f"head_dim must be None or a positive int, got {head_dim!r}")
-    kind, params = _parse_scaling(
-        scaling, theta, rope_dim, None if head_dim is None else int(head_dim)
-    )
+    seq_len = _optional_positive_int(seq_len, "seq_len")
+    head_dim = _optional_positive_int(head_dim, "head_dim")
+    kind, params = _parse_scaling(scaling, theta, rope_dim, head_dim)
     inv = float(theta) ** -_ladder_exponent(rope_dim)
     inv, attention_factor = _SCHEDULES[kind](inv, params, rope_dim, float(theta), seq_len)
     return inv.to(device=device, dtype=torch.float32), float(attention_factor)
@@ -585,8 +594,15 @@ def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str) ->
     that mode's fake or proxy tensor for every later call."""
     if not runs_eagerly():
         return rope_frequencies(rope_dim, theta, device=device)[0]
-    _check_theta(theta)  # before float(): a bool or a string must not pass as a number
-    return _cached_inv_freq(rope_dim, float(theta), torch.device(device))
+    # Before the cache: 64.0 or True would find the entry of 64 or 1, and a bool or a string
+    # must not pass float() as a number
+    _check_rope_dim(rope_dim)
+    _check_theta(theta)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # "cuda" is the current GPU: keyed by its index, not by the GPU current at the first call
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _cached_inv_freq(int(rope_dim), float(theta), device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -613,6 +629,7 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
     """
     check_position_tensor(positions, "positions", ndim=(1, 2))
     check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=FREQ_DTYPES)
+    check_finite_on_cpu(inv_freq, "inv_freq")
     check_same_device(positions=positions, inv_freq=inv_freq)
     return positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
 
@@ -691,6 +708,7 @@ def mrope_angles(
     """
     check_position_tensor(positions, "positions", ndim=(2, 3))
     check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=FREQ_DTYPES)
+    check_finite_on_cpu(inv_freq, "inv_freq")
     check_same_device(positions=positions, inv_freq=inv_freq)
     check_bool(interleaved, "interleaved")
     sections = _check_sections(sections, inv_freq.shape[0])
@@ -796,6 +814,7 @@ def nd_rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor
     """
     check_position_tensor(positions, "positions")
     check_float_tensor(freqs, "freqs", ndim=3, dtypes=FREQ_DTYPES)
+    check_finite_on_cpu(freqs, "freqs")
     check_same_device(positions=positions, freqs=freqs)
     if 0 in freqs.shape[:2]:
         raise ValueError(

@@ -16,6 +16,7 @@ import torch
 from fused_rope._validation import (
     FREQ_DTYPES,
     check_angles,
+    check_attention_factor,
     check_attention_shapes,
     check_bool,
     check_float_tensor,
@@ -65,7 +66,7 @@ def apply_rope_ref(
     check_float_tensor(angles, "angles", dtypes=FREQ_DTYPES)
     check_angles(angles, B, N, R)
     output_scale = check_scale(output_scale, "output_scale")
-    attention_factor = check_scale(attention_factor, "attention_factor")
+    attention_factor = check_attention_factor(attention_factor)
     cd = _compute_dtype(x)
     xf = x.to(cd)
     a = angles.to(cd)

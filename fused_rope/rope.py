@@ -25,6 +25,7 @@ from fused_rope._validation import (
     KERNEL_DTYPES,
     MAX_GRID_AXIS2,
     check_angles,
+    check_attention_factor,
     check_float_tensor,
     check_inv_freq,
     check_kernel_device,
@@ -825,7 +826,7 @@ def apply_rope(
     angles = _kernel_angles(angles, inv_freq, B, N, R, x=x)
     check_no_tangent("fused_rope.naive.apply_rope_ref", x=x)
     scale = check_scale(output_scale, "output_scale")
-    factor = check_scale(attention_factor, "attention_factor")
+    factor = check_attention_factor(attention_factor)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     offset = position_offset
@@ -920,12 +921,9 @@ def apply_rope_qk(
     position_offset = _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)
     check_no_tangent("fused_rope.naive.apply_rope_ref", q=q, k=k)
-    scales = tuple(
-        check_scale(value, name)
-        for value, name in (
-            (q_scale, "q_scale"),
-            (k_scale, "k_scale"),
-            (attention_factor, "attention_factor"),
-        )
+    scales = (
+        check_scale(q_scale, "q_scale"),
+        check_scale(k_scale, "k_scale"),
+        check_attention_factor(attention_factor),
     )
     return _dispatch_rotation(q, k, angles, layout, R, scales, position_offset)

@@ -829,6 +829,12 @@ BAD_INPUTS = [
         "attention_factor must be finite, of magnitude below 65504",
     ),
     (
+        "attention_factor negative",  # cancels in q.k: accepted, it hid a sign mistake
+        lambda q, k, v: (q, k, v, {"attention_factor": -1.0}),
+        ValueError,
+        "attention_factor must be positive, got -1.0",
+    ),
+    (
         "attention_factor str",
         lambda q, k, v: (q, k, v, {"attention_factor": "1.2"}),
         TypeError,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import fused_rope.frequencies as frequencies
 from fused_rope.frequencies import (
     _cached_inv_freq,
     default_inv_freq,
@@ -735,8 +736,10 @@ def test_longrope_short_and_long_mscale_are_the_attention_factor(seq_len, mscale
     with pytest.raises(ValueError, match="needs the other of 'short_mscale' and 'long_mscale'"):
         rope_frequencies(64, 1e4, {**scaling, "long_mscale": 1.2}, seq_len=seq_len)
     # both are checked, whichever seq_len picks
-    with pytest.raises(ValueError, match="long_mscale"):
+    with pytest.raises(TypeError, match="long_mscale"):
         rope_frequencies(64, 1e4, {**scaling, **mscales, "long_mscale": "x"}, seq_len=seq_len)
+    with pytest.raises(ValueError, match="long_mscale"):
+        rope_frequencies(64, 1e4, {**scaling, **mscales, "long_mscale": -1.0}, seq_len=seq_len)
 
 
 def test_scaled_schedules_change_the_frequencies():
@@ -769,6 +772,21 @@ def test_default_inv_freq_first_made_in_inference_mode_works_with_autograd():
     x = torch.ones(32, device=DEVICE, requires_grad=True)
     (x * inv).sum().backward()  # mul saves inv for the gradient of x
     assert torch.equal(x.grad, inv)
+
+
+def test_default_inv_freq_checks_before_its_cache_and_keys_cuda_by_the_current_gpu(monkeypatch):
+    """64.0 found the cached entry of 64 and passed; "cuda" was one key for every GPU, so a
+    call with another GPU current got the first GPU's tensor (a review's find)."""
+    default_inv_freq(64, 10000.0, "cpu")
+    for rope_dim in (64.0, True):
+        with pytest.raises(TypeError, match="rope_dim must be an int"):
+            default_inv_freq(rope_dim, 10000.0, "cpu")
+    keys = []
+    monkeypatch.setattr(frequencies, "_cached_inv_freq", lambda *key: keys.append(key))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    default_inv_freq(64, 10000.0, "cuda")
+    default_inv_freq(64, 10000.0, torch.device("cuda", 1))
+    assert [key[2] for key in keys] == [torch.device("cuda", 3), torch.device("cuda", 1)]
 
 
 def test_default_inv_freq_first_asked_for_under_fake_tensors_stays_real():
@@ -874,7 +892,7 @@ LONGROPE = {
         ({"theta": np.float32(0.5)}, ValueError, "theta must be > 1"),
         ({"theta": 1.0, "scaling": YARN}, ValueError, "theta"),  # YaRN divides by log(theta)
         ({"seq_len": 0}, ValueError, "seq_len"),
-        ({"seq_len": 2.5}, ValueError, "seq_len"),
+        ({"seq_len": 2.5}, TypeError, "seq_len"),
         ({"scaling": "yarn"}, TypeError, "scaling"),
         ({"scaling": {"type": "ntk"}}, ValueError, "'ntk'"),
         ({"scaling": {"type": ["yarn"]}}, ValueError, "type"),
@@ -882,10 +900,10 @@ LONGROPE = {
         ({"scaling": {"rope_type": "mrope", "factor": 2.0}}, ValueError, "factor"),
         ({"scaling": {"partial_rotary_factor": 0}}, ValueError, "partial_rotary_factor"),
         ({"scaling": {"partial_rotary_factor": 1.5}}, ValueError, "partial_rotary_factor"),
-        ({"scaling": {"partial_rotary_factor": "0.5"}}, ValueError, "partial_rotary_factor"),
+        ({"scaling": {"partial_rotary_factor": "0.5"}}, TypeError, "partial_rotary_factor"),
         ({"scaling": {"mrope_section": [16, 24, 24]}}, ValueError, r"mrope_section.*= 32"),
         ({"scaling": {"mrope_section": "16,8,8"}}, TypeError, "mrope_section"),
-        ({"scaling": {"mrope_interleaved": "yes"}}, ValueError, "mrope_interleaved"),
+        ({"scaling": {"mrope_interleaved": "yes"}}, TypeError, "mrope_interleaved"),
         (
             {"scaling": {"type": "linear", "factor": 2.0, "rope_theta": 1e6}},
             ValueError,
@@ -893,13 +911,13 @@ LONGROPE = {
         ),
         ({"scaling": {"type": "linear"}}, ValueError, "factor"),
         ({"scaling": {"type": "linear", "factor": 0.5}}, ValueError, "factor"),
-        ({"scaling": {"type": "linear", "factor": "2"}}, ValueError, "factor"),
+        ({"scaling": {"type": "linear", "factor": "2"}}, TypeError, "factor"),
         ({"scaling": {"type": "linear", "factor": 2.0, "facter": 3}}, ValueError, "facter"),
         ({"scaling": {"type": "default", "factor": 2.0}}, ValueError, "factor"),
         ({"scaling": {"type": "dynamic", "factor": 2.0}}, ValueError, "original_max_position"),
         ({"scaling": {"type": "dynamic", "alpha": -2.0}}, ValueError, "alpha"),
         ({"scaling": {"type": "dynamic", "alpha": 1e-5}}, ValueError, "must be > 1"),
-        ({"scaling": {"type": "dynamic", "alpha": "1000"}}, ValueError, "alpha"),
+        ({"scaling": {"type": "dynamic", "alpha": "1000"}}, TypeError, "alpha"),
         ({"scaling": {"type": "ntk_alpha", "factor": 1.0}}, ValueError, "alpha"),
         ({"scaling": {"type": "dynamic", "alpha": 9.0, "low_freq_factor": 1}}, ValueError, "low"),
         ({"rope_dim": 2, "scaling": {"type": "ntk_alpha", "alpha": 9.0}}, ValueError, "rope_dim"),
@@ -925,11 +943,11 @@ LONGROPE = {
             ValueError,
             "rope_dim > 2",
         ),
-        ({"scaling": {**YARN, "original_max_position_embeddings": 2048.0}}, ValueError, "original"),
+        ({"scaling": {**YARN, "original_max_position_embeddings": 2048.0}}, TypeError, "original"),
         ({"scaling": {**YARN, "original_max_position_embeddings": 0}}, ValueError, "original"),
         ({"scaling": {**YARN, "beta_fast": 1, "beta_slow": 32}}, ValueError, "beta_fast"),
         ({"scaling": {**YARN, "beta_slow": -1}}, ValueError, "beta_slow"),
-        ({"scaling": {**YARN, "truncate": "yes"}}, ValueError, "truncate"),
+        ({"scaling": {**YARN, "truncate": "yes"}}, TypeError, "truncate"),
         ({"scaling": {**YARN, "attention_factor": 0}}, ValueError, "attention_factor"),
         ({"scaling": {**YARN, "low_freq_factor": 1.0}}, ValueError, "low_freq_factor"),
         ({"scaling": {**LLAMA3, "high_freq_factor": 0.5}}, ValueError, "high_freq_factor"),
@@ -1002,6 +1020,9 @@ def test_rope_angles_fractional_positions_and_gradient():
         (torch.arange(3), torch.ones(4, dtype=torch.int64), TypeError, "inv_freq"),
         (torch.arange(3), torch.ones(2, 4), ValueError, "inv_freq"),
         (torch.arange(3), torch.ones(4, device="meta"), ValueError, "device"),
+        # NaN angles, then NaN in every output they reach, without an error (a review's find)
+        (torch.tensor([0.0, math.inf]), torch.ones(4), ValueError, "positions must be finite"),
+        (torch.arange(3), torch.tensor([1.0, math.nan]), ValueError, "inv_freq must be finite"),
     ],
 )
 def test_rope_angles_rejects_bad_arguments(positions, inv_freq, error, match):
@@ -1013,14 +1034,19 @@ def test_rope_angles_rejects_bad_arguments(positions, inv_freq, error, match):
 
 
 def _axes_by_loop(sections: list[int], interleaved: bool) -> list[int]:
-    """The slot -> axis map written out as transformers' Qwen2-VL / Qwen3-VL code reads."""
+    """The slot -> axis map written out as transformers' Qwen2-VL / Qwen3-VL code reads: the
+    contiguous sections one after another; interleaved, every slot axis 0's, then for each
+    later axis ``a`` the slots of the slice ``a : K * sections[a] : K`` its
+    (``apply_interleaved_mrope``'s assignment, not the implementation's expression)."""
+    if interleaved:
+        k = len(sections)
+        axes = [0] * sum(sections)
+        for a in range(1, k):
+            axes[a : k * sections[a] : k] = [a] * len(range(a, k * sections[a], k))
+        return axes
     axes = []
     for d in range(sum(sections)):
-        if interleaved:
-            k = len(sections)
-            axes.append(d % k if d % k and d < k * sections[d % k] else 0)
-        else:
-            axes.append(next(a for a in range(len(sections)) if d < sum(sections[: a + 1])))
+        axes.append(next(a for a in range(len(sections)) if d < sum(sections[: a + 1])))
     return axes
 
 
@@ -1155,6 +1181,15 @@ def test_mrope_angles_rejects_bad_arguments(positions_shape, sections, interleav
         mrope_angles(positions, torch.ones(64), sections, interleaved=interleaved)
 
 
+def test_mrope_angles_refuse_non_finite_positions_and_frequencies():
+    positions = torch.zeros(3, 10)
+    with pytest.raises(ValueError, match="inv_freq must be finite, got nan"):
+        mrope_angles(positions, torch.full((32,), math.nan), [16, 8, 8])
+    positions[1, 4] = math.inf
+    with pytest.raises(ValueError, match="positions must be finite, got inf"):
+        mrope_angles(positions, torch.ones(32), [16, 8, 8])
+
+
 def test_mrope_sections_take_numpy_ints():
     """Sections computed with numpy (np.int64, np.int32) act as the Python ints they equal."""
     positions = torch.randint(0, 50, (3, 10))
@@ -1234,8 +1269,8 @@ def test_nd_rope_angles_gradients():
               "partial_rotary_factor": 0.75}, 64, "must be 48 "),
         (64, {"rope_type": "proportional", "partial_rotary_factor": 0.25}, 128, "must be 128 "),
         (160, None, 128, "must be at most 128 "),
-        (64, None, 0, "head_dim must be None or a positive int"),
-        (64, None, 64.0, "head_dim must be None or a positive int"),
+        (64, None, 0, "head_dim must be a positive int, got 0"),
+        (64, None, 64.0, "head_dim must be a positive int, got 64.0 of type float"),
     ],
 )  # fmt: skip
 def test_head_dim_catches_a_rope_dim_that_forgot_the_partial_rotation(
@@ -1244,7 +1279,8 @@ def test_head_dim_catches_a_rope_dim_that_forgot_the_partial_rotation(
     """GLM-4.5's partial_rotary_factor 0.5 in its rope_parameters: rope_dim 128 of a 128 head
     gives 64 valid-looking frequencies on the wrong ladder; with head_dim it is refused, and the
     right rope_dim passes."""
-    with pytest.raises(ValueError, match=match):
+    error = TypeError if isinstance(head_dim, float) else ValueError  # a kind, or a value
+    with pytest.raises(error, match=match):
         rope_frequencies(rope_dim, 1e4, scaling, head_dim=head_dim)
     if isinstance(head_dim, int) and head_dim > 0:
         fraction = (scaling or {}).get("partial_rotary_factor", 1.0)
@@ -1335,6 +1371,8 @@ def test_nd_rope_frequencies_rejects_bad_arguments(kwargs, error, match):
         (torch.zeros(10, 3), torch.ones(3, 1, 8, dtype=torch.int32), TypeError, "freqs"),
         (torch.zeros(10, 3, dtype=torch.bool), torch.ones(3, 1, 8), TypeError, "positions"),
         (torch.zeros(10, 3), torch.ones(3, 1, 8, device="meta"), ValueError, "device"),
+        (torch.full((10, 3), math.nan), torch.ones(3, 1, 8), ValueError, "positions must be fin"),
+        (torch.zeros(10, 3), torch.full((3, 1, 8), -math.inf), ValueError, "freqs must be finite"),
     ],
 )
 def test_nd_rope_angles_rejects_bad_arguments(positions, freqs, error, match):
@@ -1357,7 +1395,7 @@ def test_keys_a_checkpoint_carries_beside_its_schedule():
         "mrope_interleaved": True,
     }
     assert torch.equal(rope_frequencies(128, 1e6, omni)[0], rope_frequencies(128, 1e6)[0])
-    with pytest.raises(ValueError, match="interleaved"):
+    with pytest.raises(TypeError, match="interleaved"):
         rope_frequencies(128, 1e6, {**omni, "interleaved": "yes"})
     dynamic = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
     by_int = rope_frequencies(32, scaling=dynamic, seq_len=100)[0]

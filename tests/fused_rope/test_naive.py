@@ -199,6 +199,7 @@ def test_attention_reference_refuses_what_rope_attention_refuses(qkv, kwargs, ma
         ({"angles": torch.zeros(5, 4).half()}, TypeError, "angles must have dtype in"),
         ({"output_scale": "2"}, TypeError, "output_scale must be a float, got str"),
         ({"attention_factor": float("nan")}, ValueError, "attention_factor must be finite"),
+        ({"attention_factor": 0}, ValueError, "attention_factor must be positive, got 0.0"),
     ],
 )
 def test_rotation_reference_refuses_what_the_kernel_refuses(kwargs, error, match):

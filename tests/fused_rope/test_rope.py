@@ -922,6 +922,12 @@ BAD_INPUTS = [
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 1, 8, 16), A(),
                                        attention_factor=float("nan")),
                  ValueError, "attention_factor must be finite", id="qk-factor-nan"),
+    # 0 erased the rotated channels; a negative factor cancels in attention (a review's find)
+    pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), attention_factor=0.0), ValueError,
+                 "attention_factor must be positive, got 0.0", id="factor-zero"),
+    pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 1, 8, 16), A(),
+                                       attention_factor=-1.0),
+                 ValueError, "attention_factor must be positive, got -1.0", id="qk-factor-neg"),
     pytest.param(lambda: apply_rope(_x(1, 2, 8, 16), A(), inplace=1), TypeError,
                  "inplace must be a bool, got int", id="inplace-int"),
     pytest.param(lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(2, 2, 8, 16), A()), ValueError,
