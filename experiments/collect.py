@@ -162,11 +162,18 @@ def _partial_summary(run_dir: Path) -> dict | None:
         "val_loss": last[first_loss],
         "best_val_loss": min(r[first_loss] for r in evals if first_loss in r),
         "steps": last["step"],
+        **_identity(config),
+        "overrides": overrides,
+        **facts,
+    }
+
+
+def _identity(config: dict) -> dict:
+    """What a run was, as its summary names it (``lm.training``): attention, data and seed."""
+    return {
         "attention": config["attention"]["name"],
         "data": config["data"]["name"],
         "seed": config["seed"],
-        "overrides": overrides,
-        **facts,
     }
 
 
@@ -215,7 +222,9 @@ def load_runs(root: Path) -> tuple[list[Run], list[LeftOut], list[Run]]:
             failed.append(LeftOut(d, reason))
             if (record := _run_record(d)) is not None:
                 config, overrides, facts = record
-                summary = {"overrides": overrides, "seed": config.get("seed"), **facts}
+                # its task and attention as a finished run's summary has them: without its
+                # data a failed run formed a task table of its own (a review's find)
+                summary = {"overrides": overrides, **_identity(config), **facts}
                 failed_runs.append(Run(d, summary, failed=True))
         elif (d / "summary.json").exists():
             summary = json.loads((d / "summary.json").read_text())
@@ -333,25 +342,31 @@ def _cell_keys(runs: list[Run]) -> list[tuple[str, str, str]]:
 
 
 def _recency(run: Run) -> float:
-    """When the run last wrote its summary or metrics (the newest mtime)."""
-    files = [run.path / name for name in ("summary.json", "metrics.jsonl")]
+    """When the run last wrote its summary, metrics or failure (the newest mtime)."""
+    files = [run.path / name for name in ("summary.json", "metrics.jsonl", "failed.json")]
     return max((f.stat().st_mtime for f in files if f.exists()), default=0.0)
 
 
-def drop_repeats(runs: list[Run]) -> tuple[list[Run], list[LeftOut]]:
+def drop_repeats(
+    runs: list[Run], failed_runs: list[Run]
+) -> tuple[list[Run], list[Run], list[LeftOut]]:
     """One run per cell and seed: where a seed ran more than once in a cell (a subset re-run
-    into the same root gets new directories), the run with the most steps, then the newest,
-    is kept (in ``runs``' order) and the others are left out."""
+    into the same root gets new directories), a run that did not fail counts over the failed
+    ones (a seed re-run after a crash), then the one with the most steps, then the newest; the
+    others are left out. Returns the kept runs and failed runs (in their lists' order) and
+    those left out."""
+    everyone = runs + failed_runs
     by_seed: dict[tuple, list[Run]] = {}
-    for key, run in zip(_cell_keys(runs), runs, strict=True):
+    for key, run in zip(_cell_keys(everyone), everyone, strict=True):
         by_seed.setdefault((*key, run.summary.get("seed")), []).append(run)
     kept_ids, left_out = set(), []
     for (*_, cell, seed), members in by_seed.items():
-        best = max(members, key=lambda r: (r.summary.get("steps") or 0, _recency(r)))
+        best = max(members, key=lambda r: (not r.failed, r.summary.get("steps") or 0, _recency(r)))
         kept_ids.add(id(best))
         reason = f"repeats seed {seed} of cell {cell}; {best.path} counts"
         left_out += [LeftOut(r.path, reason) for r in members if r is not best]
-    return [r for r in runs if id(r) in kept_ids], left_out
+    kept = [r for r in runs if id(r) in kept_ids]
+    return kept, [r for r in failed_runs if id(r) in kept_ids], left_out
 
 
 def aggregate(runs: list[Run], metrics: list[str]) -> list[dict]:
@@ -644,8 +659,9 @@ def main(argv: list[str] | None = None) -> str:
         if not any(is_under(k, [key]) for k in set_keys):
             print(f"collect: --ignore {key}: no run sets it (a typo?)", file=sys.stderr)
     drop_overrides(runs + failed_runs, [*NO_CELL_KEYS, *ignored])
-    runs, repeats = drop_repeats(runs)
-    left_out = failed + repeats
+    runs, failed_runs, repeats = drop_repeats(runs, failed_runs)
+    repeated = {r.path for r in repeats}
+    left_out = [r for r in failed if r.path not in repeated] + repeats
     for run in left_out:
         print(f"collect: {run.path} left out: {run.reason}", file=sys.stderr)
     summaries = [r.summary for r in runs]

@@ -10,6 +10,7 @@ every run (split by ``--shapes``) and not only the last; ``markdown_table`` rend
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import os
@@ -21,6 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lm.checkpoint import replace_atomically
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CSV_PATH = RESULTS / "benchmarks.csv"
@@ -168,8 +174,24 @@ def environment() -> dict[str, str]:
 def upsert_rows(rows: list[dict], path: Path = CSV_PATH) -> None:
     """Writes ``rows`` (dicts with FIELDS keys; missing ones left empty) into the CSV,
     replacing rows with the same key (and of two given rows with one key, the later wins).
-    Keys compare as written: a None field is the empty string the file holds."""
+    Keys compare as written: a None field is the empty string the file holds. The read and
+    the write hold a lock beside the file (``<csv>.lock``): two benchmarks writing at once
+    each lost the other's rows."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_name(path.name + ".lock")):
+        _upsert_rows_locked(rows, path)
+
+
+@contextlib.contextmanager
+def _locked(lock: Path):
+    """An exclusive ``flock`` of ``lock`` (POSIX; elsewhere, no lock) for the block."""
+    with lock.open("a") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _upsert_rows_locked(rows: list[dict], path: Path) -> None:
     existing: list[dict] = []
     if path.exists():
         with path.open(newline="") as f:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,9 @@ def replace_atomically(
     loss to a power cut costs little."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    # A name of its own: two writers of one path (two benchmarks' rows) must not share it
+    # (mkstemp's would make the file private to its owner, unlike the one it replaces)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         write(tmp)
         if sync:

@@ -73,6 +73,18 @@ def launch_dir(run_dir: Path) -> Path | None:
     return Path(cwd) if isinstance(cwd, str) and Path(cwd).is_dir() else None
 
 
+def run_directory(path: Path, ckpt: Path) -> Path:
+    """The run directory of ``path``: itself, or for a checkpoint file the nearest directory
+    above it with the run's records (``run.json``, ``.hydra/``): a ``train.ckpt_path`` of
+    ``ck/m.pt`` puts the file a level below them. The file's own directory without either."""
+    if path.is_dir():
+        return path
+    for directory in ckpt.resolve().parents:
+        if (directory / "run.json").is_file() or (directory / ".hydra").is_dir():
+            return directory
+    return ckpt.parent
+
+
 def build_run_dataset(cfg: DictConfig, run_dir: Path) -> LMDataset:
     """``build_dataset(cfg.data)`` with relative paths taken from the run's launch directory."""
     start = launch_dir(run_dir)
@@ -116,7 +128,17 @@ def load_run(
     elif impl is not None:
         warnings.warn(f"impl={impl!r} ignored: attention {name!r} has no impl option", stacklevel=2)
     check_attention_config(cfg.attention, cfg.model, torch.device(device))
-    dataset = build_run_dataset(cfg, Path(path) if Path(path).is_dir() else ckpt.parent)
+    dataset = build_run_dataset(cfg, run_directory(Path(path), ckpt))
+    # The tokens the run trained on (lm.training checks the same on resume): a changed data
+    # file can keep the vocabulary's size and renumber its words, which the weights would
+    # then read silently
+    saved = state.get("data_fingerprint")  # absent from older checkpoints
+    if saved is not None and saved != (now := dataset.fingerprint()):
+        raise ValueError(
+            f"{ckpt} was trained on data of fingerprint {saved}, but its config's data now "
+            f"gives {now}: a data file changed since the run (or the Python stdlib, for "
+            "data=stdlib); restore it"
+        )
     model = GPT(cfg.model, cfg.attention, dataset.vocab_size, dataset.max_len)
     model.load_state_dict(state["model"])
     return cfg, model.to(device, dtype).eval(), dataset

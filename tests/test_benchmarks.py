@@ -389,7 +389,35 @@ def test_upsert_that_fails_midway_leaves_the_previous_csv(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         upsert_rows([dict(row, shape="t"), dict(row, shape="u", note="boom")], path)
     assert path.read_text() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["b.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.csv", "b.csv.lock"]
+
+
+def _upsert_forty(op: str, path: Path) -> None:
+    for i in range(40):
+        row = dict(op=op, provider="p", mode="fwd", shape=f"N{i}", dtype="bf16", gpu="g", ms=1.0)
+        upsert_rows([row], path)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks its writers")
+def test_two_benchmarks_upserting_at_once_keep_every_row(tmp_path):
+    """Two processes upserting rows into one CSV: every row of both stays. Without the lock
+    each read-modify-write lost the other's rows (46 of 80 left), and a shared temporary
+    name made one's move fail (a review's find)."""
+    import multiprocessing
+
+    path = tmp_path / "benchmarks.csv"
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_upsert_forty, args=(op, path)) for op in ("a", "b")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["op"], r["shape"]) for r in rows) == sorted(
+        (op, f"N{i}") for op in ("a", "b") for i in range(40)
+    )
 
 
 def test_timing_helpers_on_fakes(monkeypatch):

@@ -199,8 +199,8 @@ def test_a_cell_whose_every_seed_failed_has_a_row(tmp_path):
     runs counted), and the overrides heading the table are those every run shares, the failed
     ones included (a review's find: the cell vanished and the table claimed every run had
     optim.lr=0.003)."""
-    _run(tmp_path, "000", ["optim.lr=3e-3", "seed=0"], 0.5)
-    _run(tmp_path, "001", ["optim.lr=3e-3", "seed=1"], 0.25)
+    _run(tmp_path, "000", ["optim.lr=3e-3", "seed=0"], 0.5, data="counting")
+    _run(tmp_path, "001", ["optim.lr=3e-3", "seed=1"], 0.25, data="counting")
     for i, seed in enumerate((0, 1)):
         d = tmp_path / f"00{2 + i}"
         d.mkdir()
@@ -359,3 +359,42 @@ def test_a_missing_root_and_an_ignored_key_no_run_sets_are_named(tmp_path, capsy
         ]
     )
     assert "--ignore atention: no run sets it" in capsys.readouterr().err
+
+
+def _failed_run(root, name, attention, seed, data="flipflop", step=3):
+    """A run that failed after ``step``: its ``run.json`` and ``failed.json``."""
+    d = root / name
+    d.mkdir(parents=True)
+    config = {"attention": {"name": attention}, "data": {"name": data}, "seed": seed}
+    record = {"config": config, "overrides": [f"attention={attention}", f"seed={seed}"]}
+    (d / "run.json").write_text(json.dumps(record))
+    failure = {"step": step, "error": "RuntimeError", "message": "CUDA out of memory"}
+    (d / "failed.json").write_text(json.dumps(failure))
+    return d
+
+
+def test_a_failed_run_counts_in_its_cell_of_its_task(tmp_path):
+    """A failed run's summary names its data as a finished run's does: it was filed under a
+    task table of its own, "(all runs)", and its cell looked clean (a review's find)."""
+    for attention, seed, err in (("rope", 0, 0.5), ("nope", 0, 1.0)):
+        _run(tmp_path, f"{attention}{seed}", [f"attention={attention}", f"seed={seed}"], err,
+             data="flipflop", attention=attention)  # fmt: skip
+    _failed_run(tmp_path, "rope1", "rope", 1)
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert "(all runs)" not in table
+    assert "| attention=rope | 1 | 0.5 | 1 |" in table  # seeds, test/err, failed
+
+
+def test_a_seed_that_failed_then_ran_counts_once(tmp_path, capsys):
+    """Seed 1 failed (out of memory), then ran again into the same root: its cell has two
+    seeds and no failure, and the failed attempt is left out as a repeat; a seed that failed
+    twice counts as one failure (a review's find: failed 1 beside the re-run)."""
+    _run(tmp_path, "000", ["attention=rope", "seed=0"], 0.5, data="flipflop")
+    crashed = _failed_run(tmp_path, "001", "rope", 1)
+    _run(tmp_path, "002", ["attention=rope", "seed=1"], 0.25, data="flipflop")
+    for name in ("003", "004"):
+        _failed_run(tmp_path, name, "nope", 0)
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert "| attention=rope | 2 | 0.375 ± 0.1768 | 0 |" in table
+    assert "| attention=nope | 0 | - | 1 |" in table
+    assert f"{crashed} left out: repeats seed 1 of cell" in capsys.readouterr().err

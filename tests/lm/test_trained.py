@@ -68,6 +68,19 @@ def test_a_run_with_its_own_ckpt_path_loads_from_its_directory(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path / "run")  # relative data: from run.json's launch directory
     cfg, _, dataset = load_run(tmp_path / "run")
     assert cfg.train.ckpt_path == "ck/m.pt" and dataset.decode(dataset.encode("dog")) == "dog"
+    # The file itself: its run's records are a level up (a review's find: the relative data
+    # path resolved from here, not from the launch directory)
+    assert load_run(tmp_path / "run" / "ck" / "m.pt")[2].decode(dataset.encode("fox")) == "fox"
+
+
+def test_a_run_whose_data_changed_is_refused(text_run):
+    """Data that changed since training can keep the vocabulary's size and renumber it; the
+    weights would read the new ids silently (a review's find). The checkpoint's fingerprint
+    of the data is checked, as a resume checks it."""
+    corpus = text_run.parent / "launch" / "corpus.txt"
+    corpus.write_text("the lazy dog jumps over the quick brown fox. " * 40)
+    with pytest.raises(ValueError, match="was trained on data of fingerprint"):
+        load_run(text_run)
 
 
 def test_a_triton_run_loads_on_the_cpu_through_its_pytorch_path(text_run):
