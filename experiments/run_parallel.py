@@ -215,6 +215,23 @@ def pick_gpu(gpus: list[str], running: list[Job]) -> str | None:
     return min(gpus, key=load.__getitem__)
 
 
+def physical_gpus(gpus: list[str], inherited: str | None) -> list[str]:
+    """``--gpus`` as the jobs' ``CUDA_VISIBLE_DEVICES`` entries: under an inherited mask (a
+    scheduler's ``CUDA_VISIBLE_DEVICES=4,5``) the ids number the GPUs this process sees, 0 and
+    1 there, so they go through the mask (replacing it sent jobs to GPUs 0 and 1, another
+    allocation's); ValueError for an id the mask lacks."""
+    if not inherited:
+        return gpus
+    mask = inherited.split(",")
+    for gpu in gpus:
+        if not (gpu.isdecimal() and int(gpu) < len(mask)):
+            raise ValueError(
+                f"--gpus {gpu}: this process sees CUDA_VISIBLE_DEVICES={inherited}, "
+                f"{len(mask)} GPUs: give ids from 0 to {len(mask) - 1}"
+            )
+    return [mask[int(gpu)] for gpu in gpus]
+
+
 def _previous_rows(root: Path) -> list[str]:
     """The rows of an earlier launch's ``jobs.tsv`` in ``root``, kept as they are (rows from
     before the gpu and launch columns have fewer fields: readers see those as missing)."""
@@ -263,7 +280,9 @@ def _signal(jobs: list[Job], sig: signal.Signals) -> list[Job]:
 
 
 def _stop(jobs: list[Job], status: str) -> None:
-    """SIGTERM to each job's process group, SIGKILL to those still alive 10 s later."""
+    """SIGTERM to each job's process group, SIGKILL to those still alive 10 s later; those
+    signalled get ``status``, a job that had ended before its own (its exit status's)."""
+    ended = {id(j): j.proc.poll() for j in jobs if j.proc is not None and j.proc.poll() is not None}
     for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         alive = _signal(jobs, sig)
         deadline = time.monotonic() + grace
@@ -271,7 +290,13 @@ def _stop(jobs: list[Job], status: str) -> None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 job.proc.wait(max(0.0, deadline - time.monotonic()))
     for job in jobs:
-        job.status, job.seconds = status, time.monotonic() - job.started
+        rc = ended.get(id(job))
+        job.status = status if rc is None else _exit_status(rc)
+        job.seconds = time.monotonic() - job.started
+
+
+def _exit_status(rc: int) -> str:
+    return "ok" if rc == 0 else f"failed rc={rc}"
 
 
 class _Stopped(Exception):
@@ -280,6 +305,26 @@ class _Stopped(Exception):
 
 def _raise_stopped(signum, frame):
     raise _Stopped(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGTERM and Ctrl-C wait for the block's end, then raise as they would have: between
+    ``Popen``'s return and ``job.proc``'s assignment a stop found no process to stop, and the
+    job ran on in its own session. (Blocking them would leave them blocked in the job too.)"""
+    received = []
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in handlers:
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if received:
+        if received[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise _Stopped(signal.Signals(received[0]).name)
 
 
 def _shut_down(running: list[Job], pending: list[Job]) -> None:
@@ -332,7 +377,8 @@ def run(
                 job.gpu = pick_gpu(gpus or [], running)
                 running.append(job)  # first, so that a stop in the middle of the start sees it
                 try:
-                    _start(job, threads)
+                    with _signals_deferred():
+                        _start(job, threads)
                 except OSError as error:  # its directory or log cannot be made: this job fails
                     running.remove(job)
                     job.status = f"failed to start: {error}"
@@ -349,7 +395,7 @@ def run(
                 elif rc is None:
                     continue
                 else:
-                    job.status, job.seconds = ("ok" if rc == 0 else f"failed rc={rc}"), elapsed
+                    job.status, job.seconds = _exit_status(rc), elapsed
                 running.remove(job)
                 print(
                     f"[{job.index}] {job.status} after {job.seconds:.0f} s: {job.run_dir}",
@@ -381,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-j", "--max-parallel", type=int, default=4, help="jobs at once (4)")
     parser.add_argument("--common", default="", help="overrides appended to every job")
     parser.add_argument(
-        "--gpus", default="", help="comma-separated GPU ids; a job starts on the least busy"
+        "--gpus",
+        default="",
+        help="comma-separated GPU ids as this process sees them (under CUDA_VISIBLE_DEVICES, "
+        "its GPUs from 0); a job starts on the least busy",
     )
     parser.add_argument(
         "--job-timeout",
@@ -394,8 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_parallel < 1:
         parser.error(f"--max-parallel must be >= 1, got {args.max_parallel}")
-    gpus = [g for g in args.gpus.split(",") if g]
+    if args.job_timeout is not None and not args.job_timeout > 0:
+        parser.error(f"--job-timeout must be > 0 seconds, got {args.job_timeout}")
     try:
+        gpus = physical_gpus(
+            [g for g in args.gpus.split(",") if g], os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
         jobs = plan(args.specs, overrides(args.common), args.root.resolve())
     except ValueError as e:
         parser.error(str(e))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from experiments import run_parallel
-from experiments.run_parallel import expand, main, plan, run, split_values
+from experiments.run_parallel import expand, main, physical_gpus, plan, run, split_values
 from tests.lm.harness import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,6 +243,61 @@ def test_a_starting_job_gets_the_least_busy_gpu(fake_train, tmp_path):
     gpus = [launch_lines(log)[0].split()[3] for log in logs]
     assert gpus == ["0", "1", "1"]
     assert [r["gpu"] for r in table(root)] == gpus
+
+
+def test_gpu_ids_number_the_gpus_an_inherited_mask_shows(fake_train, tmp_path, monkeypatch):
+    """Under a scheduler's CUDA_VISIBLE_DEVICES=4,5, --gpus 0,1 are GPUs 4 and 5: replacing
+    the mask put the jobs on GPUs 0 and 1, another allocation's (a review's find)."""
+    assert physical_gpus(["0", "1"], None) == ["0", "1"]
+    assert physical_gpus(["1", "0"], "4,5") == ["5", "4"]
+    assert physical_gpus(["0"], "GPU-8f3a,GPU-77b1") == ["GPU-8f3a"]
+    with pytest.raises(ValueError, match="--gpus 2: this process sees CUDA_VISIBLE_DEVICES=4,5"):
+        physical_gpus(["0", "2"], "4,5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    root = tmp_path / "runs"
+    assert main(["--root", str(root), "-j", "2", "--gpus", "0,1", "seed=0,1"]) == 0
+    logs = [root / r["dir"] / "stdout.log" for r in table(root)]
+    assert sorted(launch_lines(log)[0].split()[3] for log in logs) == ["4", "5"]
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1"])
+def test_a_job_timeout_that_is_not_positive_is_refused(tmp_path, timeout, capsys):
+    """It stopped every job at the first poll (a review's find)."""
+    with pytest.raises(SystemExit):
+        main(["--root", str(tmp_path), "--job-timeout", timeout, "seed=0"])
+    assert "--job-timeout must be > 0 seconds" in capsys.readouterr().err
+
+
+def test_a_stop_while_a_job_starts_stops_that_job(fake_train, tmp_path, monkeypatch):
+    """SIGTERM right after the job's process is made, before run_parallel holds it: the stop
+    waits for the start, then stops that job too. It found no process and the job ran on in
+    its own session (a review's find)."""
+    made = []
+
+    def popen_then_sigterm(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        made.append(proc)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode
+        return proc
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(run_parallel.subprocess, "Popen", popen_then_sigterm)
+    root = tmp_path / "runs"
+    assert run(plan(["sleep=60 seed=0,1"], [], root), root, 1, None) == 2
+    (proc,) = made
+    assert proc.wait(timeout=20) is not None  # stopped, not left running for 60 s
+    assert [r["status"] for r in table(root)] == ["stopped", "not started"]
+
+
+def test_a_job_that_ended_before_a_stop_keeps_its_status(fake_train, tmp_path):
+    """A job that exited since the last poll is not "stopped" by a stop that finds it ended."""
+    root = tmp_path / "runs"
+    ended, running = plan(["sleep=0,60"], [], root)
+    for job in (ended, running):
+        run_parallel._start(job, 1)
+    ended.proc.wait(timeout=20)
+    run_parallel._stop([ended, running], "stopped")
+    assert (ended.status, running.status) == ("ok", "stopped")
 
 
 def test_a_second_sigterm_kills_jobs_that_ignore_the_first(fake_train, tmp_path):
