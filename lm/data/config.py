@@ -122,7 +122,7 @@ class TextConfig(DataConfig):
 @dataclass
 class HubConfig(DataConfig):
     """A Hugging Face Hub text dataset, byte-level; ``max_bytes`` caps the training text
-    read (None: all of it)."""
+    read (None: all of it); the evaluation splits are read whole."""
 
     seq_len: int = 256
     eval_samples: int = 64

@@ -2,7 +2,8 @@
 
 ``data=wikitext103`` (Salesforce/wikitext, wikitext-103-raw-v1: rows are lines of one
 text) and ``data=tinystories`` (roneneldan/TinyStories: rows are stories, each
-followed by <eos>). Each split is read from its first row until ``max_bytes``.
+followed by <eos>). The training split is read from its first row until ``max_bytes``; the
+evaluation splits whole, so that runs of any ``max_bytes`` are scored on the same text.
 Without a network (or without the dataset in the local cache) loading fails with a
 RuntimeError that names the dataset and points to the local and built-in sources.
 
@@ -79,9 +80,13 @@ def _load_split(key: str, source: HubSource, split: str, max_bytes: int | None) 
 
 @functools.lru_cache(maxsize=2)
 def load_hub_streams(key: str, max_bytes: int | None) -> dict[str, np.ndarray]:
-    """{stream name: tokens} of a Hub source; cached in memory for the process."""
+    """{stream name: tokens} of a Hub source, the training text cut at ``max_bytes``; cached
+    in memory for the process."""
     source = HUB_SOURCES[key]
-    return {name: _load_split(key, source, split, max_bytes) for name, split in source.splits}
+    return {
+        name: _load_split(key, source, split, max_bytes if name == "train" else None)
+        for name, split in source.splits
+    }
 
 
 class HubCorpus(ByteCorpus):

@@ -580,6 +580,13 @@ def test_hub_success_with_a_local_dataset(monkeypatch, fresh_hub_cache):
     assert [c[2] for c in calls] == ["train", "validation", "test"]
     assert (wiki.train == EOS_ID).sum() == 1  # lines of one text, one <eos> at its end
     assert 1000 <= len(wiki.train) - 1 < 1000 + len("train story 0 about a cat.\n")
+    # The evaluation splits whole, whatever max_bytes: a sweep over it scored each run on
+    # other text (a review's find)
+    load_hub_streams.cache_clear()
+    whole = build_dataset({"name": "wikitext103", "seq_len": 32})
+    for split in wiki.eval_splits():
+        got, expected = (next(d.eval_batches(split, 4))[0] for d in (wiki, whole))
+        assert torch.equal(got, expected), split
     assert wiki.eval_splits()[-1] == "test@1x"
 
 
