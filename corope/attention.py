@@ -24,6 +24,7 @@ from fused_rope._validation import (
     check_no_functorch,
     check_no_tangent,
     check_window,
+    refuse_double_backward,
     runs_eagerly,
 )
 
@@ -127,6 +128,7 @@ def _backward(ctx, do, dlse):
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
+refuse_double_backward(_attention_backward_op, "corope.corope_attention_ref")
 
 
 def corope_attention(

@@ -282,9 +282,11 @@ def corope_decode(
     HKV, NK = k.shape[1], k.shape[2]
     # The one check of this launcher (a few host operations): its kernels write o's first
     # row of each head alone and index k and v by q's batch and head dim.
-    if NQ != 1 or v.shape != k.shape or (k.shape[0], k.shape[3]) != (B, D) or HKV == 0 or HQ % HKV:
+    shapes_ok = v.shape == k.shape and (k.shape[0], k.shape[3]) == (B, D)
+    if NQ != 1 or not shapes_ok or HKV == 0 or HQ % HKV or NK == 0:
         raise ValueError(
-            f"corope_decode takes q [B, HQ, 1, D] and k, v [B, HKV, NK, D] with HQ % HKV == 0, "
+            f"corope_decode takes q [B, HQ, 1, D] and k, v [B, HKV, NK, D] with HQ % HKV == 0 "
+            f"and NK >= 1 (the step's own key is the last), "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
             "corope.corope_attention checks and dispatches any shape"
         )

@@ -240,7 +240,7 @@ def corope_attention_ref(
         ``len(rows)``. Computed in fp32 (fp64 for fp64 inputs).
     """
     R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=True)
-    window = check_window(window, causal=True)
+    window = check_window(window, causal=True, keys=k.shape[2])  # as corope_attention's
     for name, flag in (
         ("detach_mileage", detach_mileage),
         ("unit_gates", unit_gates),

@@ -243,6 +243,22 @@ def check_no_functorch(reference: str) -> None:
         )
 
 
+def refuse_double_backward(backward_op, reference: str) -> None:
+    """Gives a kernel's backward custom op an autograd that refuses to run: a gradient of
+    the gradients (``create_graph=True``, then a backward through the first one's results)
+    got PyTorch's message about an op "no autograd formula was registered" for, which names
+    no way out; this one names ``reference``, whose autograd differentiates twice."""
+
+    def refuse(ctx, *grads):
+        raise NotImplementedError(
+            f"{backward_op._qualname} has no derivative: the Triton kernels give first-order "
+            f"gradients only (create_graph=True cannot be differentiated again); for a "
+            f"gradient of the gradients use {reference}"
+        )
+
+    backward_op.register_autograd(refuse)
+
+
 def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:
     """``inv_freq`` is a ``[rope_dim // 2]`` tensor of one of ``dtypes`` (default fp32 or fp64:
     frequencies rounded to half precision put far positions off by whole radians)."""

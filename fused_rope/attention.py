@@ -36,6 +36,7 @@ from fused_rope._validation import (
     check_softmax_scale,
     check_window,
     element_span,
+    refuse_double_backward,
     under_functorch,
 )
 from fused_rope.attention_backward import (
@@ -210,6 +211,7 @@ def _backward(ctx, do, dlse):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+refuse_double_backward(_bwd_op, "fused_rope.rope_attention_ref")
 
 
 # --------------------------------------------------------------------------- public API

@@ -114,6 +114,7 @@ def test_decoding_step_takes_the_options():
         ((2, 2, 1, 32), (1, 1, 8, 32), (1, 1, 8, 32)),  # another batch
         ((1, 3, 1, 32), (1, 2, 8, 32), (1, 2, 8, 32)),  # HQ not a multiple of HKV
         ((1, 2, 1, 32), (1, 0, 8, 32), (1, 0, 8, 32)),  # no KV head
+        ((1, 2, 1, 32), (1, 1, 0, 32), (1, 1, 0, 32)),  # no key: a ZeroDivisionError before
     ],
 )
 def test_decode_launcher_refuses_shapes_its_kernels_cannot_take(q_shape, k_shape, v_shape):

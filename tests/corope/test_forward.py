@@ -550,6 +550,21 @@ def test_torch_func_is_refused():
     torch.testing.assert_close(got, x.grad)
 
 
+def test_a_gradient_of_the_gradients_is_refused_naming_the_reference():
+    """create_graph=True gives first-order gradients; a backward through them is refused with
+    the reference named, which differentiates twice (PyTorch's message named only an op
+    without an autograd formula; a review's find)."""
+    q, k, v = (torch.randn(1, 2, 8, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    for attention in (corope_attention, corope_attention_ref):
+        (dq,) = torch.autograd.grad(attention(q, k, v).square().sum(), q, create_graph=True)
+        if attention is corope_attention:
+            with pytest.raises(NotImplementedError, match="gradient of the gradients use corope"):
+                dq.sum().backward()
+        else:
+            dq.sum().backward()
+            assert k.grad is not None and k.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("mode", ["forward_ad", "jvp"])
 def test_forward_mode_ad_is_refused(mode):
     """The custom op has no forward-mode derivative and PyTorch would drop the tangent (a

@@ -662,6 +662,22 @@ def test_torch_func_grad():
     torch.testing.assert_close(got, x.grad)
 
 
+def test_a_gradient_of_the_fused_kernels_gradients_is_refused_naming_the_reference():
+    """create_graph=True gives first-order gradients; a backward through them is refused with
+    the reference named, which differentiates twice (PyTorch's message named only an op
+    without an autograd formula; a review's find)."""
+    q, k, v = (torch.randn(1, 2, 8, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    for fused in (True, False):
+        o = rope_attention(q, k, v, impl="fused") if fused else rope_attention_ref(q, k, v)[0]
+        (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+        if fused:
+            with pytest.raises(NotImplementedError, match="use fused_rope.rope_attention_ref"):
+                dq.sum().backward()
+        else:
+            dq.sum().backward()
+            assert k.grad is not None and k.grad.abs().sum() > 0
+
+
 def test_backward_is_deterministic():
     q, k, v = (torch.randn(1, 4, 50, 32, device=DEVICE, requires_grad=True) for _ in range(3))
     k2, v2 = k[:, :1].detach().requires_grad_(), v[:, :1].detach().requires_grad_()
