@@ -37,7 +37,7 @@ from fused_rope._validation import interpreting
 from fused_rope.frequencies import rope_angles, rope_frequencies, scaling_type
 from fused_rope.query_scale import llama4_attn_scale, scale_unchecked
 from fused_rope.sdpa import sdpa_attention
-from lm.config import QueryScaleConfig
+from lm.config import ATTENTION_SCHEMAS, QueryScaleConfig
 
 if TYPE_CHECKING:
     from lm.generation import KVCache
@@ -103,9 +103,43 @@ def check_attention_config(attn_cfg: Any, model_cfg: Any, device: torch.device) 
     m = model_cfg
     head_dim = resolve_head_dim(m.d_model, m.n_head, m.get("head_dim"))
     attention_class(attn_cfg).check_device(attn_cfg, head_dim, device)
-    nope_layers(attn_cfg, m.n_layer)
-    window_layers(attn_cfg, m.n_layer)
+    nope = nope_layers(attn_cfg, m.n_layer)
+    windows = window_layers(attn_cfg, m.n_layer)
     resolve_query_scale(attn_cfg)
+    _check_window_theta_leaves_a_layer(attn_cfg, m.n_layer, nope, windows)
+    # One layer of each kind the model will have (its checks: base, schedule, layout, impl,
+    # leader), before the data loads; a few small matrices on the CPU
+    for kind in sorted({(i in nope, windows.get(i)) for i in range(m.n_layer)}, key=str):
+        try:
+            build_attention(attn_cfg, m.d_model, m.n_head, m.n_kv_head, m.get("head_dim"), *kind)
+        except (TypeError, ValueError) as error:
+            if str(error).startswith("attention."):
+                raise
+            raise type(error)(f"attention: {error}") from None
+
+
+def _check_window_theta_leaves_a_layer(
+    cfg: Any, n_layer: int, nope: set[int], windows: dict[int, int]
+) -> None:
+    """``attention.window_theta`` gives the windowed layers their own unscaled base; where no
+    layer is both global and rotary (every layer windowed, or every global one NoPE, as in
+    Command A), ``theta`` and ``scaling`` reach no layer: refused where they are set, since
+    the run would train another schedule under their names (YaRN's factor dropped)."""
+    node = _as_dict(cfg)
+    if node.get("window_theta") is None or set(range(n_layer)) - nope - set(windows):
+        return
+    unused = []
+    if scaling_dict(node.get("scaling")) is not None:
+        unused.append(f"attention.scaling.type={node['scaling']['type']}")
+    if node.get("theta") != getattr(ATTENTION_SCHEMAS[node["name"]], "theta", None):
+        unused.append(f"attention.theta={node.get('theta')}")
+    if unused:
+        raise ValueError(
+            f"{' and '.join(unused)} would reach no layer: with attention.window_theta every "
+            "rotary layer is windowed and takes window_theta, unscaled (global_interval null, "
+            "or every global layer NoPE by nope_interval): drop them (the windowed layers' "
+            "base is window_theta), or give the model a global rotary layer"
+        )
 
 
 def resolve_head_dim(d_model: int, n_head: int, head_dim: int | None) -> int:

@@ -393,6 +393,52 @@ def test_layer_settings_are_checked_before_the_data_loads():
         check_attention_config(attn_cfg("rope", query_scale=scale), model, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(
+    "name, overrides, match",
+    [
+        ("rope", {"theta": 1.0}, r"^attention: theta must be > 1"),
+        ("rope", {"scaling": {"type": "linear", "factor": 0.5}}, r"^attention: scaling\['factor'\]"),
+        ("rope", {"impl": "trtion"}, r"^attention.impl must be one of"),
+        ("rope", {"layout": "neox"}, r"^attention.layout must be"),
+        ("corope", {"leader": "last"}, r"^attention.leader must be"),
+        ("rope", {"learn_freq": True, "scaling": {"type": "dynamic", "factor": 2.0,
+                  "original_max_position_embeddings": 64}}, r"learn_freq=true cannot learn"),
+        # a windowed layer's own base is checked too
+        ("rope", {"window": 8, "global_interval": 2, "theta": 0.5}, r"theta must be > 1"),
+    ],
+)  # fmt: skip
+def test_a_layers_own_checks_run_before_the_data_loads(name, overrides, match):
+    """What a layer refuses when built (its base, schedule, layout, impl, leader) is refused by
+    check_attention_config, which runs before the data loads: it came after the dataset was
+    built (a Hub corpus's download), some errors without the config's name (a review's find)."""
+    model = OmegaConf.structured(ModelConfig(n_layer=4))
+    with pytest.raises(ValueError, match=match):
+        check_attention_config(attn_cfg(name, **overrides), model, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+        {"theta": 1e6},
+        {"global_interval": 2, "nope_interval": 2, "theta": 5e5},  # Command A's pattern
+    ],
+)
+def test_window_theta_with_no_global_rotary_layer_refuses_a_theta_or_schedule(overrides):
+    """With window_theta every windowed layer takes that base, unscaled: where no layer is
+    global and rotary, attention.theta and scaling reach no layer, and rope_yarn trained plain
+    RoPE under its name (a review's find). Without them set, or with a global rotary layer,
+    window_theta is taken."""
+    model = OmegaConf.structured(ModelConfig(n_layer=4))
+    cpu = torch.device("cpu")
+    cfg = attn_cfg("rope", window=8, window_theta=1e4, **overrides)
+    with pytest.raises(ValueError, match=r"would reach no layer: with attention.window_theta"):
+        check_attention_config(cfg, model, cpu)
+    check_attention_config(attn_cfg("rope", window=8, window_theta=1e4), model, cpu)
+    if "global_interval" not in overrides:
+        check_attention_config(OmegaConf.merge(cfg, {"global_interval": 2}), model, cpu)
+
+
 def test_query_scale_keeps_the_queries_dtype(monkeypatch):
     """The scale is cast to q's dtype before the product, as transformers does: bf16 queries
     stay bf16 (an fp32 scale would promote them) and reach attend rounded as theirs are."""
