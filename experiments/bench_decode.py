@@ -43,7 +43,9 @@ from experiments.results_io import (  # noqa: E402
     QUICK_IGNORES,
     add_output_arguments,
     environment,
+    gpu_suffix,
     markdown_table,
+    merged_environment,
     print_report,
     quick_and_output,
     read_rows,
@@ -173,13 +175,18 @@ def main() -> None:
         del model
     rows = read_rows(csv_path, OP, env["gpu"])
     cols = ["shape", "mode", "provider", "ms", "ms_p20", "ms_p80", "note", "commit"]
+    # Every run's rows of this GPU (runs split by --window add up): their commits and dates
+    runs = merged_environment(rows, ["torch", "triton", "commit", "date"])
     text = (
-        f"# Decoding with a KV cache\n\n{env['gpu']}, torch {env['torch']}, triton "
-        f"{env['triton']}, commit {env['commit']}, {env['date']}; copy bandwidth "
-        f"{gbps:.4g} GB/s. Written by `experiments/bench_decode.py` (its docstring says what "
-        f"is timed).\n\n" + markdown_table(rows, cols)
+        f"# Decoding with a KV cache\n\n{env['gpu']}, torch {runs['torch']}, triton "
+        f"{runs['triton']}, commits {runs['commit']}, {runs['date']}; copy bandwidth "
+        f"{gbps:.4g} GB/s (the last run's). Written by `experiments/bench_decode.py` (its "
+        f"docstring says what is timed).\n\n" + markdown_table(rows, cols)
     )
-    print_report(text, args.out / "bench_decode.md")
+    # Another GPU's committed report is kept (bench_decode.md of an H100, _h200 beside it)
+    print_report(
+        text, args.out / f"bench_decode{gpu_suffix(args.out / 'bench_decode.md', env['gpu'])}.md"
+    )
 
 
 if __name__ == "__main__":
