@@ -32,7 +32,9 @@ the visible (query, key) pairs for a prefill) and 3.5 times that for forward+bac
 ``rope_attention <= 1.10 x sdpa_no_rope`` and ``<= 0.9 x min(liger, compile)``. Every provider
 but the floor is compared with the eager provider run in fp32 on the same inputs: a max-abs
 error over ``experiments.results_io.ACC_TOL`` makes its note "ACC FAIL" and its (shape, dtype,
-pass) miss the targets.
+pass) miss the targets. A forward+backward row also checks the provider's dq, dk and dv under
+the timed cotangent by flash-attention's rule (``tests.helpers.check_against_baseline``:
+within twice the errors of the eager provider in the dtype, against it in fp32).
 
     python experiments/bench_rope_attention.py                      # GPU, results/ files
     python experiments/bench_rope_attention.py --quick --out /tmp/b  # CPU smoke (interpreter)
@@ -58,6 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from experiments.results_io import (  # noqa: E402
+    ACC_FAIL,
     QUICK_IGNORES,
     accuracy_failed,
     accuracy_note,
@@ -74,6 +77,7 @@ from experiments.results_io import (  # noqa: E402
 from experiments.timing import input_sets, peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.frequencies import mrope_angles, rope_angles, rope_frequencies  # noqa: E402
+from tests.helpers import check_against_baseline  # noqa: E402
 
 OP = "rope_attention"
 # name -> (B, HQ, HKV, NQ, NK, D)
@@ -177,6 +181,23 @@ def providers(cos, sin, device, square: bool) -> dict:
     return out
 
 
+def _gradients(fn, q, k, v, do) -> list[torch.Tensor]:
+    """dq, dk, dv of ``fn(q, k, v)`` under the cotangent ``do``, on leaves of their own."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    fn(*leaves).backward(do)
+    return [x.grad for x in leaves]
+
+
+def gradient_note(got: list, ref: list, baseline: list) -> str:
+    """flash-attention's rule on each of dq, dk, dv: ``ACC FAIL`` (first) naming the first
+    that misses it, else how they did."""
+    for name, g, r, b in zip(("dq", "dk", "dv"), got, ref, baseline, strict=True):
+        passed, msg = check_against_baseline(g, r, b)
+        if not passed:
+            return f"{ACC_FAIL} {name}: {msg}"
+    return "dq, dk, dv within 2x eager's errors"
+
+
 def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[dict]:
     """Times every provider on ``shape``. ``ms`` is GPU time (``experiments.timing.time_ms``: a
     CUDA graph of many calls cycling through enough input copies to defeat L2); the note adds
@@ -193,10 +214,19 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # the eager providers' tables
     q, k, v = sets[0]
-    with torch.no_grad():  # the reference: fp32 throughout, its tables not rounded to dtype
-        ref = eager_rope_sdpa(
-            q.float(), k.float(), v.float(), emb.cos()[None, None], emb.sin()[None, None]
-        )
+    # The reference: fp32 throughout, its tables not rounded to dtype; and the gradients'
+    # baseline, the eager provider in the dtype
+    cos32, sin32 = emb.cos()[None, None], emb.sin()[None, None]
+
+    def reference(q, k, v):
+        return eager_rope_sdpa(q, k, v, cos32, sin32)
+
+    with torch.no_grad():
+        ref = reference(q.float(), k.float(), v.float())
+    grad_ref = _gradients(reference, q.float(), k.float(), v.float(), do.float())
+    grad_base = _gradients(
+        lambda *a: eager_rope_sdpa(*a, cos[None, None], sin[None, None]), q, k, v, do
+    )
     fwd_flops = causal_flops(shape)
     rep = 20 if quick else 100
     rows = []
@@ -212,6 +242,7 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
         try:
             with torch.no_grad():
                 err = (fn(q, k, v).float() - ref).abs().max().item()
+            grad_check = gradient_note(_gradients(fn, q, k, v, do), grad_ref, grad_base)
             for mode in MODES:
                 if mode == "fwd":
                     calls = [lambda fn=fn, a=a: fn(*a) for a in sets]
@@ -231,6 +262,10 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
                 note = f"eager {eager_ms:.4f} ms/call"
                 if provider != "sdpa_no_rope":  # the floor has no RoPE: not the same output
                     note = f"{accuracy_note(err, dtype_name)} vs fp32 eager; {note}"
+                    if mode != "fwd":
+                        failed = grad_check.startswith(ACC_FAIL)
+                        first, rest = (grad_check, note) if failed else (note, grad_check)
+                        note = f"{first}; {rest}"
                 rows.append(
                     dict(
                         base, mode=mode, ms=ms, ms_p20=p20, ms_p80=p80, tflops=flops / ms / 1e9,

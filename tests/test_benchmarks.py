@@ -242,6 +242,42 @@ def test_bench_rope_attention_flags_a_wrong_output(monkeypatch):
     assert targets and all("accuracy: rope_attention" in t for t in targets), targets
 
 
+class _WrongBackward(torch.autograd.Function):
+    """The identity forward, a backward 0.05 off: a kernel whose gradients alone are wrong."""
+
+    @staticmethod
+    def forward(ctx, o):
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        return do + 0.05
+
+
+def test_bench_rope_attention_flags_wrong_gradients(monkeypatch):
+    """A provider with the right output and a backward 0.05 off: its forward row passes, its
+    forward+backward row is "ACC FAIL" (dq first) and that (shape, dtype, pass) misses the
+    targets. Only the output was checked before, for both rows (a review's find)."""
+    real = bench_rope_attention.providers
+
+    def providers(*args):
+        out = real(*args)
+        eager = out["eager_rope+sdpa"]
+        return {"rope_attention": lambda q, k, v: _WrongBackward.apply(eager(q, k, v)),
+                "sdpa_no_rope": out["sdpa_no_rope"]}  # fmt: skip
+
+    monkeypatch.setattr(bench_rope_attention, "providers", providers)
+    monkeypatch.setattr(bench_rope_attention, "time_ms", lambda fn, **kw: (2.0, 1.0, 3.0))
+    shape = bench_rope_attention.QUICK_SHAPES["Tiny"]
+    rows = bench_rope_attention.run_shape("Tiny", shape, "fp16", {}, torch.device("cpu"), True)
+    notes = {r["mode"]: r["note"] for r in rows if r["provider"] == "rope_attention"}
+    assert not notes["fwd"].startswith(ACC_FAIL), notes
+    assert notes["fwd+bwd"].startswith(f"{ACC_FAIL} dq: "), notes
+    targets = {v["mode"]: v["target"] for v in bench_rope_attention.verdicts(rows)}
+    assert "accuracy: rope_attention" in targets["fwd+bwd"], targets
+    assert "accuracy" not in targets["fwd"], targets
+
+
 @pytest.mark.parametrize("name", ["Tiny-GQA", "Tiny-Prefill"])
 def test_sdpa_backends_runs_the_benchmark_shapes(name):
     """``sdpa_backends.run_shape`` takes ``bench_rope_attention``'s (B, HQ, HKV, NQ, NK, D)
