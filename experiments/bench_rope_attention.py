@@ -67,6 +67,8 @@ from experiments.results_io import (  # noqa: E402
     add_output_arguments,
     environment,
     gpu_suffix,
+    gradient_note,
+    leaf_gradients,
     markdown_table,
     merged_environment,
     quick_and_output,
@@ -77,7 +79,6 @@ from experiments.results_io import (  # noqa: E402
 from experiments.timing import input_sets, peak_extra_mib, time_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.frequencies import mrope_angles, rope_angles, rope_frequencies  # noqa: E402
-from tests.helpers import check_against_baseline  # noqa: E402
 
 OP = "rope_attention"
 # name -> (B, HQ, HKV, NQ, NK, D)
@@ -181,23 +182,6 @@ def providers(cos, sin, device, square: bool) -> dict:
     return out
 
 
-def _gradients(fn, q, k, v, do) -> list[torch.Tensor]:
-    """dq, dk, dv of ``fn(q, k, v)`` under the cotangent ``do``, on leaves of their own."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    fn(*leaves).backward(do)
-    return [x.grad for x in leaves]
-
-
-def gradient_note(got: list, ref: list, baseline: list) -> str:
-    """flash-attention's rule on each of dq, dk, dv: ``ACC FAIL`` (first) naming the first
-    that misses it, else how they did."""
-    for name, g, r, b in zip(("dq", "dk", "dv"), got, ref, baseline, strict=True):
-        passed, msg = check_against_baseline(g, r, b)
-        if not passed:
-            return f"{ACC_FAIL} {name}: {msg}"
-    return "dq, dk, dv within 2x eager's errors"
-
-
 def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[dict]:
     """Times every provider on ``shape``. ``ms`` is GPU time (``experiments.timing.time_ms``: a
     CUDA graph of many calls cycling through enough input copies to defeat L2); the note adds
@@ -223,9 +207,9 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
 
     with torch.no_grad():
         ref = reference(q.float(), k.float(), v.float())
-    grad_ref = _gradients(reference, q.float(), k.float(), v.float(), do.float())
-    grad_base = _gradients(
-        lambda *a: eager_rope_sdpa(*a, cos[None, None], sin[None, None]), q, k, v, do
+    grad_ref = leaf_gradients(reference, (q.float(), k.float(), v.float()), do.float())
+    grad_base = leaf_gradients(
+        lambda *a: eager_rope_sdpa(*a, cos[None, None], sin[None, None]), (q, k, v), do
     )
     fwd_flops = causal_flops(shape)
     rep = 20 if quick else 100
@@ -242,7 +226,7 @@ def run_shape(name, shape, dtype_name, env, device, quick, only=None) -> list[di
         try:
             with torch.no_grad():
                 err = (fn(q, k, v).float() - ref).abs().max().item()
-            grad_check = gradient_note(_gradients(fn, q, k, v, do), grad_ref, grad_base)
+            grad_check = gradient_note(leaf_gradients(fn, (q, k, v), do), grad_ref, grad_base)
             for mode in MODES:
                 if mode == "fwd":
                     calls = [lambda fn=fn, a=a: fn(*a) for a in sets]

@@ -243,6 +243,26 @@ def accuracy_note(err: float, dtype_name: str) -> str:
     return f"{ACC_FAIL}: max err {err:.1e} > {tol:.1e}"
 
 
+def leaf_gradients(fn, inputs, cotangent) -> list:
+    """The gradients of ``fn(*inputs)`` under ``cotangent``, each input a leaf of its own (so
+    no ``.grad`` of the caller's accumulates them)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    fn(*leaves).backward(cotangent)
+    return [x.grad for x in leaves]
+
+
+def gradient_note(got: list, ref: list, baseline: list, names=("dq", "dk", "dv")) -> str:
+    """flash-attention's rule (``tests.helpers.check_against_baseline``) on each gradient:
+    ``ACC FAIL`` first, naming the first that misses it, else that they passed."""
+    from tests.helpers import check_against_baseline
+
+    for name, g, r, b in zip(names, got, ref, baseline, strict=True):
+        passed, msg = check_against_baseline(g, r, b)
+        if not passed:
+            return f"{ACC_FAIL} {name}: {msg}"
+    return f"{', '.join(names)} within 2x the baseline's errors"
+
+
 def accuracy_failed(row: dict) -> bool:
     """Whether ``row``'s note says its output failed the accuracy check."""
     return str(row.get("note") or "").startswith(ACC_FAIL)

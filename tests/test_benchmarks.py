@@ -128,7 +128,7 @@ def test_bench_rope_attention_quick_report_leaves_the_committed_report(tmp_path,
     argv = ["bench_rope_attention.py", "--report", "cpu"]
     monkeypatch.setattr(sys, "argv", [*argv, "--quick"])
     bench_rope_attention.main()
-    assert [p.name for p in committed.iterdir()] == ["benchmarks.csv"]
+    assert sorted(p.name for p in committed.iterdir()) == ["benchmarks.csv", "benchmarks.csv.lock"]
     assert "Tiny (1,2,64,32)" in (quick / "bench_rope_attention.md").read_text()
     monkeypatch.setattr(sys, "argv", argv)
     bench_rope_attention.main()
@@ -208,6 +208,28 @@ def test_bench_corope_flags_a_wrong_output():
         wrong[:, :, row] += 0.05
         note = bench_corope.rows_accuracy(wrong, q, k, v)
         assert note.startswith(f"{ACC_FAIL} rows {block}+"), note
+
+
+def test_bench_corope_flags_wrong_gradients(monkeypatch):
+    """bench_corope's forward+backward row: the kernel's dq, dk, dv pass by the 2x rule; a
+    kernel whose backward is 0.05 off is "ACC FAIL" there (dq first) while its forward row
+    passes. No gradient was checked before (a review's find)."""
+    from experiments import bench_corope
+
+    real = bench_corope.corope_attention
+    monkeypatch.setattr(bench_corope, "time_ms", lambda fn, **kw: (2.0, 1.0, 3.0))
+    shape, N = bench_corope.QUICK_SHAPES[0], bench_corope.QUICK_NS[0]
+
+    def kernel_rows():
+        rows = bench_corope.run_case(shape, N, torch.float32, {}, torch.device(DEVICE), True)
+        return {r["mode"]: r.get("note") for r in rows if r["provider"] == "corope_triton"}
+
+    notes = kernel_rows()
+    assert notes["fwd"] == "acc ok" and notes["fwd+bwd"].startswith("dq, dk, dv within"), notes
+    monkeypatch.setattr(bench_corope, "corope_attention",
+                        lambda *a: _WrongBackward.apply(real(*a)))  # fmt: skip
+    notes = kernel_rows()
+    assert notes["fwd"] == "acc ok" and notes["fwd+bwd"].startswith(f"{ACC_FAIL} dq: "), notes
 
 
 def test_bench_corope_checks_a_windowed_output_against_the_windowed_reference():
@@ -707,6 +729,8 @@ def test_corope_sincos_floor_counts_causal_pairs_and_doubles_for_the_backward(mo
     monkeypatch.setattr(bench_corope, "corope_attention", lambda q, k, v: q * 1.0)
     monkeypatch.setattr(bench_corope, "corope_attention_ref", lambda q, k, v: q * 1.0)
     monkeypatch.setattr(bench_corope, "rows_accuracy", lambda *a: "acc ok")
+    monkeypatch.setattr(bench_corope, "leaf_gradients", lambda *a: [])
+    monkeypatch.setattr(bench_corope, "gradient_note", lambda *a: "not checked here")
     monkeypatch.setattr(bench_corope, "timer", lambda fn, **kw: (1.0, 1.0, 1.0))
     B, HQ, HKV, D = shape = bench_corope.QUICK_SHAPES[0]
     rows = bench_corope.run_case(shape, 64, torch.float16, {}, torch.device("cpu"), True)
