@@ -118,10 +118,8 @@ def _flag(params: Mapping, key: str, kind: str, default: bool) -> bool:
 
 
 def _positive_int(params: Mapping, key: str, kind: str) -> int:
-    value = _optional_positive_int(params[key], f"scaling[{key!r}] for type {kind!r}")
-    if value is None:
-        raise TypeError(f"scaling[{key!r}] for type {kind!r} must be a positive int, got None")
-    return value
+    # never None: _scaling_type drops the keys a config leaves null
+    return _optional_positive_int(params[key], f"scaling[{key!r}] for type {kind!r}")
 
 
 def _optional_positive_int(value, name: str) -> int | None:

@@ -324,11 +324,11 @@ def _check_attention_group(attention: DictConfig) -> None:
         )
 
 
-def _check_sweep_ckpt_path(ckpt_path: str) -> None:
+def _check_sweep_ckpt_path(ckpt_path: str | None) -> None:
     """An absolute ``train.ckpt_path`` in a multirun would be one file for every job: each
     job would replace (``train.overwrite``) or resume (``train.resume``) the one before."""
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    if multirun and Path(ckpt_path).is_absolute():
+    if multirun and ckpt_path and Path(ckpt_path).is_absolute():
         raise ValueError(
             f"train.ckpt_path={ckpt_path} is absolute in a multirun: every job would write that "
             "file; give a path relative to the job's output directory"
@@ -345,8 +345,7 @@ def _check_options(cfg: DictConfig) -> None:
         )
     attention_class(cfg.attention)
     _check_attention_group(cfg.attention)
-    if t_ckpt := cfg.train.ckpt_path:
-        _check_sweep_ckpt_path(t_ckpt)
+    _check_sweep_ckpt_path(cfg.train.ckpt_path)
     t, optim = cfg.train, cfg.optim
     for key in ("steps", "batch_size", "eval_batch_size", "grad_accum_steps"):
         check_int(f"train.{key}", t[key], 1)
