@@ -2,11 +2,16 @@
 
 Providers: this project's fused Triton kernels (``corope.corope_attention``: fwd, bwd,
 fwd+bwd); the PyTorch reference (``corope.corope_attention_ref``, row-chunked, skipped where
-its work is too large to time); RoPE attention on the same shapes (``fused_rope.naive.
-apply_rope_ref`` in eager + ``scaled_dot_product_attention`` with ``enable_gqa``); and the
-sin/cos floor of ``shared/docs/corope.md``: ``2 * B * HKV * (N^2 / 2) * (R / 2)`` sin/cos at
+its work is too large to time); RoPE attention on the same shapes, the fastest way this project
+has (``fused_rope.rope_attention(impl="separate")``: the Triton RoPE kernel over q and k, then
+``scaled_dot_product_attention`` with GQA); and the sin/cos floor of ``shared/docs/corope.md``: ``2 * B * HKV * (N^2 / 2) * (R / 2)`` sin/cos at
 4.2e12 per second (H100/H200 special-function units; the backward recomputes the phases, so
 its floor is at least as large again).
+
+``ms`` is GPU time (``experiments.timing.time_gpu_ms``): a forward or forward+backward under
+20 ms is replayed in a CUDA graph, since at short N the host's launches would bound
+``do_bench``'s time; longer calls, the backward alone and the reference are timed by
+``do_bench``. Each row's note gives the eager time per call or says it was timed eagerly.
 
 ``peak_mem_mib`` of the kernel's fwd+bwd row is the memory allocated during one call beyond
 the inputs and beyond o, dq, dk and dv (the target: at most 2 GiB at N = 32K); other rows
@@ -36,9 +41,7 @@ if not torch.cuda.is_available():  # must precede the import of any Triton kerne
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from corope import corope_attention, corope_attention_ref  # noqa: E402
-from corope.naive import corope_inv_freq  # noqa: E402
 from experiments.results_io import (  # noqa: E402
-    ACC_FAIL,
     QUICK_IGNORES,
     accuracy_failed,
     add_output_arguments,
@@ -49,12 +52,12 @@ from experiments.results_io import (  # noqa: E402
     markdown_table,
     quick_and_output,
     read_rows,
+    sampled_rows_note,
     upsert_rows,
     warn_ignored,
 )
-from experiments.timing import peak_extra_mib, time_ms  # noqa: E402
-from fused_rope.naive import apply_rope_ref  # noqa: E402
-from tests.helpers import check_against_baseline  # noqa: E402
+from experiments.timing import peak_extra_mib, time_gpu_ms  # noqa: E402
+from fused_rope.attention import rope_attention  # noqa: E402
 
 OP = "corope"
 SHAPES = [(1, 8, 2, 64), (1, 32, 8, 128)]  # (B, HQ, HKV, D)
@@ -69,39 +72,30 @@ def shape_id(B, HQ, HKV, N, D) -> str:
     return f"B{B}-HQ{HQ}-HKV{HKV}-N{N}-D{D}"
 
 
-def timer(fn, grad_to_none=None, quick=False) -> tuple[float, float, float]:
-    """(median, 20th, 80th percentile) ms per call; ``do_bench`` on CUDA: these kernels take
-    milliseconds, so the host's launch overhead does not matter."""
-    return time_ms(fn, graph=False, grad_to_none=grad_to_none, rep_ms=20 if quick else 100)
+def timer(
+    fn, grad_to_none=None, quick=False, graph_below_ms=20.0
+) -> tuple[tuple[float, float, float], str]:
+    """((median, 20th, 80th percentile) ms per call, how it was timed: a note)."""
+    timing, eager_ms, how = time_gpu_ms(
+        fn, grad_to_none=grad_to_none, rep_ms=20 if quick else 100, graph_below_ms=graph_below_ms
+    )
+    if how == "graph":
+        return timing, f"eager {eager_ms:.4g} ms/call"
+    return timing, "timed eagerly" if how == "eager" else how
 
 
 def sincos_floor_ms(B, HKV, N, R) -> float:
     return 2 * B * HKV * (N * N / 2) * (R / 2) / SINCOS_PER_S * 1e3
 
 
-def rope_sdpa(q, k, v, angles):
-    qr = apply_rope_ref(q, angles)
-    kr = apply_rope_ref(k, angles)
-    return torch.nn.functional.scaled_dot_product_attention(
-        qr, kr, v, is_causal=True, enable_gqa=True
-    )
-
-
 def rows_accuracy(o, q, k, v, window=None) -> str:
-    """Flash-attention's rule (the tests' helper) on three blocks of 8 sampled query rows
-    (start, middle, end); the baseline is the fp32 reference rounded to the kernel's dtype.
+    """``sampled_rows_note`` of ``o`` against the Co-RoPE reference of the sampled rows.
     ``window``: the sliding window ``o`` was computed with."""
-    N = q.shape[2]
-    for i0 in sorted({0, N // 2, max(0, N - 8)}):
-        rows = range(i0, min(N, i0 + 8))
-        o64, o32 = (
-            corope_attention_ref(q.to(cd), k.to(cd), v.to(cd), rows=rows, window=window)
-            for cd in (torch.float64, torch.float32)
-        )
-        passed, msg = check_against_baseline(o[:, :, i0 : rows.stop], o64, o32.to(q.dtype))
-        if not passed:
-            return f"{ACC_FAIL} rows {i0}+: {msg}"
-    return "acc ok"
+    return sampled_rows_note(
+        o, lambda i0, i1, cd: corope_attention_ref(
+            q.to(cd), k.to(cd), v.to(cd), rows=range(i0, i1), window=window
+        ),
+    )  # fmt: skip
 
 
 def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
@@ -121,11 +115,12 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
     base = dict(env, op=OP, shape=sid, dtype=dname)
     rows = []
 
-    def add(provider, mode, timing, **extra):
-        ms, p20, p80 = timing
-        rows.append(
-            dict(base, provider=provider, mode=mode, ms=ms, ms_p20=p20, ms_p80=p80, **extra)
-        )
+    def add(provider, mode, timed, note=None, **extra):
+        """A timed row; its note: ``note``, then how it was timed."""
+        (ms, p20, p80), how = timed
+        note = how if note is None else f"{note}; {how}"
+        rows.append(dict(base, provider=provider, mode=mode, ms=ms, ms_p20=p20, ms_p80=p80,
+                         note=note, **extra))  # fmt: skip
 
     # The fused kernels.
     with torch.no_grad():
@@ -134,9 +129,12 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
         add(
             "corope_triton", "fwd", timer(lambda: corope_attention(q, k, v), quick=quick), note=note
         )
+    # The backward alone, eagerly: its kernels run on the stream of the forward, made outside
+    # the timing, so a CUDA graph on another stream would not capture them.
     out = corope_attention(q, k, v)
     add("corope_triton", "bwd", timer(
-        lambda: out.backward(do, retain_graph=True), grad_to_none=leaves, quick=quick
+        lambda: out.backward(do, retain_graph=True), grad_to_none=leaves, quick=quick,
+        graph_below_ms=0.0,
     ))  # fmt: skip
     fwd_bwd = lambda: corope_attention(q, k, v).backward(do)
     add("corope_triton", "fwd+bwd", timer(fwd_bwd, grad_to_none=leaves, quick=quick))
@@ -145,7 +143,8 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
     outputs_bytes = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()  # o,dq,dk,dv
     rows[-1]["peak_mem_mib"] = peak_extra_mib(fwd_bwd, device, outputs_bytes)
     kernel_row = rows[-1]
-    kernel_row["note"] = "gradients not checked: N past the reference's bound"
+    timed_how = kernel_row["note"]
+    kernel_row["note"] = f"gradients not checked: N past the reference's bound; {timed_how}"
 
     # The reference, where its O(N^2 R) work is small enough to time.
     pairs = B * HKV * N * N * D // 2
@@ -157,15 +156,19 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
                 leaf_gradients(corope_attention_ref, [x.to(cd) for x in (q, k, v)], do.to(cd))
                 for cd in (torch.float64, torch.float32)
             )
-            kernel_row["note"] = gradient_note(
+            grads = gradient_note(
                 leaf_gradients(corope_attention, (q, k, v), do), ref64,
                 [g.to(q.dtype) for g in ref32],
             )  # fmt: skip
+            kernel_row["note"] = f"{grads}; {timed_how}"
             with torch.no_grad():
-                add("corope_ref", "fwd", timer(lambda: corope_attention_ref(q, k, v), quick=quick),
+                # eagerly, as the anchor's 604 ms was: its many launches are part of its cost
+                add("corope_ref", "fwd", timer(lambda: corope_attention_ref(q, k, v), quick=quick,
+                                               graph_below_ms=0.0),
                     peak_mem_mib=peak_extra_mib(lambda: corope_attention_ref(q, k, v), device))  # fmt: skip
             ref_fb = lambda: corope_attention_ref(q, k, v).backward(do)
-            add("corope_ref", "fwd+bwd", timer(ref_fb, grad_to_none=leaves, quick=quick),
+            add("corope_ref", "fwd+bwd", timer(ref_fb, grad_to_none=leaves, quick=quick,
+                                               graph_below_ms=0.0),
                 peak_mem_mib=peak_extra_mib(ref_fb, device))  # fmt: skip
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
@@ -178,15 +181,13 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
             dict(base, provider="corope_ref", mode="fwd", note=f"skipped: {pairs:.2e} pairs")
         )
 
-    # RoPE attention through SDPA, and the sin/cos floor.
-    angles = torch.arange(N, device=device, dtype=torch.float32)[:, None] * corope_inv_freq(
-        D, 10000.0, None, device
-    )
+    # RoPE attention: the Triton RoPE kernel, then SDPA; and the sin/cos floor.
+    rope_sdpa = lambda: rope_attention(q, k, v, impl="separate")
     with torch.no_grad():
-        add("rope_sdpa", "fwd", timer(lambda: rope_sdpa(q, k, v, angles), quick=quick))
+        add("rope_sdpa", "fwd", timer(rope_sdpa, quick=quick), "Triton RoPE + SDPA")
     add("rope_sdpa", "fwd+bwd", timer(
-        lambda: rope_sdpa(q, k, v, angles).backward(do), grad_to_none=leaves, quick=quick
-    ))  # fmt: skip
+        lambda: rope_sdpa().backward(do), grad_to_none=leaves, quick=quick
+    ), "Triton RoPE + SDPA")  # fmt: skip
     floor = sincos_floor_ms(B, HKV, N, D)
     rows.append(dict(base, provider="sincos_floor", mode="fwd", ms=floor, note="4.2e12 sin/cos/s"))
     rows.append(dict(base, provider="sincos_floor", mode="fwd+bwd", ms=2 * floor,

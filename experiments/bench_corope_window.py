@@ -35,7 +35,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 from corope import corope_attention  # noqa: E402
 from experiments.bench_corope import SINCOS_PER_S, rows_accuracy  # noqa: E402
 from experiments.results_io import environment, markdown_table, print_report  # noqa: E402
-from experiments.timing import peak_extra_mib, time_ms  # noqa: E402
+from experiments.timing import peak_extra_mib, time_gpu_ms  # noqa: E402
 from fused_rope.attention import rope_attention  # noqa: E402
 from lm.profiling import causal_pairs  # noqa: E402
 
@@ -52,7 +52,8 @@ PROVIDERS = ("corope, window", "corope, no window", "rope, window")
 
 def time_case(B, HQ, HKV, N, D, window, dtype, max_full_n) -> dict:
     """Median GPU ms of each provider and mode (NaN where skipped), the windowed kernels'
-    forward+backward memory beyond q, k, v, o and their gradients, and the accuracy note."""
+    forward+backward memory beyond q, k, v, o and their gradients, the accuracy note, and
+    (``eager``) the calls not timed in a CUDA graph."""
     like = dict(device="cuda", dtype=dtype, requires_grad=True)
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, h, N, D, **like) for h in (HQ, HKV, HKV))
@@ -71,12 +72,12 @@ def time_case(B, HQ, HKV, N, D, window, dtype, max_full_n) -> dict:
         if name == "corope, no window" and N > max_full_n:
             row[f"{name} {mode}"] = float("nan")
             continue
-        if mode == "fwd":
-            with torch.no_grad():
-                row[f"{name} {mode}"] = time_ms(run[name], graph=False, rep_ms=60)[0]
-        else:
-            call = lambda f=run[name]: f().backward(do)
-            row[f"{name} {mode}"] = time_ms(call, graph=False, grad_to_none=leaves, rep_ms=60)[0]
+        call = run[name] if mode == "fwd" else lambda f=run[name]: f().backward(do)
+        with torch.set_grad_enabled(mode != "fwd"):
+            (ms, _, _), _, how = time_gpu_ms(call, grad_to_none=leaves, rep_ms=60)
+        row[f"{name} {mode}"] = ms
+        if how != "graph":
+            row["eager"] = row.get("eager", ()) + (f"{name} {mode} ({how})",)
     outputs = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()  # o, dq, dk, dv
     fwd_bwd = lambda: run["corope, window"]().backward(do)
     row["mem"] = peak_extra_mib(fwd_bwd, torch.device("cuda"), outputs)
@@ -112,12 +113,15 @@ def main() -> None:
             row["MiB beyond q,k,v,o,grads"] = f"{t['mem']:.0f}" if mode == "fwd+bwd" else ""
             row["accuracy (sampled rows)"] = t["note"] if mode == "fwd" else ""
             rows.append(row)
+        if "eager" in t:
+            print(f"{name}: timed eagerly: {', '.join(t['eager'])}", flush=True)
     env = environment()
     text = (
         "# Sliding-window Co-RoPE (bf16, causal)\n\n"
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
-        f"{env['date']}. GPU ms, `triton.testing.do_bench`'s median over 60 ms of calls (a call "
-        "over 30 ms is timed once, after do_bench's warm-up and estimate calls; "
+        f"{env['date']}. Median GPU ms (`experiments.timing.time_gpu_ms`: a CUDA graph of calls "
+        "under 20 ms, `triton.testing.do_bench` over 60 ms of calls for longer ones, where a "
+        "call over 30 ms is timed once after its warm-up and estimate calls; "
         "`experiments/bench_corope_window.py`); the floor is the "
         "sin/cos floor on the pairs the window keeps (forward+backward: twice the forward's)."
         "\n\n" + markdown_table(rows, list(rows[0]))

@@ -13,6 +13,12 @@ with ``corope_attention`` and decodes with it too (one query row: the decoding k
 cache holds a layer's last ``W - 1`` tokens (``lm.generation.KVCache``); each row's note gives
 the cache's bytes.
 
+Each case's output is checked: the logits of the last of ``--steps`` cached decoding steps
+against the same model's uncached forward of the whole sequence, by flash-attention's rule
+(``tests.helpers.check_against_baseline``: within twice the errors of the uncached forward in
+the model's dtype, against an fp32 copy of the model); the decode row's note starts with
+"ACC FAIL" where it misses it.
+
 The floor of a step is the bytes it must read from memory, the bf16 weights and the cached
 keys and values of every layer, over the measured copy bandwidth; eager decoding of a model
 this small is bound by the host's kernel launches, which the table shows against it.
@@ -24,6 +30,7 @@ this small is bound by the host's kernel launches, which the table shows against
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -40,6 +47,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from experiments.bench_rope import copy_bandwidth  # noqa: E402
 from experiments.results_io import (  # noqa: E402
+    ACC_FAIL,
     QUICK_IGNORES,
     add_output_arguments,
     environment,
@@ -55,6 +63,7 @@ from experiments.results_io import (  # noqa: E402
 from lm.config import ATTENTION_SCHEMAS, ModelConfig  # noqa: E402
 from lm.generation import KVCache  # noqa: E402
 from lm.model import GPT  # noqa: E402
+from tests.helpers import check_against_baseline  # noqa: E402
 
 OP = "decode"
 VARIANTS = ("rope", "corope", "nope")
@@ -105,6 +114,20 @@ def time_decoding(
     return prefill_ms[1:], step_ms[2:], cache.nbytes()
 
 
+@torch.no_grad()
+def check_decoding(model: GPT, B: int, P: int, steps: int, device) -> str:
+    """The note of the output check (module docstring): "acc ok" or ``ACC FAIL`` and why."""
+    tokens = torch.randint(0, VOCAB, (B, P + steps), device=device)
+    cache = KVCache.for_model(model, P + steps)
+    model(tokens[:, :P], cache)
+    for t in range(P, P + steps):
+        cached = model(tokens[:, t : t + 1], cache)[:, -1]
+    uncached = model(tokens)[:, -1]
+    reference = copy.deepcopy(model).float()(tokens)[:, -1]
+    passed, msg = check_against_baseline(cached, reference, uncached)
+    return "acc ok" if passed else f"{ACC_FAIL} (cached vs uncached logits): {msg}"
+
+
 def quantiles(ms: list[float]) -> tuple[float, float, float]:
     """(median, 20th, 80th percentile)."""
     q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else ms * 9
@@ -151,6 +174,7 @@ def main() -> None:
         for B in batches:
             for P in prompts:
                 prefill_ms, step_ms, cache_bytes = time_decoding(model, B, P, steps, device)
+                accuracy = check_decoding(model, B, P, steps, device)
                 prefill, step = quantiles(prefill_ms), quantiles(step_ms)
                 common = {"op": OP, "provider": provider, "shape": f"B{B}-P{P}", **env}
                 common["dtype"] = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -163,13 +187,13 @@ def main() -> None:
                         **common,
                         "mode": "decode step",
                         **timing(step),
-                        "note": f"{B / step[0] * 1e3:.0f} tok/s; floor {floor * 1e3:.0f} us; "
-                        + cache,
+                        "note": f"{accuracy}; {B / step[0] * 1e3:.0f} tok/s; floor "
+                        f"{floor * 1e3:.0f} us; {cache}",
                     },
                 ]
                 print(
                     f"{provider} B={B} P={P}: prefill {prefill[0]:.2f} ms, step {step[0]:.3f} "
-                    f"ms, {cache}"
+                    f"ms, {cache}; {accuracy}"
                 )
                 upsert_rows(rows, csv_path)  # case by case: a run cut short keeps its rows
         del model

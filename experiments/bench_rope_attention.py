@@ -28,7 +28,9 @@ square shapes only.
 
 TFLOPS counts ``4*B*H*N^2*D/2`` for the causal forward (H = query heads; ``4*B*H*D`` times
 the visible (query, key) pairs for a prefill) and 3.5 times that for forward+backward, as
-``/work/shared/docs/anchors.md``. Targets, per shape, dtype and pass:
+``/work/shared/docs/anchors.md``; the targets table gives ``rope_attention``'s and the SDPA
+floor's share of the tensor cores' dense peak on an H100/H200 (``of_peak``, ``floor_of_peak``:
+operations over the unit's rate). Targets, per shape, dtype and pass:
 ``rope_attention <= 1.10 x sdpa_no_rope`` and ``<= 0.9 x min(liger, compile)``. Every provider
 but the floor is compared with the eager provider run in fp32 on the same inputs: a max-abs
 error over ``experiments.results_io.ACC_TOL`` makes its note "ACC FAIL" and its (shape, dtype,
@@ -99,6 +101,9 @@ QUICK_SHAPES = {
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("fwd", "fwd+bwd")
 MAIN = "rope_attention"
+# The tensor cores' dense fp16/bf16 rate of the H100 and H200 SXM (NVIDIA's datasheets: 989.4
+# TFLOPS, without sparsity): the operations-over-rate floor of every shape here.
+TENSOR_CORE_TFLOPS = {"H100": 989.4, "H200": 989.4}
 
 
 def shape_label(name: str, shape) -> str:
@@ -317,6 +322,13 @@ def precompile(shapes: dict, dtypes: list[str], workers: int, only=None) -> None
             print("compiled", done, flush=True)
 
 
+def peak_fraction(row: dict) -> float | None:
+    """``row``'s TFLOPS over its GPU's tensor-core peak (``TENSOR_CORE_TFLOPS``); None for
+    another GPU or an untimed row."""
+    peak = next((t for name, t in TENSOR_CORE_TFLOPS.items() if name in row.get("gpu", "")), None)
+    return None if peak is None or not row.get("tflops") else round(row["tflops"] / peak, 3)
+
+
 def verdicts(rows: list[dict]) -> list[dict]:
     """One row per (shape, dtype, mode): rope_attention against the floor and the alternatives;
     any provider's wrong output (an "ACC FAIL" note) misses the targets, since a comparison
@@ -327,6 +339,7 @@ def verdicts(rows: list[dict]) -> list[dict]:
     for shape, dtype, mode in keys:
         cell = [r for r in rows if (r["shape"], r["dtype"], r["mode"]) == (shape, dtype, mode)]
         ms = {r["provider"]: r["ms"] for r in cell if r.get("ms")}
+        by_provider = {r["provider"]: r for r in cell}
         if MAIN not in ms or "sdpa_no_rope" not in ms:
             continue
         compared = (MAIN, "sdpa_no_rope", "liger_rope+sdpa", "compile(rope+sdpa)", "fused",
@@ -352,6 +365,8 @@ def verdicts(rows: list[dict]) -> list[dict]:
                 floor_ms=ms["sdpa_no_rope"],
                 vs_floor=round(vs_floor, 3),
                 vs_best_alt=None if vs_alt is None else round(vs_alt, 3),
+                of_peak=peak_fraction(by_provider[MAIN]),
+                floor_of_peak=peak_fraction(by_provider["sdpa_no_rope"]),
                 fused_vs_separate=round(ms["fused"] / ms["triton_rope+sdpa"], 3)
                 if "fused" in ms and "triton_rope+sdpa" in ms
                 else None,
@@ -439,6 +454,8 @@ def main() -> None:
         "floor_ms",
         "vs_floor",
         "vs_best_alt",
+        "of_peak",
+        "floor_of_peak",
         "fused_vs_separate",
         "target",
         "commits",

@@ -263,6 +263,26 @@ def gradient_note(got: list, ref: list, baseline: list, names=("dq", "dk", "dv")
     return f"{', '.join(names)} within 2x the baseline's errors"
 
 
+def sampled_rows_note(o, reference) -> str:
+    """flash-attention's rule on three blocks of 8 query rows of ``o`` ``[B, H, N, D]`` (start,
+    middle, end) for outputs too large for a whole reference: ``reference(i0, i1, dtype)``
+    computes rows ``i0 .. i1 - 1`` in ``dtype``; the float64 rows are the truth, the fp32 ones
+    rounded to ``o``'s dtype the baseline. ``ACC FAIL`` first, naming the block, else
+    "acc ok"."""
+    import torch
+
+    from tests.helpers import check_against_baseline
+
+    N = o.shape[2]
+    for i0 in sorted({0, N // 2, max(0, N - 8)}):
+        i1 = min(N, i0 + 8)
+        o64, o32 = (reference(i0, i1, cd) for cd in (torch.float64, torch.float32))
+        passed, msg = check_against_baseline(o[:, :, i0:i1], o64, o32.to(o.dtype))
+        if not passed:
+            return f"{ACC_FAIL} rows {i0}+: {msg}"
+    return "acc ok"
+
+
 def accuracy_failed(row: dict) -> bool:
     """Whether ``row``'s note says its output failed the accuracy check."""
     return str(row.get("note") or "").startswith(ACC_FAIL)

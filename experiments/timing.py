@@ -68,6 +68,33 @@ def time_ms(
     return tuple(q)
 
 
+def time_gpu_ms(
+    fn: Callable[[], object],
+    *,
+    grad_to_none: list[torch.Tensor] | None = None,
+    rep_ms: int = 100,
+    graph_below_ms: float = 20.0,
+) -> tuple[tuple[float, float, float], float, str]:
+    """GPU time of ``fn`` for benchmarks whose calls range from microseconds to seconds.
+
+    Returns ((median, 20th, 80th percentile) ms, the eager median ms, how): ``fn`` is timed
+    eagerly first (``do_bench``); under ``graph_below_ms`` the host's launches may bound that
+    time, so the returned quantiles come from a CUDA graph of many calls (how = "graph").
+    Longer calls hide their launches and are not replayed (a graph would run them ~16 times
+    where ``do_bench`` runs 7: seconds at long N): how = "eager". A call the graph cannot
+    capture keeps its eager time, and how says why. CPU: ``time_ms``'s wall clock, "cpu".
+    """
+    eager = time_ms(fn, graph=False, grad_to_none=grad_to_none, rep_ms=rep_ms)
+    if not torch.cuda.is_available():
+        return eager, eager[0], "cpu"
+    if eager[0] >= graph_below_ms:
+        return eager, eager[0], "eager"
+    try:
+        return time_ms(fn, grad_to_none=grad_to_none, rep_ms=rep_ms), eager[0], "graph"
+    except Exception as e:  # noqa: BLE001 - a call a CUDA graph cannot capture stays eager
+        return eager, eager[0], f"eager ({type(e).__name__} in graph capture)"
+
+
 def peak_extra_mib(fn: Callable[[], object], device: torch.device, exclude_bytes: int = 0):
     """MiB allocated at the peak of one ``fn()`` beyond what was allocated before it, less
     ``exclude_bytes`` (outputs the caller does not count); None off CUDA."""

@@ -69,15 +69,17 @@ def test_benchmark_quick_run(script, op, markdown, tmp_path):
     text = (tmp_path / markdown).read_text()
     assert "earlier-shape" in text and "earlier run" in text, text
     assert ACC_FAIL not in text, text
-    if op == "decode":  # its accuracy: tests/lm/test_generation.py
+    if op == "decode":  # cached decoding checked against the uncached forward
         assert {(r["provider"], r["mode"]) for r in rows if r["ms"]} >= {
             (variant, mode)
             for variant in ("rope", "corope", "nope")
             for mode in ("prefill", "decode step")
         }, rows
+        steps = [r for r in rows if r["mode"] == "decode step"]
+        assert all(r["note"].startswith("acc ok;") for r in steps), steps
     elif op == "corope":
         forwards = [r for r in rows if (r["provider"], r["mode"]) == ("corope_triton", "fwd")]
-        assert forwards and all(r["note"] == "acc ok" for r in forwards), forwards
+        assert forwards and all(r["note"].startswith("acc ok;") for r in forwards), forwards
     else:  # every timed provider's output checked (rope_attention's floor has no RoPE)
         checked = [r for r in rows if r["ms"] and r["provider"] != "sdpa_no_rope"]
         assert checked and all(r["note"].startswith("max err") for r in checked), checked
@@ -217,7 +219,7 @@ def test_bench_corope_flags_wrong_gradients(monkeypatch):
     from experiments import bench_corope
 
     real = bench_corope.corope_attention
-    monkeypatch.setattr(bench_corope, "time_ms", lambda fn, **kw: (2.0, 1.0, 3.0))
+    monkeypatch.setattr(bench_corope, "time_gpu_ms", lambda fn, **kw: ((2.0, 1.0, 3.0), 2.0, "cpu"))
     shape, N = bench_corope.QUICK_SHAPES[0], bench_corope.QUICK_NS[0]
 
     def kernel_rows():
@@ -225,11 +227,11 @@ def test_bench_corope_flags_wrong_gradients(monkeypatch):
         return {r["mode"]: r.get("note") for r in rows if r["provider"] == "corope_triton"}
 
     notes = kernel_rows()
-    assert notes["fwd"] == "acc ok" and notes["fwd+bwd"].startswith("dq, dk, dv within"), notes
+    assert notes["fwd"] == "acc ok; cpu" and notes["fwd+bwd"].startswith("dq, dk, dv within"), notes
     monkeypatch.setattr(bench_corope, "corope_attention",
                         lambda *a: _WrongBackward.apply(real(*a)))  # fmt: skip
     notes = kernel_rows()
-    assert notes["fwd"] == "acc ok" and notes["fwd+bwd"].startswith(f"{ACC_FAIL} dq: "), notes
+    assert notes["fwd"] == "acc ok; cpu" and notes["fwd+bwd"].startswith(f"{ACC_FAIL} dq: "), notes
 
 
 def test_bench_corope_checks_a_windowed_output_against_the_windowed_reference():
@@ -243,6 +245,24 @@ def test_bench_corope_checks_a_windowed_output_against_the_windowed_reference():
     assert bench_corope.rows_accuracy(o, q, k, v, window=6) == "acc ok"
     full = bench_corope.corope_attention(q, k, v)
     assert bench_corope.rows_accuracy(full, q, k, v, window=6).startswith(ACC_FAIL)
+
+
+def test_bench_window_checks_sampled_rows_against_the_windowed_reference():
+    """bench_window's accuracy note: the fused kernel's windowed output passes on every sampled
+    block (so the blocks' rows sit at their own positions in the reference), the unwindowed
+    output fails (rows 6 and 7 of the first block already lose keys), and a row 0.05 off fails
+    naming its block. It
+    compared the rivals with the kernel under test before, with no tolerance (a review)."""
+    from experiments import bench_window
+
+    q, k, v = (torch.randn(1, h, 40, 32, device=DEVICE) for h in (4, 2, 2))
+    o = bench_window.rope_attention(q, k, v, impl="fused", window=6)
+    assert bench_window.rows_accuracy(o, q, k, v, window=6) == "acc ok"
+    full = bench_window.rope_attention(q, k, v, impl="fused")
+    assert bench_window.rows_accuracy(full, q, k, v, window=6).startswith(f"{ACC_FAIL} rows 0+")
+    wrong = o.clone()
+    wrong[:, :, 35] += 0.05
+    assert bench_window.rows_accuracy(wrong, q, k, v, window=6).startswith(f"{ACC_FAIL} rows 32+")
 
 
 def test_bench_rope_attention_flags_a_wrong_output(monkeypatch):
@@ -585,6 +605,40 @@ def test_cuda_time_ms_returns_median_p20_p80_in_that_order(monkeypatch):
     assert timing.time_ms(lambda: None, graph=True)[0] == 1.0
 
 
+def test_time_gpu_ms_replays_short_calls_in_a_graph_and_times_long_ones_eagerly(monkeypatch):
+    """``time_gpu_ms`` (CUDA faked): a call under ``graph_below_ms`` eagerly gets the graph's
+    quantiles (its eager median beside them), a longer one keeps ``do_bench``'s without a
+    capture, and a call the graph cannot capture keeps its eager time with the reason."""
+    import triton.testing
+
+    from experiments import timing
+
+    eager = {"ms": 5.0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, quantiles, **kw: [eager["ms"], eager["ms"], eager["ms"]])  # fmt: skip
+    captured = []
+
+    def graph(fn, **kw):
+        captured.append(fn)
+        return [1.0] * 10
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", graph)
+    assert timing.time_gpu_ms(lambda: None) == ((1.0, 1.0, 1.0), 5.0, "graph")
+    eager["ms"] = 25.0
+    assert timing.time_gpu_ms(lambda: None) == ((25.0, 25.0, 25.0), 25.0, "eager")
+    assert len(captured) == 1
+    assert timing.time_gpu_ms(lambda: None, graph_below_ms=30.0)[2] == "graph"
+
+    def uncapturable(fn, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", uncapturable)
+    eager["ms"] = 5.0
+    assert timing.time_gpu_ms(lambda: None) == (
+        (5.0, 5.0, 5.0), 5.0, "eager (RuntimeError in graph capture)")  # fmt: skip
+
+
 def test_upsert_keeps_one_row_per_dtype_and_replaces_only_the_rerun_dtype(tmp_path):
     """dtype is part of a row's key: a run writing fp16 and bf16 rows of one (op, provider,
     mode, shape, gpu) keeps both, and a rerun of bf16 alone replaces the bf16 row only."""
@@ -714,6 +768,18 @@ def test_rope_attention_verdicts_compare_with_the_best_alternative_and_fused_ove
                      for p, t in ms.items()])  # fmt: skip
     assert (v["vs_floor"], v["vs_best_alt"], v["fused_vs_separate"]) == (0.95, 0.95, 0.5)
     assert v["target"] == "MISSED (alternatives)"
+    assert v["of_peak"] is None  # no GPU named: no peak to divide by
+
+
+def test_rope_attention_verdicts_give_the_share_of_the_tensor_core_peak():
+    """of_peak and floor_of_peak: rope_attention's and SDPA's TFLOPS over the H100/H200 dense
+    fp16/bf16 peak (989.4), from each row's own TFLOPS."""
+    from experiments.bench_rope_attention import verdicts
+
+    cell = [dict(shape="s", dtype="bf16", mode="fwd", provider=p, ms=1.0, tflops=t,
+                 gpu="NVIDIA H200") for p, t in (("rope_attention", 494.7), ("sdpa_no_rope", 600))]  # fmt: skip
+    (v,) = verdicts(cell)
+    assert (v["of_peak"], v["floor_of_peak"]) == (0.5, round(600 / 989.4, 3))
 
 
 def test_corope_sincos_floor_counts_causal_pairs_and_doubles_for_the_backward(monkeypatch):
@@ -731,7 +797,7 @@ def test_corope_sincos_floor_counts_causal_pairs_and_doubles_for_the_backward(mo
     monkeypatch.setattr(bench_corope, "rows_accuracy", lambda *a: "acc ok")
     monkeypatch.setattr(bench_corope, "leaf_gradients", lambda *a: [])
     monkeypatch.setattr(bench_corope, "gradient_note", lambda *a: "not checked here")
-    monkeypatch.setattr(bench_corope, "timer", lambda fn, **kw: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(bench_corope, "timer", lambda fn, **kw: ((1.0, 1.0, 1.0), "stub"))
     B, HQ, HKV, D = shape = bench_corope.QUICK_SHAPES[0]
     rows = bench_corope.run_case(shape, 64, torch.float16, {}, torch.device("cpu"), True)
     floor = {r["mode"]: r["ms"] for r in rows if r["provider"] == "sincos_floor"}
@@ -764,6 +830,31 @@ def test_bench_decode_times_three_prefills_and_the_steps_after_the_warm_up(monke
     assert prefill == pytest.approx([10.0, 20.0, 30.0])
     assert steps == pytest.approx([1.0, 2.0, 3.0])
     assert cache_bytes == 0  # the fake model stores no keys
+
+
+def test_bench_decode_checks_cached_logits_against_the_uncached_forward():
+    """check_decoding on a bf16 NoPE model (CPU SDPA): the cached steps pass against the fp32
+    uncached forward; a model whose cached steps are 0.05 off is "ACC FAIL" (the benchmark
+    timed decoding without looking at what it decoded before)."""
+    from experiments import bench_decode
+
+    model = bench_decode.build_model(
+        "nope", bench_decode.QUICK, 40, torch.device("cpu"), torch.bfloat16
+    )
+    cpu = torch.device("cpu")
+    assert bench_decode.check_decoding(model, 2, 16, 3, cpu) == "acc ok"
+
+    class OffWhenCached(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.blocks = inner, inner.blocks
+
+        def forward(self, idx, cache=None):
+            out = self.inner(idx, cache)
+            return out + 0.05 if cache is not None and idx.shape[1] == 1 else out
+
+    note = bench_decode.check_decoding(OffWhenCached(model), 2, 16, 3, cpu)
+    assert note.startswith(f"{ACC_FAIL} (cached vs uncached logits)"), note
 
 
 def test_bench_decode_quick_run_with_a_window(tmp_path):
