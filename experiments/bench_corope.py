@@ -136,6 +136,9 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
         lambda: out.backward(do, retain_graph=True), grad_to_none=leaves, quick=quick,
         graph_below_ms=0.0,
     ))  # fmt: skip
+    # Its graph holds the leaves' gradient accumulators, made on the default stream: alive, they
+    # break the capture of every later backward on the graph's stream.
+    del out
     fwd_bwd = lambda: corope_attention(q, k, v).backward(do)
     add("corope_triton", "fwd+bwd", timer(fwd_bwd, grad_to_none=leaves, quick=quick))
     for x in leaves:

@@ -82,7 +82,10 @@ def time_gpu_ms(
     time, so the returned quantiles come from a CUDA graph of many calls (how = "graph").
     Longer calls hide their launches and are not replayed (a graph would run them ~16 times
     where ``do_bench`` runs 7: seconds at long N): how = "eager". A call the graph cannot
-    capture keeps its eager time, and how says why. CPU: ``time_ms``'s wall clock, "cpu".
+    capture keeps its eager time, and how says why; the failed capture may leave CUDA's random
+    generator unusable (PyTorch 2.11: "Offset increment outside graph capture"), so a caller
+    that draws random numbers afterwards must not rely on this fallback. CPU: ``time_ms``'s
+    wall clock, "cpu".
     """
     eager = time_ms(fn, graph=False, grad_to_none=grad_to_none, rep_ms=rep_ms)
     if not torch.cuda.is_available():
