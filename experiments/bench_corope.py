@@ -29,6 +29,7 @@ same rule wherever the reference is timed (its O(N^2) work bounds it; past that,
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -131,14 +132,12 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
         )
     # The backward alone, eagerly: its kernels run on the stream of the forward, made outside
     # the timing, so a CUDA graph on another stream would not capture them.
-    out = corope_attention(q, k, v)
-    add("corope_triton", "bwd", timer(
-        lambda: out.backward(do, retain_graph=True), grad_to_none=leaves, quick=quick,
-        graph_below_ms=0.0,
-    ))  # fmt: skip
+    backward = functools.partial(corope_attention(q, k, v).backward, do, retain_graph=True)
+    add("corope_triton", "bwd", timer(backward, grad_to_none=leaves, quick=quick,
+                                      graph_below_ms=0.0))  # fmt: skip
     # Its graph holds the leaves' gradient accumulators, made on the default stream: alive, they
     # break the capture of every later backward on the graph's stream.
-    del out
+    del backward
     fwd_bwd = lambda: corope_attention(q, k, v).backward(do)
     add("corope_triton", "fwd+bwd", timer(fwd_bwd, grad_to_none=leaves, quick=quick))
     for x in leaves:

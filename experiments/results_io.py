@@ -263,12 +263,12 @@ def gradient_note(got: list, ref: list, baseline: list, names=("dq", "dk", "dv")
     return f"{', '.join(names)} within 2x the baseline's errors"
 
 
-def sampled_rows_note(o, reference) -> str:
+def sampled_rows_note(o, reference, baseline=None) -> str:
     """flash-attention's rule on three blocks of 8 query rows of ``o`` ``[B, H, N, D]`` (start,
     middle, end) for outputs too large for a whole reference: ``reference(i0, i1, dtype)``
-    computes rows ``i0 .. i1 - 1`` in ``dtype``; the float64 rows are the truth, the fp32 ones
-    rounded to ``o``'s dtype the baseline. ``ACC FAIL`` first, naming the block, else
-    "acc ok"."""
+    computes rows ``i0 .. i1 - 1`` in ``dtype``, the float64 rows the truth; the baseline is
+    ``baseline(i0, i1)``, PyTorch in ``o``'s dtype, or by default the fp32 reference rounded
+    to it. ``ACC FAIL`` first, naming the block, else "acc ok"."""
     import torch
 
     from tests.helpers import check_against_baseline
@@ -276,8 +276,11 @@ def sampled_rows_note(o, reference) -> str:
     N = o.shape[2]
     for i0 in sorted({0, N // 2, max(0, N - 8)}):
         i1 = min(N, i0 + 8)
-        o64, o32 = (reference(i0, i1, cd) for cd in (torch.float64, torch.float32))
-        passed, msg = check_against_baseline(o[:, :, i0:i1], o64, o32.to(o.dtype))
+        o64 = reference(i0, i1, torch.float64)
+        base = (
+            reference(i0, i1, torch.float32).to(o.dtype) if baseline is None else baseline(i0, i1)
+        )
+        passed, msg = check_against_baseline(o[:, :, i0:i1], o64, base)
         if not passed:
             return f"{ACC_FAIL} rows {i0}+: {msg}"
     return "acc ok"

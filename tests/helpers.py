@@ -128,3 +128,39 @@ def assert_close_to_baseline(
     """Fails unless ``out`` passes flash-attention's rule (``check_against_baseline``)."""
     passed, msg = check_against_baseline(out, ref, baseline, factor, atol_floor, compute_dtype)
     assert passed, f"{name}: {msg}"
+
+
+def rope_attention_in_dtype(
+    q, k, v, *, q_angles, k_angles, causal, scale, layout, rope_dim, factor=1.0, window=None
+):
+    """The flash-attention rule's baseline for RoPE attention: RoPE computed in fp32 and cast to
+    q's dtype (``apply_rope_ref``), then an explicit ``softmax(scale * q k^T) v`` whose matmuls,
+    softmax and logsumexp run in that dtype, as a kernel's tensor-core operands do.
+
+    q: ``[B, HQ, NQ, D]``; k, v: ``[B, HKV, NK, D]``; q_angles ``[NQ, R/2]``, k_angles
+    ``[NK, R/2]`` (or with a batch dimension); ``factor``: the attention factor; ``window``: a
+    causal sliding window. Returns ``o [B, HQ, NQ, D]``, the dtype's ``lse [B, HQ, NQ]`` and
+    that lse taken in fp32 of the dtype's scores (the kernels return lse in fp32).
+    """
+    from fused_rope.naive import apply_rope_ref
+
+    B, HQ, NQ, D = q.shape
+    HKV, NK = k.shape[1], k.shape[2]
+    q_rot = apply_rope_ref(q, q_angles, layout, rope_dim, attention_factor=factor)
+    k_rot = apply_rope_ref(k, k_angles, layout, rope_dim, attention_factor=factor)
+    k_rot = k_rot.repeat_interleave(HQ // HKV, dim=1)
+    v = v.repeat_interleave(HQ // HKV, dim=1)
+    s = (q_rot * scale) @ k_rot.transpose(-1, -2)
+    if causal:
+        i = torch.arange(NQ, device=q.device)[:, None]
+        j = torch.arange(NK, device=q.device)[None, :]
+        hidden = j > i + NK - NQ
+        if window is not None:
+            hidden |= j <= i + NK - NQ - window
+        s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key output 0
+    # The kernels return lse in fp32: its value is held to the dtype's scores' logsumexp taken
+    # in fp32 (rounding it to the dtype would allow twice that rounding); the gradients keep
+    # the dtype's logsumexp.
+    return p @ v, lse, torch.logsumexp(s.detach().float(), dim=-1)

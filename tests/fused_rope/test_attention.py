@@ -2,7 +2,7 @@
 
 Every case checks o, lse and dq, dk, dv (random cotangents for o and for lse) with
 flash-attention's rule: the kernel's error against the float64 reference is at most twice
-the error of PyTorch in the kernel's dtype. That baseline is ``_torch_same_dtype``: RoPE
+the error of PyTorch in the kernel's dtype. That baseline is ``rope_attention_in_dtype``: RoPE
 computed in fp32 and cast to the dtype (apply_rope_ref), then an explicit
 ``softmax(scale * q k^T) v`` whose matmuls, softmax and logsumexp run in the dtype; the
 lse value (fp32 from the kernels) is held to the logsumexp of the dtype's scores in fp32.
@@ -26,9 +26,15 @@ import fused_rope.sdpa
 from fused_rope import attention as attention_module
 from fused_rope.attention import max_head_dim, rope_attention
 from fused_rope.frequencies import mrope_angles, rope_angles, rope_frequencies
-from fused_rope.naive import apply_rope_ref, rope_attention_ref
+from fused_rope.naive import rope_attention_ref
 from fused_rope.sdpa import sdpa_attention
-from tests.helpers import DEVICE, ON_GPU, assert_close, assert_close_to_baseline
+from tests.helpers import (
+    DEVICE,
+    ON_GPU,
+    assert_close,
+    assert_close_to_baseline,
+    rope_attention_in_dtype,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -40,33 +46,6 @@ def _untuned():
         return
     with attention_module.pinned_config(-1):
         yield
-
-
-def _torch_same_dtype(
-    q, k, v, *, q_angles, k_angles, causal, scale, layout, rope_dim, factor=1.0, window=None
-):
-    """The flash-attention rule's baseline: PyTorch attention in q's dtype (see module doc);
-    ``factor``: the attention factor; ``window``: a causal sliding window."""
-    B, HQ, NQ, D = q.shape
-    HKV, NK = k.shape[1], k.shape[2]
-    q_rot = apply_rope_ref(q, q_angles, layout, rope_dim, attention_factor=factor)
-    k_rot = apply_rope_ref(k, k_angles, layout, rope_dim, attention_factor=factor)
-    k_rot = k_rot.repeat_interleave(HQ // HKV, dim=1)
-    v = v.repeat_interleave(HQ // HKV, dim=1)
-    s = (q_rot * scale) @ k_rot.transpose(-1, -2)
-    if causal:
-        i = torch.arange(NQ, device=q.device)[:, None]
-        j = torch.arange(NK, device=q.device)[None, :]
-        hidden = j > i + NK - NQ
-        if window is not None:
-            hidden |= j <= i + NK - NQ - window
-        s = s.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key output 0
-    # The kernels return lse in fp32: its value is held to the dtype's scores' logsumexp taken
-    # in fp32 (rounding it to the dtype would allow twice that rounding); the gradients keep
-    # the dtype's logsumexp.
-    return p @ v, lse, torch.logsumexp(s.detach().float(), dim=-1)
 
 
 def _mrope_sections(half: int) -> list[int]:
@@ -184,7 +163,7 @@ def _check_case(
 
     inputs_b = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     q_ang, k_ang = angles()
-    o_b, lse_b, lse32_b = _torch_same_dtype(
+    o_b, lse_b, lse32_b = rope_attention_in_dtype(
         *inputs_b,
         q_angles=q_ang,
         k_angles=k_ang,
@@ -610,7 +589,7 @@ def test_fp16_scale_above_the_fold_limit_keeps_the_query_finite(scale, magnitude
     grads64 = torch.autograd.grad(_loss(o64, lse64, do.double(), dlse.double()), inputs64)
     inputs_b = [x.detach().clone().requires_grad_() for x in inputs]
     angles = rope_angles(torch.arange(N, device=DEVICE), rope_frequencies(R, device=DEVICE)[0])
-    o_b, lse_b, lse32_b = _torch_same_dtype(
+    o_b, lse_b, lse32_b = rope_attention_in_dtype(
         *inputs_b, q_angles=angles, k_angles=angles, causal=True, scale=scale, layout="half",
         rope_dim=R,
     )  # fmt: skip
@@ -1390,7 +1369,7 @@ def test_window_rows_whose_scores_are_all_very_negative(dtype):
     ref, lse = rope_attention_ref(q.double(), k.double(), v.double(), **no_rotation)
     assert lse.max() < -24 * math.log(2), "the case must have every visible score below -24"
     zero = torch.zeros(NQ, D // 2, device=DEVICE)
-    baseline = _torch_same_dtype(
+    baseline = rope_attention_in_dtype(
         q, k, v, q_angles=zero, k_angles=zero, causal=True, scale=D**-0.5, layout="half",
         rope_dim=D, window=7,
     )[0]  # fmt: skip
