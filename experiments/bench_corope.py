@@ -10,8 +10,10 @@ its floor is at least as large again).
 
 ``ms`` is GPU time (``experiments.timing.time_gpu_ms``): a forward or forward+backward under
 20 ms is replayed in a CUDA graph, since at short N the host's launches would bound
-``do_bench``'s time; longer calls, the backward alone and the reference are timed by
-``do_bench``. Each row's note gives the eager time per call or says it was timed eagerly.
+``do_bench``'s time; longer calls and the reference are timed by ``do_bench``. The backward
+alone cannot be captured apart from its forward: where both of those were graphs, its row is
+their difference, else ``do_bench``'s time. Each row's note gives the eager time per call or
+says it was timed eagerly.
 
 ``peak_mem_mib`` of the kernel's fwd+bwd row is the memory allocated during one call beyond
 the inputs and beyond o, dq, dk and dv (the target: at most 2 GiB at N = 32K); other rows
@@ -75,14 +77,15 @@ def shape_id(B, HQ, HKV, N, D) -> str:
 
 def timer(
     fn, grad_to_none=None, quick=False, graph_below_ms=20.0
-) -> tuple[tuple[float, float, float], str]:
-    """((median, 20th, 80th percentile) ms per call, how it was timed: a note)."""
+) -> tuple[tuple[float, float, float], str, bool]:
+    """((median, 20th, 80th percentile) ms per call, how it was timed: a note, whether in a
+    CUDA graph)."""
     timing, eager_ms, how = time_gpu_ms(
         fn, grad_to_none=grad_to_none, rep_ms=20 if quick else 100, graph_below_ms=graph_below_ms
     )
     if how == "graph":
-        return timing, f"eager {eager_ms:.4g} ms/call"
-    return timing, "timed eagerly" if how == "eager" else how
+        return timing, f"eager {eager_ms:.4g} ms/call", True
+    return timing, "timed eagerly" if how == "eager" else how, False
 
 
 def sincos_floor_ms(B, HKV, N, R) -> float:
@@ -118,7 +121,7 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
 
     def add(provider, mode, timed, note=None, **extra):
         """A timed row; its note: ``note``, then how it was timed."""
-        (ms, p20, p80), how = timed
+        (ms, p20, p80), how, _ = timed
         note = how if note is None else f"{note}; {how}"
         rows.append(dict(base, provider=provider, mode=mode, ms=ms, ms_p20=p20, ms_p80=p80,
                          note=note, **extra))  # fmt: skip
@@ -127,19 +130,22 @@ def run_case(shape, N, dtype, env, device, quick) -> list[dict]:
     with torch.no_grad():
         o = corope_attention(q, k, v)
         note = rows_accuracy(o, q.detach(), k.detach(), v.detach())
-        add(
-            "corope_triton", "fwd", timer(lambda: corope_attention(q, k, v), quick=quick), note=note
-        )
+        fwd = timer(lambda: corope_attention(q, k, v), quick=quick)
+        add("corope_triton", "fwd", fwd, note=note)
     # The backward alone, eagerly: its kernels run on the stream of the forward, made outside
     # the timing, so a CUDA graph on another stream would not capture them.
     backward = functools.partial(corope_attention(q, k, v).backward, do, retain_graph=True)
-    add("corope_triton", "bwd", timer(backward, grad_to_none=leaves, quick=quick,
-                                      graph_below_ms=0.0))  # fmt: skip
+    bwd = timer(backward, grad_to_none=leaves, quick=quick, graph_below_ms=0.0)
     # Its graph holds the leaves' gradient accumulators, made on the default stream: alive, they
     # break the capture of every later backward on the graph's stream.
     del backward
     fwd_bwd = lambda: corope_attention(q, k, v).backward(do)
-    add("corope_triton", "fwd+bwd", timer(fwd_bwd, grad_to_none=leaves, quick=quick))
+    both = timer(fwd_bwd, grad_to_none=leaves, quick=quick)
+    if fwd[2] and both[2]:  # short calls: the eager backward is the host's time, not the GPU's
+        bwd = ((both[0][0] - fwd[0][0], None, None),
+               f"fwd+bwd - fwd, both in CUDA graphs; eager {bwd[0][0]:.4g} ms/call", False)  # fmt: skip
+    add("corope_triton", "bwd", bwd)
+    add("corope_triton", "fwd+bwd", both)
     for x in leaves:
         x.grad = None
     outputs_bytes = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()  # o,dq,dk,dv

@@ -797,12 +797,47 @@ def test_corope_sincos_floor_counts_causal_pairs_and_doubles_for_the_backward(mo
     monkeypatch.setattr(bench_corope, "rows_accuracy", lambda *a: "acc ok")
     monkeypatch.setattr(bench_corope, "leaf_gradients", lambda *a: [])
     monkeypatch.setattr(bench_corope, "gradient_note", lambda *a: "not checked here")
-    monkeypatch.setattr(bench_corope, "timer", lambda fn, **kw: ((1.0, 1.0, 1.0), "stub"))
+    monkeypatch.setattr(bench_corope, "timer", lambda fn, **kw: ((1.0, 1.0, 1.0), "stub", False))
     B, HQ, HKV, D = shape = bench_corope.QUICK_SHAPES[0]
     rows = bench_corope.run_case(shape, 64, torch.float16, {}, torch.device("cpu"), True)
     floor = {r["mode"]: r["ms"] for r in rows if r["provider"] == "sincos_floor"}
     assert floor == {"fwd": bench_corope.sincos_floor_ms(B, HKV, 64, D),
                      "fwd+bwd": 2 * bench_corope.sincos_floor_ms(B, HKV, 64, D)}  # fmt: skip
+
+
+def test_bench_corope_backward_row_is_the_graphs_difference_for_short_calls(monkeypatch):
+    """A backward alone cannot be captured apart from its forward, so it is timed eagerly; where
+    the forward and the forward+backward were CUDA graphs, its row is their difference (an eager
+    backward of 1 ms beside a 0.2 ms forward+backward read as nonsense on the H200), and where
+    they were not, the eager time stays."""
+    import itertools
+
+    from experiments import bench_corope
+
+    for name in ("corope_attention", "corope_attention_ref", "rope_attention"):
+        monkeypatch.setattr(bench_corope, name, lambda q, k, v, **kw: q * 1.0)
+    monkeypatch.setattr(bench_corope, "rows_accuracy", lambda *a: "acc ok")
+    monkeypatch.setattr(bench_corope, "leaf_gradients", lambda *a: [])
+    monkeypatch.setattr(bench_corope, "gradient_note", lambda *a: "grads ok")
+
+    def fake(how):
+        graphed = itertools.chain([1.0, 3.0], itertools.repeat(0.5))  # fwd, fwd+bwd, then SDPA's
+
+        def time_gpu_ms(fn, graph_below_ms=20.0, **kw):
+            if graph_below_ms == 0.0:
+                return (7.0, 6.0, 8.0), 7.0, "eager"
+            t = next(graphed)
+            return (t, t, t), 9.0, how
+
+        return time_gpu_ms
+
+    shape = bench_corope.QUICK_SHAPES[0]
+    for how, expected, note in (("graph", 2.0, "fwd+bwd - fwd, both in CUDA graphs; eager 7 ms"),
+                                ("eager", 7.0, "timed eagerly")):  # fmt: skip
+        monkeypatch.setattr(bench_corope, "time_gpu_ms", fake(how))
+        rows = bench_corope.run_case(shape, 64, torch.float16, {}, torch.device("cpu"), True)
+        (bwd,) = [r for r in rows if (r["provider"], r["mode"]) == ("corope_triton", "bwd")]
+        assert bwd["ms"] == expected and bwd["note"].startswith(note), bwd
 
 
 def test_bench_decode_times_three_prefills_and_the_steps_after_the_warm_up(monkeypatch):
