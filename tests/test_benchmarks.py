@@ -565,6 +565,23 @@ def test_corope_large_logits_explains_the_recomputed_weights(tmp_path):
 # ---- each of these could be wrong with every test above still passing).
 
 
+def test_bench_rope_cycles_enough_input_copies_to_defeat_l2(monkeypatch):
+    """``cycled_sets`` (the benchmark's and ``--tune``'s inputs): the given q and k first, then
+    fresh copies, together three times the L2 cache (the tuner timed one set, in L2)."""
+    import types
+
+    from experiments import bench_rope
+
+    q, k = torch.randn(1, 4, 64, 64), torch.randn(1, 1, 64, 64)  # 80 KiB read a call
+    assert bench_rope.cycled_sets(q, k, torch.device("cpu")) == [(q, k)]
+    props = types.SimpleNamespace(L2_cache_size=2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    sets = bench_rope.cycled_sets(q, k, torch.device("cuda"))
+    assert len(sets) == 39 and sets[0] == (q, k)  # ceil(3 MiB / 80 KiB)
+    assert all(a.shape == q.shape and b.shape == k.shape and not torch.equal(a, q)
+               for a, b in sets[1:])  # fmt: skip
+
+
 def test_cpu_time_ms_is_the_median_of_the_timed_runs_in_milliseconds(monkeypatch):
     """``time_ms`` without CUDA: the warm-up call is left out, each run is converted from
     seconds to milliseconds (not microseconds), and the reported value is the median of the
