@@ -102,8 +102,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("fwd", "fwd+bwd")
 MAIN = "rope_attention"
 # The tensor cores' dense fp16/bf16 rate of the H100 and H200 SXM (NVIDIA's datasheets: 989.4
-# TFLOPS, without sparsity): the operations-over-rate floor of every shape here.
-TENSOR_CORE_TFLOPS = {"H100": 989.4, "H200": 989.4}
+# TFLOPS, without sparsity), by the device name torch reports: the operations-over-rate floor
+# of every shape here. The PCIe and NVL parts, slower, are left out (no share given).
+TENSOR_CORE_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H200": 989.4}
 
 
 def shape_label(name: str, shape) -> str:
@@ -325,7 +326,7 @@ def precompile(shapes: dict, dtypes: list[str], workers: int, only=None) -> None
 def peak_fraction(row: dict) -> float | None:
     """``row``'s TFLOPS over its GPU's tensor-core peak (``TENSOR_CORE_TFLOPS``); None for
     another GPU or an untimed row."""
-    peak = next((t for name, t in TENSOR_CORE_TFLOPS.items() if name in row.get("gpu", "")), None)
+    peak = TENSOR_CORE_TFLOPS.get(row.get("gpu", ""))
     return None if peak is None or not row.get("tflops") else round(row["tflops"] / peak, 3)
 
 

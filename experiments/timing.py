@@ -81,21 +81,17 @@ def time_gpu_ms(
     eagerly first (``do_bench``); under ``graph_below_ms`` the host's launches may bound that
     time, so the returned quantiles come from a CUDA graph of many calls (how = "graph").
     Longer calls hide their launches and are not replayed (a graph would run them ~16 times
-    where ``do_bench`` runs 7: seconds at long N): how = "eager". A call the graph cannot
-    capture keeps its eager time, and how says why; the failed capture may leave CUDA's random
-    generator unusable (PyTorch 2.11: "Offset increment outside graph capture"), so a caller
-    that draws random numbers afterwards must not rely on this fallback. CPU: ``time_ms``'s
-    wall clock, "cpu".
+    where ``do_bench`` runs 7: seconds at long N): how = "eager". CPU: ``time_ms``'s wall
+    clock, "cpu". A call the graph cannot capture raises: a failed capture may leave CUDA's
+    random generator unusable (PyTorch 2.11: "Offset increment outside graph capture" at the
+    next ``randn``), so no later case of the benchmark could be trusted to run.
     """
     eager = time_ms(fn, graph=False, grad_to_none=grad_to_none, rep_ms=rep_ms)
     if not torch.cuda.is_available():
         return eager, eager[0], "cpu"
     if eager[0] >= graph_below_ms:
         return eager, eager[0], "eager"
-    try:
-        return time_ms(fn, grad_to_none=grad_to_none, rep_ms=rep_ms), eager[0], "graph"
-    except Exception as e:  # noqa: BLE001 - a call a CUDA graph cannot capture stays eager
-        return eager, eager[0], f"eager ({type(e).__name__} in graph capture)"
+    return time_ms(fn, grad_to_none=grad_to_none, rep_ms=rep_ms), eager[0], "graph"
 
 
 def peak_extra_mib(fn: Callable[[], object], device: torch.device, exclude_bytes: int = 0):
