@@ -8,7 +8,11 @@ any CPU, so this script measures it here, in microseconds a call: the RoPE kerne
 ``apply_rope_qk`` of one new row (the harness's RoPE step: its angles built per call, as until
 session 29, or formed in the kernel from ``position_offset``), ``corope.decode.corope_decode``
 and the public ``corope_attention`` with one query row (B = 1, 8/2 heads, D = 64, 512 cached
-keys). Triton's own launcher, which this leaves out, costs more on top of it.
+keys); and ``fused_rope.rope_attention`` at the benchmark's Small-1K shape (4, 8, 1024, 64),
+its fused kernels (``impl="fused"``) and the separate path (``impl="separate"``: the RoPE
+kernel, then SDPA, which on the CPU is replaced too, by a no-op with a no-op gradient), forward
+and forward+backward: the eager host time that ``bench_rope_attention``'s notes show beside
+its CUDA-graph times. Triton's own launcher, which this leaves out, costs more on top of it.
 
 ``--gpu`` times the same calls on CUDA tensors with the kernels launched (Triton's launcher
 included), next to one eager PyTorch op as the host's yardstick: each call's host time, the
@@ -33,9 +37,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import corope.decode  # noqa: E402
+import fused_rope._attention_common  # noqa: E402
+import fused_rope.attention_backward  # noqa: E402
+import fused_rope.attention_forward  # noqa: E402
 import fused_rope.rope  # noqa: E402
 from corope import corope_attention  # noqa: E402
+from fused_rope.attention import rope_attention  # noqa: E402
 from fused_rope.frequencies import rope_angles  # noqa: E402
+
+
+class _NoSdpa(torch.autograd.Function):
+    """SDPA's stand-in on the CPU: an empty output of q's shape and empty gradients (the real
+    one would compute attention on the CPU, seconds at Small-1K)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.inputs = q, k, v
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, do):
+        return tuple(torch.empty_like(x) for x in ctx.inputs)
 
 
 class _NoLaunch:
@@ -67,9 +89,22 @@ def main() -> None:
     if GPU and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device")
     if not GPU:
-        fused_rope.rope._rope_kernel = _NoLaunch()
-        for name in ("_gate_sums_kernel", "_split_kernel", "_combine_kernel"):
-            setattr(corope.decode, name, _NoLaunch())
+        stubbed = {
+            fused_rope.rope: ["_rope_kernel"],
+            corope.decode: ["_gate_sums_kernel", "_split_kernel", "_combine_kernel"],
+            fused_rope.attention_forward: ["_rope_attn_fwd_kernel"],
+            fused_rope._attention_common: ["_rotate_kernel", "_rope_table_kernel"],
+            fused_rope.attention_backward: [
+                "_bwd_preprocess_kernel", "_rope_attn_bwd_dkdv_kernel", "_rope_attn_bwd_dq_kernel"
+            ],
+        }  # fmt: skip
+        for module, names in stubbed.items():
+            for name in names:
+                setattr(module, name, _NoLaunch())
+        torch.nn.functional.scaled_dot_product_attention = (
+            lambda q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False: _NoSdpa.apply(q, k, v)
+        )  # fmt: skip
     device, dtype = ("cuda", torch.bfloat16) if GPU else ("cpu", torch.float32)
     q, k_new = (torch.randn(1, h, 1, 64, device=device, dtype=dtype) for h in (8, 2))
     k, v = (torch.randn(1, 2, 512, 64, device=device, dtype=dtype) for _ in range(2))
@@ -86,11 +121,29 @@ def main() -> None:
         "corope_decode": lambda: corope.decode.corope_decode(q, k, v, w, 0.125, 64, "first"),
         "corope_attention, one query row": lambda: corope_attention(q, k, v),
     }
+    # Small-1K of bench_rope_attention (fp16: the kernels' dtype; bf16 arithmetic is GPU-only)
+    attn_dtype = torch.float16
+    qa, ka, va = (torch.randn(4, 8, 1024, 64, device=device, dtype=attn_dtype) for _ in range(3))
+    for impl in ("fused", "separate"):
+        calls[f"rope_attention, Small-1K, impl={impl!r}, forward"] = lambda impl=impl: (
+            rope_attention(qa, ka, va, impl=impl)
+        )
     if GPU:
         calls["torch.add, one eager op (the yardstick)"] = lambda: torch.add(q, 1.0)
     with torch.no_grad():
         for name, fn in calls.items():
             print(f"{name}: {us_per_call(fn):.1f} us")
+    leaves = [x.detach().requires_grad_() for x in (qa, ka, va)]
+    do = torch.randn_like(qa)
+    for impl in ("fused", "separate"):
+
+        def forward_backward(impl=impl):
+            rope_attention(*leaves, impl=impl).backward(do)
+            for x in leaves:
+                x.grad = None
+
+        name = f"rope_attention, Small-1K, impl={impl!r}, forward+backward"
+        print(f"{name}: {us_per_call(forward_backward, calls=200):.1f} us")
 
 
 if __name__ == "__main__":
