@@ -52,8 +52,7 @@ PROVIDERS = ("corope, window", "corope, no window", "rope, window")
 
 def time_case(B, HQ, HKV, N, D, window, dtype, max_full_n) -> dict:
     """Median GPU ms of each provider and mode (NaN where skipped), the windowed kernels'
-    forward+backward memory beyond q, k, v, o and their gradients, the accuracy note, and
-    (``eager``) the calls not timed in a CUDA graph."""
+    forward+backward memory beyond q, k, v, o and their gradients, and the accuracy note."""
     like = dict(device="cuda", dtype=dtype, requires_grad=True)
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, h, N, D, **like) for h in (HQ, HKV, HKV))
@@ -74,10 +73,7 @@ def time_case(B, HQ, HKV, N, D, window, dtype, max_full_n) -> dict:
             continue
         call = run[name] if mode == "fwd" else lambda f=run[name]: f().backward(do)
         with torch.set_grad_enabled(mode != "fwd"):
-            (ms, _, _), _, how = time_gpu_ms(call, grad_to_none=leaves, rep_ms=60)
-        row[f"{name} {mode}"] = ms
-        if how != "graph":
-            row["eager"] = row.get("eager", ()) + (f"{name} {mode} ({how})",)
+            row[f"{name} {mode}"] = time_gpu_ms(call, grad_to_none=leaves, rep_ms=60)[0][0]
     outputs = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()  # o, dq, dk, dv
     fwd_bwd = lambda: run["corope, window"]().backward(do)
     row["mem"] = peak_extra_mib(fwd_bwd, torch.device("cuda"), outputs)
@@ -113,8 +109,6 @@ def main() -> None:
             row["MiB beyond q,k,v,o,grads"] = f"{t['mem']:.0f}" if mode == "fwd+bwd" else ""
             row["accuracy (sampled rows)"] = t["note"] if mode == "fwd" else ""
             rows.append(row)
-        if "eager" in t:
-            print(f"{name}: timed eagerly: {', '.join(t['eager'])}", flush=True)
     env = environment()
     text = (
         "# Sliding-window Co-RoPE (bf16, causal)\n\n"

@@ -117,17 +117,16 @@ def time_decoding(
 
 
 @torch.no_grad()
-def check_decoding(model: GPT, B: int, P: int, steps: int, device) -> str:
+def check_decoding(model: GPT, reference: GPT, B: int, P: int, steps: int, device) -> str:
     """The note of the output check (module docstring) on ``min(B, 2)`` sequences: "acc ok" or
-    ``ACC FAIL`` and why."""
+    ``ACC FAIL`` and why. ``reference``: ``model`` in fp32."""
     tokens = torch.randint(0, VOCAB, (min(B, 2), P + steps), device=device)
     cache = KVCache.for_model(model, P + steps)
     model(tokens[:, :P], cache)
     for t in range(P, P + steps):
         cached = model(tokens[:, t : t + 1], cache)[:, -1]
     uncached = model(tokens)[:, -1]
-    reference = copy.deepcopy(model).float()(tokens)[:, -1]
-    passed, msg = check_against_baseline(cached, reference, uncached)
+    passed, msg = check_against_baseline(cached, reference(tokens)[:, -1], uncached)
     return "acc ok" if passed else f"{ACC_FAIL} (cached vs uncached logits): {msg}"
 
 
@@ -173,11 +172,12 @@ def main() -> None:
     for variant, window in ((v, w) for w in windows for v in VARIANTS):
         max_len = max(prompts) + max(steps, 2)
         model = build_model(variant, sizes, max_len, device, dtype, window)
+        reference = copy.deepcopy(model).float()  # the output check's, once a model
         provider = variant if window is None else f"{variant}, window {window}"
         for B in batches:
             for P in prompts:
                 prefill_ms, step_ms, cache_bytes = time_decoding(model, B, P, steps, device)
-                accuracy = check_decoding(model, B, P, steps, device)
+                accuracy = check_decoding(model, reference, B, P, steps, device)
                 prefill, step = quantiles(prefill_ms), quantiles(step_ms)
                 common = {"op": OP, "provider": provider, "shape": f"B{B}-P{P}", **env}
                 common["dtype"] = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -199,7 +199,7 @@ def main() -> None:
                     f"ms, {cache}; {accuracy}"
                 )
                 upsert_rows(rows, csv_path)  # case by case: a run cut short keeps its rows
-        del model
+        del model, reference
     rows = read_rows(csv_path, OP, env["gpu"])
     cols = ["shape", "mode", "provider", "ms", "ms_p20", "ms_p80", "note", "commit"]
     # Every run's rows of this GPU (runs split by --window add up): their commits and dates

@@ -6,6 +6,7 @@ and pass its own accuracy check; a wrong output must fail that check."""
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import os
 import subprocess
@@ -902,7 +903,8 @@ def test_bench_decode_checks_cached_logits_against_the_uncached_forward():
         "nope", bench_decode.QUICK, 40, torch.device("cpu"), torch.bfloat16
     )
     cpu = torch.device("cpu")
-    assert bench_decode.check_decoding(model, 2, 16, 3, cpu) == "acc ok"
+    reference = copy.deepcopy(model).float()
+    assert bench_decode.check_decoding(model, reference, 2, 16, 3, cpu) == "acc ok"
 
     class OffWhenCached(torch.nn.Module):
         def __init__(self, inner):
@@ -913,7 +915,7 @@ def test_bench_decode_checks_cached_logits_against_the_uncached_forward():
             out = self.inner(idx, cache)
             return out + 0.05 if cache is not None and idx.shape[1] == 1 else out
 
-    note = bench_decode.check_decoding(OffWhenCached(model), 2, 16, 3, cpu)
+    note = bench_decode.check_decoding(OffWhenCached(model), reference, 2, 16, 3, cpu)
     assert note.startswith(f"{ACC_FAIL} (cached vs uncached logits)"), note
 
 
