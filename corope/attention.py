@@ -4,8 +4,9 @@
 and, for learned frequencies, ``dinv_freq``)
 are ``torch.library`` custom ops with fake (meta) implementations, so
 ``torch.compile(fullgraph=True)`` traces through them; ``register_autograd`` ties the
-backward op to the forward. The same ops run the kernels in the Triton interpreter on the
-CPU when ``TRITON_INTERPRET=1``.
+backward op to the forward. Eager calls run the same autograd formula through an
+autograd.Function instead (``fused_rope._validation.eager_function``), without the ops'
+dispatch. The kernels run in the Triton interpreter on the CPU when ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from fused_rope._validation import (
     check_no_functorch,
     check_no_tangent,
     check_window,
+    eager_function,
     refuse_double_backward,
     runs_eagerly,
 )
 
 
-@torch.library.custom_op("corope::attention", mutates_args=())
-def _attention_op(
+def _attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -42,9 +43,13 @@ def _attention_op(
     deterministic: bool,
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of ``corope::attention`` and of the eager path (``_CoropeAttentionFunction``)."""
     # detach_mileage and deterministic only matter to the backward; they are arguments here
     # so that the autograd context receives them.
     return corope_fwd(q, k, v, inv_freq, softmax_scale, rope_dim, leader, window)
+
+
+_attention_op = torch.library.custom_op("corope::attention", mutates_args=())(_attention)
 
 
 @_attention_op.register_fake
@@ -121,14 +126,25 @@ def _backward(ctx, do, dlse):
     # lse is an auxiliary output for the backward; gradients through it are not supported.
     q, k, v, o, lse, inv_freq = ctx.saved_tensors
     freq_grad = ctx.needs_input_grad[3]
-    dq, dk, dv, dw = _attention_backward_op(
-        do, q, k, v, o, lse, inv_freq, *ctx.args, freq_grad, ctx.window
-    )
+    if runs_eagerly(q) and not torch.is_grad_enabled():
+        # the launcher without the op's dispatch (_CoropeAttentionFunction); a backward that is
+        # recorded (create_graph=True) takes the op, whose autograd refuses a second derivative
+        dq, dk, dv, dw = corope_bwd(
+            do, q, k, v, o, lse, inv_freq, *ctx.args, freq_grad=freq_grad, window=ctx.window
+        )
+    else:
+        dq, dk, dv, dw = _attention_backward_op(
+            do, q, k, v, o, lse, inv_freq, *ctx.args, freq_grad, ctx.window
+        )
     return dq, dk, dv, dw if freq_grad else None, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 refuse_double_backward(_attention_backward_op, "corope.corope_attention_ref")
+
+
+# The eager path: the kernels with the ops' autograd, without the ops' dispatch
+_CoropeAttentionFunction = eager_function(_attention, _setup_context, _backward)
 
 
 def corope_attention(
@@ -227,5 +243,6 @@ def corope_attention(
             # (H100: 208 against 175 us a synchronized call, time_corope_decode.py).
             return corope_decode(q, k, v, w, s, R, leader)
         return _decode_op(q, k, v, w, s, R, leader)
-    o, _ = _attention_op(q, k, v, w, s, R, leader, detach_mileage, deterministic, window)
+    forward = _CoropeAttentionFunction.apply if runs_eagerly(q, k, v, w) else _attention_op
+    o, _ = forward(q, k, v, w, s, R, leader, detach_mileage, deterministic, window)
     return o

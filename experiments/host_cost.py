@@ -12,11 +12,16 @@ keys); and ``fused_rope.rope_attention`` at the benchmark's Small-1K shape (4, 8
 its fused kernels (``impl="fused"``) and the separate path (``impl="separate"``: the RoPE
 kernel, then SDPA, which on the CPU is replaced too, by a no-op with a no-op gradient), forward
 and forward+backward: the eager host time that ``bench_rope_attention``'s notes show beside
-its CUDA-graph times. Triton's own launcher, which this leaves out, costs more on top of it.
+its CUDA-graph times; the fused forward+backward also through its custom ops, the path under a
+tracer (and eagerly until session 50, when eager calls took an autograd.Function instead).
+Triton's own launcher, which this leaves out, costs more on top of it. The calls are timed in
+rounds, each round timing every call in turn.
 
 ``--gpu`` times the same calls on CUDA tensors with the kernels launched (Triton's launcher
 included), next to one eager PyTorch op as the host's yardstick: each call's host time, the
-calls issued back to back (their kernels take a few microseconds, so the GPU keeps up).
+calls issued back to back (their kernels take a few microseconds, so the GPU keeps up); and
+``corope_attention``'s forward+backward at (1, 8/2, 512, 64) bf16, eagerly and through its
+custom ops.
 
     python experiments/host_cost.py          # this CPU, launches stubbed
     python experiments/host_cost.py --gpu    # a GPU machine, launches real
@@ -36,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+import corope.attention  # noqa: E402
 import corope.decode  # noqa: E402
 import fused_rope._attention_common  # noqa: E402
+import fused_rope.attention  # noqa: E402
 import fused_rope.attention_backward  # noqa: E402
 import fused_rope.attention_forward  # noqa: E402
 import fused_rope.rope  # noqa: E402
@@ -67,22 +74,25 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def us_per_call(fn, calls: int = 1000, runs: int = 7) -> float:
-    """Microseconds a call of ``fn``: the fastest of ``runs`` runs of ``calls`` calls (other
-    processes only ever add time), after 200 warm-up calls; on the GPU each run ends with a
-    synchronization, so no call's kernels are left out."""
+def us_per_call(calls: dict, runs: int = 7) -> dict[str, float]:
+    """Microseconds a call of each entry of ``calls`` (name -> ``(fn, n)``): the fastest of
+    ``runs`` rounds, each round timing ``n`` calls of every entry in turn (the GPU machine's host
+    speed drifts by up to 2x within a process: rounds put the entries under the same drift),
+    after warm-up calls; on the GPU each timing ends with a synchronization, so no call's
+    kernels are left out."""
     sync = torch.cuda.synchronize if GPU else (lambda: None)
-    for _ in range(200):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best / calls * 1e6
+    best = dict.fromkeys(calls, float("inf"))
+    for round_ in range(runs):
+        for name, (fn, n) in calls.items():
+            for _ in range(n // 5 if round_ == 0 else 0):
+                fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
+    return best
 
 
 def main() -> None:
@@ -130,20 +140,67 @@ def main() -> None:
         )
     if GPU:
         calls["torch.add, one eager op (the yardstick)"] = lambda: torch.add(q, 1.0)
-    with torch.no_grad():
-        for name, fn in calls.items():
-            print(f"{name}: {us_per_call(fn):.1f} us")
+    no_grad = lambda fn: lambda: _no_grad_call(fn)
+    timed = {name: (no_grad(fn), 1000) for name, fn in calls.items()}
     leaves = [x.detach().requires_grad_() for x in (qa, ka, va)]
     do = torch.randn_like(qa)
-    for impl in ("fused", "separate"):
 
-        def forward_backward(impl=impl):
-            rope_attention(*leaves, impl=impl).backward(do)
+    def forward_backward(attention):
+        def call():
+            attention(*leaves).backward(do)
             for x in leaves:
                 x.grad = None
 
+        return call
+
+    for impl in ("fused", "separate"):
         name = f"rope_attention, Small-1K, impl={impl!r}, forward+backward"
-        print(f"{name}: {us_per_call(forward_backward, calls=200):.1f} us")
+        timed[name] = forward_backward(lambda *x, impl=impl: rope_attention(*x, impl=impl)), 200
+    # The fused kernels through their custom ops, as under a tracer and, until session 50,
+    # eagerly: the ops' dispatch against the eager Function's
+    through_ops = _through_custom_ops(fused_rope.attention)
+    name = "rope_attention, Small-1K, impl='fused', forward+backward, through the custom ops"
+    timed[name] = through_ops(forward_backward(lambda *x: rope_attention(*x, impl="fused"))), 200
+    if GPU:  # Co-RoPE's kernels have no CPU stand-ins here
+        qc, kc, vc = (torch.randn(1, h, 512, 64, device=device, dtype=dtype) for h in (8, 2, 2))
+        corope_leaves = [x.requires_grad_() for x in (qc, kc, vc)]
+        dc = torch.randn_like(qc)
+
+        def corope_step():
+            corope_attention(*corope_leaves).backward(dc)
+            for x in corope_leaves:
+                x.grad = None
+
+        name = "corope_attention, (1, 8/2, 512, 64), forward+backward"
+        timed[name] = corope_step, 200
+        timed[name + ", through the custom ops"] = (
+            _through_custom_ops(corope.attention)(corope_step),
+            200,
+        )
+    for name, us in us_per_call(timed).items():
+        print(f"{name}: {us:.1f} us")
+
+
+def _no_grad_call(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def _through_custom_ops(module):
+    """Wraps a call so that ``module``'s attention takes its custom ops, as under a tracer
+    (``runs_eagerly`` False there) and eagerly until session 50."""
+
+    def wrap(fn):
+        def call():
+            eager, module.runs_eagerly = module.runs_eagerly, lambda *tensors: False
+            try:
+                return fn()
+            finally:
+                module.runs_eagerly = eager
+
+        return call
+
+    return wrap
 
 
 if __name__ == "__main__":

@@ -259,6 +259,30 @@ def refuse_double_backward(backward_op, reference: str) -> None:
     backward_op.register_autograd(refuse)
 
 
+def eager_function(launch, setup_context, backward) -> type[torch.autograd.Function]:
+    """An autograd.Function that runs ``launch(*inputs)`` (a custom op's body) with the op's
+    autograd formula (``setup_context``, ``backward``, as given to ``register_autograd``): the
+    op's eager path without the op's dispatch, which cost as much host time as the kernels'
+    launches (``rope_attention`` at Small-1K, forward+backward: 1.65 ms a call through the
+    ops, 1.04 ms through this, on an H200's host). Tracers need the op (``runs_eagerly``).
+    The cotangent of an output that is not used arrives as None (the op's autograd gets
+    zeros): no tensor of zeros made for it."""
+
+    class EagerFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            ctx.set_materialize_grads(False)
+            output = launch(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    return EagerFunction
+
+
 def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:
     """``inv_freq`` is a ``[rope_dim // 2]`` tensor of one of ``dtypes`` (default fp32 or fp64:
     frequencies rounded to half precision put far positions off by whole radians)."""

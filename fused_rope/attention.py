@@ -1,7 +1,8 @@
 """``rope_attention``: RoPE attention, fused into FlashAttention-2 Triton kernels
 (``attention_forward.py``, ``attention_backward.py``, design in ``_attention_common.py``) or
 the separate path (this package's RoPE kernel, then PyTorch's SDPA); input validation, the
-dispatch between the two, and the torch custom ops that make the fused kernels traceable.
+dispatch between the two, and the torch custom ops that make the fused kernels traceable
+(eager calls take the ops' autograd formula without their dispatch: ``_RopeAttentionFunction``).
 
 Causal masking is bottom-right aligned, as in FlashAttention-2: query ``i`` sees key ``j``
 iff ``j <= i + NK - NQ`` (by index, whatever the positions). A query that sees no key
@@ -35,8 +36,10 @@ from fused_rope._validation import (
     check_same_device,
     check_softmax_scale,
     check_window,
+    eager_function,
     element_span,
     refuse_double_backward,
+    runs_eagerly,
     under_functorch,
 )
 from fused_rope.attention_backward import (
@@ -200,7 +203,13 @@ def _backward(ctx, do, dlse):
         do = do.contiguous()
     if dlse is None:
         dlse = torch.zeros_like(lse)
-    dq, dk, dv = _bwd_op(do, dlse, q, k, v, o, lse, inv_freq, q_pos, k_pos, *ctx.args)
+    if runs_eagerly(q) and not torch.is_grad_enabled():
+        # the launcher without the op's dispatch (_RopeAttentionFunction); a backward that is
+        # recorded (create_graph=True) takes the op, whose autograd refuses a second derivative
+        dq, dk, dv = rope_attention_bwd(do, q, k, v, o, lse, dlse, inv_freq, q_pos, k_pos,
+                                        *ctx.args)  # fmt: skip
+    else:
+        dq, dk, dv = _bwd_op(do, dlse, q, k, v, o, lse, inv_freq, q_pos, k_pos, *ctx.args)
     need = ctx.needs_input_grad[3:6]  # inv_freq, q_pos, k_pos
     rotation = (None, None, None)
     if any(need):
@@ -212,6 +221,10 @@ def _backward(ctx, do, dlse):
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 refuse_double_backward(_bwd_op, "fused_rope.rope_attention_ref")
+
+
+# The eager path: the fused kernels with the ops' autograd, without the ops' dispatch
+_RopeAttentionFunction = eager_function(rope_attention_fwd, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------- public API
@@ -604,8 +617,11 @@ def rope_attention(
     else:
         q_pos = _as_rows(_query_positions(positions, q_positions, NQ, NK, q.device))
         k_pos = _as_rows(torch.arange(NK, device=q.device) if positions is None else positions)
-    o, lse = _fwd_op(
+    inputs = (
         q, k, v, inv_freq, q_pos, k_pos, causal, scale, layout == "interleaved", rope_dim, factor,
         window,
     )  # fmt: skip
+    eager = runs_eagerly(*(x for x in inputs[:6] if x is not None))
+    fwd = _RopeAttentionFunction.apply if eager else _fwd_op
+    o, lse = fwd(*inputs)
     return (o, lse) if return_lse else o

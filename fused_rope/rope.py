@@ -548,10 +548,17 @@ class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, offset = ctx.args
-        rotate = lambda dq, dk, angles: _RopeFunction.apply(
-            dq, dk, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, not conjugate,
-            offset,
-        )  # fmt: skip
+
+        def rotate(dq, dk, angles):
+            args = (dq, dk, angles, layout, rope_dim, q_scale, k_scale, rotary_scale,
+                    not conjugate, offset)  # fmt: skip
+            # Through the Function where the backward is recorded (create_graph=True, and
+            # torch.func's transforms), so that it can be differentiated again; else the launch
+            # alone: Function.apply costs host time (tens of us) an eager step pays per layer.
+            if torch.is_grad_enabled() or under_functorch():
+                return _RopeFunction.apply(*args)
+            return _RopeFunction.forward(*args)
+
         dq, dk, d_angles = _backward_rotation(
             ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate, offset
         )

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from corope import attention as attention_module
 from corope import corope_attention, corope_attention_ref, forward
 from corope.forward import corope_fwd
 from corope.naive import corope_inv_freq
@@ -324,6 +325,29 @@ def test_compile_fullgraph_traces_custom_op(dynamic):
     g_comp = torch.autograd.grad(compiled(*leaves), leaves)
     for a, b in zip(g_comp, g_eager, strict=True):
         assert torch.equal(a, b)
+
+
+def test_eager_calls_launch_the_kernels_without_the_custom_ops(monkeypatch):
+    """Eager calls run the kernels through ``_CoropeAttentionFunction``, without the custom
+    ops' dispatch (host time an eager step pays per layer), with the ops' results bitwise
+    (the deterministic backward), learned frequencies and a window included."""
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 21, 32, torch.float32))
+    w = corope_inv_freq(32, 500.0, None, q.device).clone().requires_grad_()
+    leaves = (q, k, v, w)
+
+    def run():
+        o = corope_attention(q, k, v, inv_freq=w, deterministic=True, window=9)
+        return (o, *torch.autograd.grad(o.square().sum(), leaves))
+
+    eager = run()
+    monkeypatch.setattr(attention_module, "runs_eagerly", lambda *t: False)  # as under a tracer
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dinv_freq"), eager, run(), strict=True):
+        assert torch.equal(a, b), name
+    monkeypatch.undo()
+    refuse = lambda *a: pytest.fail("an eager call went through a custom op")
+    monkeypatch.setattr(attention_module, "_attention_op", refuse)
+    monkeypatch.setattr(attention_module, "_attention_backward_op", refuse)
+    run()
 
 
 @pytest.mark.gpu

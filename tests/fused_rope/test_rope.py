@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 import fused_rope._validation
+import fused_rope.rope as rope_module
 from fused_rope._trig import reduce_angle
 from fused_rope._validation import check_kernel_device, interpreter_blocker, interpreting
 from fused_rope.frequencies import rope_angles, rope_frequencies
@@ -384,6 +385,25 @@ def test_second_derivative_through_the_backward_op():
     w = torch.randn_like(dx)
     (ddy,) = torch.autograd.grad(dx, dy, w)
     _check("d(dx)/d(dy)", ddy, w, angles, "half", None, 0.5)
+
+
+def test_a_plain_backward_rotates_without_the_function(monkeypatch):
+    """An eager backward that is not recorded rotates the cotangents with the launch alone
+    (Function.apply's bookkeeping is host time an eager step pays per layer); a recorded one
+    (create_graph=True) goes through the Function, so that it can be differentiated again
+    (the test above). Either way the gradient of ``|R(a) x|^2`` is ``2 x``."""
+    applied, apply = [], rope_module._RopeFunction.apply
+    monkeypatch.setattr(
+        rope_module._RopeFunction, "apply", lambda *a: applied.append(1) or apply(*a)
+    )
+    x = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
+    angles = _angles(1, 9, 16, per_batch=False)
+    for create_graph, backward_calls in ((False, 0), (True, 1)):
+        loss = apply_rope(x, angles).square().sum()
+        applied.clear()
+        (dx,) = torch.autograd.grad(loss, x, create_graph=create_graph)
+        assert len(applied) == backward_calls and dx.requires_grad == create_graph
+        torch.testing.assert_close(dx, 2 * x)
 
 
 def test_transposed_input_needs_no_copy_and_keeps_its_layout():
