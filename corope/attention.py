@@ -20,6 +20,7 @@ from corope.naive import check_corope_inputs, corope_inv_freq
 from fused_rope._validation import (
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
+    backward_launches_directly,
     check_bool,
     check_kernel_device,
     check_no_functorch,
@@ -29,6 +30,9 @@ from fused_rope._validation import (
     refuse_double_backward,
     runs_eagerly,
 )
+
+# What the refusals name: the PyTorch reference, which differentiates in every mode
+_REFERENCE = "corope.corope_attention_ref"
 
 
 def _attention(
@@ -124,9 +128,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dlse):
     # lse is an auxiliary output for the backward; gradients through it are not supported.
+    if do is None:  # o's gradient is undefined (zero): so are all of these
+        return (None,) * 10
+    # forward-over-reverse: the kernels would drop the tangent (a silent zero)
+    check_no_tangent(_REFERENCE, **{"o's cotangent": do})
     q, k, v, o, lse, inv_freq = ctx.saved_tensors
     freq_grad = ctx.needs_input_grad[3]
-    if runs_eagerly(q) and not torch.is_grad_enabled():
+    if backward_launches_directly(do, *ctx.saved_tensors):
         # the launcher without the op's dispatch (_CoropeAttentionFunction); a backward that is
         # recorded (create_graph=True) takes the op, whose autograd refuses a second derivative
         dq, dk, dv, dw = corope_bwd(
@@ -140,11 +148,13 @@ def _backward(ctx, do, dlse):
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
-refuse_double_backward(_attention_backward_op, "corope.corope_attention_ref")
+refuse_double_backward(_attention_backward_op, _REFERENCE)
 
 
 # The eager path: the kernels with the ops' autograd, without the ops' dispatch
-_CoropeAttentionFunction = eager_function(_attention, _setup_context, _backward)
+_CoropeAttentionFunction = eager_function(
+    "CoropeAttentionFunction", _attention, _setup_context, _backward
+)
 
 
 def corope_attention(
@@ -214,8 +224,8 @@ def corope_attention(
         deterministic = torch.are_deterministic_algorithms_enabled()
     check_bool(deterministic, "deterministic")
     w = corope_inv_freq(R, theta, inv_freq, q.device)  # checks inv_freq first
-    check_no_tangent("corope.corope_attention_ref", q=q, k=k, v=v, inv_freq=inv_freq)
-    check_no_functorch("corope.corope_attention_ref")
+    check_no_tangent(_REFERENCE, q=q, k=k, v=v, inv_freq=inv_freq)
+    check_no_functorch(_REFERENCE)
     check_kernel_device(q.device, "q", dot_dtype=q.dtype)
     D = q.shape[-1]
     if D not in SUPPORTED_HEAD_DIMS:

@@ -259,28 +259,36 @@ def refuse_double_backward(backward_op, reference: str) -> None:
     backward_op.register_autograd(refuse)
 
 
-def eager_function(launch, setup_context, backward) -> type[torch.autograd.Function]:
-    """An autograd.Function that runs ``launch(*inputs)`` (a custom op's body) with the op's
-    autograd formula (``setup_context``, ``backward``, as given to ``register_autograd``): the
-    op's eager path without the op's dispatch, which cost as much host time as the kernels'
-    launches (``rope_attention`` at Small-1K, forward+backward: 1.65 ms a call through the
-    ops, 1.04 ms through this, on an H200's host). Tracers need the op (``runs_eagerly``).
-    The cotangent of an output that is not used arrives as None (the op's autograd gets
-    zeros): no tensor of zeros made for it."""
+def eager_function(name: str, launch, setup_context, backward) -> type[torch.autograd.Function]:
+    """An autograd.Function named ``name`` (its nodes ``{name}Backward``) that runs
+    ``launch(*inputs)`` (a custom op's body) with the op's autograd formula (``setup_context``,
+    ``backward``, as given to ``register_autograd``): the op's eager path without the op's
+    dispatch. Tracers need the op (``runs_eagerly``). On an H200's host the dispatch cost
+    118-224 us of a 1.0-1.1 ms eager forward+backward of ``rope_attention`` at Small-1K, and
+    48-231 us of a 1.4-1.5 ms one of ``corope_attention`` at N = 512 (two runs of
+    ``experiments/host_cost.py --gpu``). The cotangent of an output that is not used arrives as
+    None, not as zeros as in the op's autograd: ``backward`` must take None."""
 
-    class EagerFunction(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *inputs):
-            ctx.set_materialize_grads(False)
-            output = launch(*inputs)
-            setup_context(ctx, inputs, output)
-            return output
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)
+        output = launch(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
 
-        @staticmethod
-        def backward(ctx, *grads):
-            return backward(ctx, *grads)
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
-    return EagerFunction
+
+def backward_launches_directly(*tensors: torch.Tensor | None) -> bool:
+    """Whether a kernel's backward may run its launcher directly, rather than through its
+    custom op or autograd.Function: the backward runs eagerly (``runs_eagerly`` over every
+    tensor it reads, saved ones and cotangents alike; None skipped) and is not itself recorded
+    (``create_graph=True`` turns grad mode on; torch.func's transforms record it too)."""
+    return (
+        not torch.is_grad_enabled()
+        and not under_functorch()
+        and runs_eagerly(*(t for t in tensors if t is not None))
+    )
 
 
 def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:

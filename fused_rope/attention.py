@@ -23,6 +23,7 @@ from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
+    backward_launches_directly,
     check_attention_factor,
     check_attention_shapes,
     check_bool,
@@ -67,6 +68,8 @@ def max_head_dim(dtype: torch.dtype) -> int:
 
 
 IMPLS = ("auto", "fused", "separate")
+# What the refusals name: the PyTorch reference, which differentiates in every mode
+_REFERENCE = "fused_rope.naive.rope_attention_ref"
 
 # Each autotuned kernel with its full config list (pinned_config narrows the kernel's own).
 _AUTOTUNED = (
@@ -197,13 +200,16 @@ def _rotation_grads(need, q, k, dq, dk, inv_freq, q_pos, k_pos, interleaved, rop
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, inv_freq, q_pos, k_pos = ctx.saved_tensors
+    # forward-over-reverse: the kernels would drop the tangent (a silent zero)
+    check_no_tangent(_REFERENCE, **{"o's cotangent": do, "lse's cotangent": dlse})
+    direct = backward_launches_directly(do, dlse, *ctx.saved_tensors)
     if do is None:
         do = torch.zeros_like(o)
     elif _head_span(do) >= INT32_INDEX_LIMIT:  # o is contiguous, so its cotangent can be too
         do = do.contiguous()
     if dlse is None:
         dlse = torch.zeros_like(lse)
-    if runs_eagerly(q) and not torch.is_grad_enabled():
+    if direct:
         # the launcher without the op's dispatch (_RopeAttentionFunction); a backward that is
         # recorded (create_graph=True) takes the op, whose autograd refuses a second derivative
         dq, dk, dv = rope_attention_bwd(do, q, k, v, o, lse, dlse, inv_freq, q_pos, k_pos,
@@ -220,11 +226,13 @@ def _backward(ctx, do, dlse):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
-refuse_double_backward(_bwd_op, "fused_rope.rope_attention_ref")
+refuse_double_backward(_bwd_op, _REFERENCE)
 
 
 # The eager path: the fused kernels with the ops' autograd, without the ops' dispatch
-_RopeAttentionFunction = eager_function(rope_attention_fwd, _setup_context, _backward)
+_RopeAttentionFunction = eager_function(
+    "RopeAttentionFunction", rope_attention_fwd, _setup_context, _backward
+)
 
 
 # --------------------------------------------------------------------------- public API
@@ -401,7 +409,7 @@ def _check_inputs(
         q_angles=q_angles,
     )  # fmt: skip
     check_rotation_inputs(q, NK, rope_dim, **rotation)
-    check_no_tangent("fused_rope.naive.rope_attention_ref", q=q, k=k, v=v, **rotation)
+    check_no_tangent(_REFERENCE, q=q, k=k, v=v, **rotation)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     blocker = _separate_blocker(return_lse, causal, NQ, NK, window)

@@ -24,6 +24,7 @@ from fused_rope._trig import cos_sin_of_angle, fast_trig
 from fused_rope._validation import (
     KERNEL_DTYPES,
     MAX_GRID_AXIS2,
+    backward_launches_directly,
     check_angles,
     check_attention_factor,
     check_float_tensor,
@@ -513,11 +514,15 @@ def _backward_rotation(ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate,
     traced, PyTorch does (``_rows_cross``), from gradients rotated in fp32: their rounding to a
     half dtype would cost it ~2e-4 of relative error in fp16, where autograd of the
     fp32-computing reference has ~1e-7 (the kernel sums before rounding too)."""
+    # forward-over-reverse: the kernel would drop the tangent (a silent zero)
+    cotangents = {"the cotangent of the rotated q (or x)": dq_out,
+                  "the cotangent of the rotated k": dk_out}  # fmt: skip
+    check_no_tangent("fused_rope.naive.apply_rope_ref", **cotangents)
     angles, *inputs = ctx.saved_tensors
     if not ctx.angles_grad:
         return (*rotate(dq_out, dk_out, angles), None)
     q, k = inputs
-    if runs_eagerly(dq_out) and not torch.is_grad_enabled():
+    if backward_launches_directly(dq_out, dk_out, *ctx.saved_tensors):
         dq, dk, cross = _rotated(
             dq_out, dk_out, angles, layout, rope_dim, *ctx.scales, not conjugate, None, offset,
             (q, k),
@@ -552,12 +557,12 @@ class _RopeFunction(torch.autograd.Function):
         def rotate(dq, dk, angles):
             args = (dq, dk, angles, layout, rope_dim, q_scale, k_scale, rotary_scale,
                     not conjugate, offset)  # fmt: skip
-            # Through the Function where the backward is recorded (create_graph=True, and
-            # torch.func's transforms), so that it can be differentiated again; else the launch
-            # alone: Function.apply costs host time (tens of us) an eager step pays per layer.
-            if torch.is_grad_enabled() or under_functorch():
-                return _RopeFunction.apply(*args)
-            return _RopeFunction.forward(*args)
+            # The launch alone where the backward is eager and not recorded: Function.apply
+            # costs host time (tens of us) an eager step pays per layer; else through the
+            # Function, so that the backward can be differentiated again.
+            if backward_launches_directly(dq, dk, angles):
+                return _RopeFunction.forward(*args)
+            return _RopeFunction.apply(*args)
 
         dq, dk, d_angles = _backward_rotation(
             ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate, offset
@@ -722,7 +727,8 @@ def _needs_autograd(*xs: torch.Tensor) -> bool:
     torch.func transform wraps the inputs (grad and vjp run it; vmap, for which it has no
     rule, is refused by PyTorch). Otherwise the launcher runs directly,
     without the Function's bookkeeping, host time a decoding step does not need. (Forward-mode
-    tangents are refused before: ``check_no_tangent``.)"""
+    tangents are refused before: ``check_no_tangent``, on the inputs here and on the
+    cotangents in the backward, ``_backward_rotation``.)"""
     return (torch.is_grad_enabled() and any(x.requires_grad for x in xs)) or under_functorch()
 
 

@@ -350,6 +350,38 @@ def test_eager_calls_launch_the_kernels_without_the_custom_ops(monkeypatch):
     run()
 
 
+class _NoGradient(torch.autograd.Function):
+    """The identity, with an undefined (None) gradient: o's cotangent then arrives as None."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_an_undefined_cotangent_gives_no_gradient():
+    """o's cotangent may arrive as None (an op after it gives no gradient): q, k, v then get
+    none, where the backward crashed on the None (a review's find)."""
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 2, 1, 9, 32, torch.float32))
+    o = corope_attention(q, k, v)
+    (_NoGradient.apply(o).sum() + q.sum()).backward()
+    assert torch.equal(q.grad, torch.ones_like(q)) and k.grad is None and v.grad is None
+
+
+def test_a_forward_mode_tangent_on_a_cotangent_is_refused():
+    """Forward-over-reverse (a dual cotangent in a plain backward): the kernels would drop the
+    tangent, a silent zero (a review's find): refused, naming the reference."""
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 2, 1, 9, 32, torch.float32))
+    o = corope_attention(q, k, v)
+    with torch.autograd.forward_ad.dual_level():
+        do = torch.autograd.forward_ad.make_dual(torch.randn_like(o), torch.randn_like(o))
+        with pytest.raises(NotImplementedError, match="o's cotangent.*corope_attention_ref"):
+            torch.autograd.grad(o, q, do)
+
+
 @pytest.mark.gpu
 def test_compile_fullgraph_gpu():
     q, k, v = (x.requires_grad_() for x in _inputs(2, 8, 2, 300, 128, torch.bfloat16))

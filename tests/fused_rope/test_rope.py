@@ -391,19 +391,46 @@ def test_a_plain_backward_rotates_without_the_function(monkeypatch):
     """An eager backward that is not recorded rotates the cotangents with the launch alone
     (Function.apply's bookkeeping is host time an eager step pays per layer); a recorded one
     (create_graph=True) goes through the Function, so that it can be differentiated again
-    (the test above). Either way the gradient of ``|R(a) x|^2`` is ``2 x``."""
+    (the test above). Either way q's and k's gradients are the reference's, scales and
+    the attention factor included."""
     applied, apply = [], rope_module._RopeFunction.apply
     monkeypatch.setattr(
         rope_module._RopeFunction, "apply", lambda *a: applied.append(1) or apply(*a)
     )
+    q = torch.randn(1, 4, 5, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
+    angles = _angles(1, 9, 12, per_batch=False)
+    # the cotangents require grad: a recorded backward's gradients then do too
+    dq_out, dk_out = (torch.randn_like(x, requires_grad=True) for x in (q, k))
+    common = dict(layout="interleaved", rope_dim=12, attention_factor=1.5)
+
+    def grads(q_out, k_out, create_graph=False):
+        loss = (q_out * dq_out).sum() + (k_out * dk_out).sum()
+        return torch.autograd.grad(loss, (q, k), create_graph=create_graph)
+
+    q_ref = apply_rope_ref(q.double(), angles[-5:].double(), output_scale=0.5, **common)
+    k_ref = apply_rope_ref(k.double(), angles.double(), output_scale=2.0, **common)
+    expected = grads(q_ref, k_ref)
+    for create_graph, backward_calls in ((False, 0), (True, 1)):
+        out = apply_rope_qk(q, k, angles, q_scale=0.5, k_scale=2.0, **common)
+        applied.clear()
+        got = grads(*out, create_graph=create_graph)
+        assert len(applied) == backward_calls
+        for name, g, e in zip(("dq", "dk"), got, expected, strict=True):
+            assert g.requires_grad == create_graph, name
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_a_forward_mode_tangent_on_a_cotangent_is_refused():
+    """Forward-over-reverse (a dual cotangent in a plain backward): the kernel would drop the
+    tangent, a silent zero (a review's find): refused, naming the reference."""
     x = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
     angles = _angles(1, 9, 16, per_batch=False)
-    for create_graph, backward_calls in ((False, 0), (True, 1)):
-        loss = apply_rope(x, angles).square().sum()
-        applied.clear()
-        (dx,) = torch.autograd.grad(loss, x, create_graph=create_graph)
-        assert len(applied) == backward_calls and dx.requires_grad == create_graph
-        torch.testing.assert_close(dx, 2 * x)
+    y = apply_rope(x, angles)
+    with torch.autograd.forward_ad.dual_level():
+        dy = torch.autograd.forward_ad.make_dual(torch.randn_like(y), torch.randn_like(y))
+        with pytest.raises(NotImplementedError, match="cotangent of the rotated q.*apply_rope_ref"):
+            torch.autograd.grad(y, x, dy)
 
 
 def test_transposed_input_needs_no_copy_and_keeps_its_layout():
