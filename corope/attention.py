@@ -248,7 +248,7 @@ def corope_attention(
             # The step's mileages sum gates of the keys between, all in the window: the
             # window's keys alone give the same output.
             k, v = k[:, :, NK - window :], v[:, :, NK - window :]
-        if runs_eagerly(q, k, v):
+        if runs_eagerly(q, k, v, w):
             # The kernels without the op's dispatch: a decoding step is bound by the host
             # (H100: 208 against 175 us a synchronized call, time_corope_decode.py).
             return corope_decode(q, k, v, w, s, R, leader)

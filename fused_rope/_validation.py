@@ -211,7 +211,8 @@ def check_no_tangent(reference: str, **tensors: torch.Tensor | None) -> None:
     """The kernels' custom ops have a backward but no forward-mode derivative, and PyTorch
     drops the tangents of such an op's inputs (a silent zero): refuse inputs that carry one
     (``torch.func.jvp``, ``torch.autograd.forward_ad``): q, k, v and the frequencies,
-    positions or angles alike (None: not given). ``reference``: the PyTorch
+    positions or angles alike (None: not given); and the cotangents a backward receives
+    (forward-over-reverse), which its kernels would drop as well. ``reference``: the PyTorch
     function that does have one. Not under ``torch.compile``, which has no forward mode."""
     if torch.compiler.is_compiling():
         return

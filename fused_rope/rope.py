@@ -740,7 +740,7 @@ def _dispatch_rotation(q, k, angles, layout: str, R: int, scales: tuple[float, f
     ``(q_out, k_out)``, ``k_out`` None without k."""
     q_scale, k_scale, rotary_scale = scales
     xs = (q,) if k is None else (q, k)
-    if not runs_eagerly(*xs):
+    if not runs_eagerly(*xs, angles):
         if k is None:
             return _rope_op(q, angles, layout, R, q_scale, rotary_scale, False, offset), None
         return _rope_qk_op(q, k, angles, layout, R, *scales, False, offset)
@@ -872,7 +872,7 @@ def apply_rope(
             "inplace=True on an inference tensor outside torch.inference_mode(), which PyTorch "
             "does not allow for its own in-place ops either; run it under inference_mode"
         )
-    if runs_eagerly(x):
+    if runs_eagerly(x, angles):
         _launch(x, x, None, None, angles, layout, R, scale, 1.0, factor, False, None, offset)
         # Ops that saved x for their backward must see that it changed.
         torch.autograd.graph.increment_version(x)

@@ -340,6 +340,7 @@ def test_eager_calls_launch_the_kernels_without_the_custom_ops(monkeypatch):
         return (o, *torch.autograd.grad(o.square().sum(), leaves))
 
     eager = run()
+    assert type(eager[0].grad_fn).__name__ == "CoropeAttentionFunctionBackward"
     monkeypatch.setattr(attention_module, "runs_eagerly", lambda *t: False)  # as under a tracer
     for name, a, b in zip(("o", "dq", "dk", "dv", "dinv_freq"), eager, run(), strict=True):
         assert torch.equal(a, b), name
@@ -369,6 +370,21 @@ def test_an_undefined_cotangent_gives_no_gradient():
     o = corope_attention(q, k, v)
     (_NoGradient.apply(o).sum() + q.sum()).backward()
     assert torch.equal(q.grad, torch.ones_like(q)) and k.grad is None and v.grad is None
+
+
+def test_a_decoding_step_with_subclass_frequencies_takes_the_op():
+    """A tensor subclass among a decoding step's tensors, the frequencies included, sends it
+    through the custom op: launching Triton on one failed (a review's find). TwoTensor runs the
+    op on each of its two tensors, so each gives the plain result."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    q, k, v = _inputs(1, 2, 1, 9, 32, torch.float32)
+    q = q[:, :, -1:]
+    w = corope_inv_freq(32, 10000.0, None, q.device)
+    with torch.no_grad():
+        got, want = corope_attention(q, k, v, inv_freq=TwoTensor(w, w)), corope_attention(q, k, v)
+    torch.testing.assert_close(got.a, want)
+    torch.testing.assert_close(got.b, want)
 
 
 def test_a_forward_mode_tangent_on_a_cotangent_is_refused():

@@ -680,6 +680,7 @@ def test_eager_calls_launch_the_kernels_without_the_custom_ops(monkeypatch):
         return (o, lse, *torch.autograd.grad(loss, leaves, allow_unused=True))
 
     eager = {name: run(*w) for name, w in weights.items()}
+    assert type(eager["o"][0].grad_fn).__name__ == "RopeAttentionFunctionBackward"
     monkeypatch.setattr(attention_module, "runs_eagerly", lambda *t: False)  # as under a tracer
     through_ops = {name: run(*w) for name, w in weights.items()}
     names = ("o", "lse", "dq", "dk", "dv", "dinv_freq", "dpositions")
@@ -705,20 +706,21 @@ def test_a_backward_reading_a_tensor_subclass_takes_the_op():
     two_k = TwoTensor(k.detach(), k.detach()).requires_grad_()
     o = rope_attention(q, two_k, v, impl="fused")
     dq, dk, dv = torch.autograd.grad(o.sum(), (q, two_k, v))
-    for name, got, want in (("dq", dq, plain[0]), ("dk", dk.a, plain[1]), ("dv", dv, plain[2])):
-        got = got.a if isinstance(got, TwoTensor) else got
-        torch.testing.assert_close(got, want, msg=name)
+    for name, got, want in (("dq", dq, plain[0]), ("dk", dk, plain[1]), ("dv", dv, plain[2])):
+        for part in (got.a, got.b) if isinstance(got, TwoTensor) else (got,):
+            torch.testing.assert_close(part, want, msg=name)
 
 
 def test_a_forward_mode_tangent_on_a_cotangent_is_refused():
     """Forward-over-reverse (a dual cotangent in a plain backward): the kernels would drop the
     tangent, a silent zero (a review's find): refused, naming the reference."""
     q, k, v = (torch.randn(1, 2, 8, 32, device=DEVICE, requires_grad=True) for _ in range(3))
-    o = rope_attention(q, k, v, impl="fused")
-    with torch.autograd.forward_ad.dual_level():
-        do = torch.autograd.forward_ad.make_dual(torch.randn_like(o), torch.randn_like(o))
-        with pytest.raises(NotImplementedError, match="o's cotangent.*rope_attention_ref"):
-            torch.autograd.grad(o, q, do)
+    outs = rope_attention(q, k, v, impl="fused", return_lse=True)
+    for name, out in zip(("o", "lse"), outs, strict=True):
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(torch.ones_like(out), torch.ones_like(out))
+            with pytest.raises(NotImplementedError, match=f"{name}'s cotangent.*attention_ref"):
+                torch.autograd.grad(out, q, dual, retain_graph=True)
 
 
 def test_backward_is_deterministic():

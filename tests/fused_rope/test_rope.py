@@ -433,6 +433,41 @@ def test_a_forward_mode_tangent_on_a_cotangent_is_refused():
             torch.autograd.grad(y, x, dy)
 
 
+def test_a_tensor_subclass_anywhere_takes_the_custom_ops():
+    """A tensor subclass among the tensors a call reads, the angles included, sends the
+    forward and the backward through the custom ops (``runs_eagerly``): launching Triton on
+    one failed ("data pointer on an invalid python storage"; reviews' finds). TwoTensor runs
+    the ops on each of its two tensors, so each gives the plain result."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x = torch.randn(1, 2, 9, 16, device=DEVICE)
+    angles = _angles(1, 9, 16, per_batch=False)
+    with torch.no_grad():
+        got, want = apply_rope(x, TwoTensor(angles, angles)), apply_rope(x, angles)
+    torch.testing.assert_close(got.a, want)
+    torch.testing.assert_close(got.b, want)
+
+    class FirstOfTwo(torch.autograd.Function):
+        """Takes a TwoTensor's first tensor: the cotangent reaching the RoPE backward is a
+        TwoTensor built from a plain one."""
+
+        @staticmethod
+        def forward(ctx, t):
+            return t.a.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return TwoTensor(grad, grad)
+
+    dy = torch.randn_like(x)
+    a_plain, a_two = (angles.clone().requires_grad_() for _ in range(2))
+    (apply_rope(x, a_plain) * dy).sum().backward()
+    x_two = TwoTensor(x.clone(), x.clone()).requires_grad_()
+    (FirstOfTwo.apply(apply_rope(x_two, a_two)) * dy).sum().backward()
+    torch.testing.assert_close(a_two.grad.a, a_plain.grad)
+    torch.testing.assert_close(a_two.grad.b, a_plain.grad)
+
+
 def test_transposed_input_needs_no_copy_and_keeps_its_layout():
     B, N, H, D = 2, 63, 4, 64
     buf_q = torch.randn(B, N, H, D, device=DEVICE)
