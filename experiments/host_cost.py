@@ -140,67 +140,56 @@ def main() -> None:
         )
     if GPU:
         calls["torch.add, one eager op (the yardstick)"] = lambda: torch.add(q, 1.0)
-    no_grad = lambda fn: lambda: _no_grad_call(fn)
-    timed = {name: (no_grad(fn), 1000) for name, fn in calls.items()}
+    timed = {name: (torch.no_grad()(fn), 1000) for name, fn in calls.items()}
     leaves = [x.detach().requires_grad_() for x in (qa, ka, va)]
     do = torch.randn_like(qa)
-
-    def forward_backward(attention):
-        def call():
-            attention(*leaves).backward(do)
-            for x in leaves:
-                x.grad = None
-
-        return call
-
-    for impl in ("fused", "separate"):
-        name = f"rope_attention, Small-1K, impl={impl!r}, forward+backward"
-        timed[name] = forward_backward(lambda *x, impl=impl: rope_attention(*x, impl=impl)), 200
+    steps = {
+        impl: _forward_backward(lambda *x, impl=impl: rope_attention(*x, impl=impl), leaves, do)
+        for impl in ("fused", "separate")
+    }
+    for impl, step in steps.items():
+        timed[f"rope_attention, Small-1K, impl={impl!r}, forward+backward"] = step, 200
     # The fused kernels through their custom ops, as under a tracer and, until session 50,
     # eagerly: the ops' dispatch against the eager Function's
-    through_ops = _through_custom_ops(fused_rope.attention)
     name = "rope_attention, Small-1K, impl='fused', forward+backward, through the custom ops"
-    timed[name] = through_ops(forward_backward(lambda *x: rope_attention(*x, impl="fused"))), 200
+    timed[name] = _through_custom_ops(fused_rope.attention, steps["fused"]), 200
     if GPU:  # Co-RoPE's kernels have no CPU stand-ins here
         qc, kc, vc = (torch.randn(1, h, 512, 64, device=device, dtype=dtype) for h in (8, 2, 2))
         corope_leaves = [x.requires_grad_() for x in (qc, kc, vc)]
-        dc = torch.randn_like(qc)
-
-        def corope_step():
-            corope_attention(*corope_leaves).backward(dc)
-            for x in corope_leaves:
-                x.grad = None
-
+        corope_step = _forward_backward(corope_attention, corope_leaves, torch.randn_like(qc))
         name = "corope_attention, (1, 8/2, 512, 64), forward+backward"
         timed[name] = corope_step, 200
         timed[name + ", through the custom ops"] = (
-            _through_custom_ops(corope.attention)(corope_step),
+            _through_custom_ops(corope.attention, corope_step),
             200,
         )
     for name, us in us_per_call(timed).items():
         print(f"{name}: {us:.1f} us")
 
 
-def _no_grad_call(fn):
-    with torch.no_grad():
-        return fn()
+def _forward_backward(attention, leaves, do):
+    """A call of ``attention(*leaves)`` and its backward from ``do``, gradients cleared."""
+
+    def call():
+        attention(*leaves).backward(do)
+        for x in leaves:
+            x.grad = None
+
+    return call
 
 
-def _through_custom_ops(module):
-    """Wraps a call so that ``module``'s attention takes its custom ops, as under a tracer
+def _through_custom_ops(module, fn):
+    """``fn`` with ``module``'s attention taking its custom ops, as under a tracer
     (``runs_eagerly`` False there) and eagerly until session 50."""
 
-    def wrap(fn):
-        def call():
-            eager, module.runs_eagerly = module.runs_eagerly, lambda *tensors: False
-            try:
-                return fn()
-            finally:
-                module.runs_eagerly = eager
+    def call():
+        eager, module.runs_eagerly = module.runs_eagerly, lambda *tensors: False
+        try:
+            return fn()
+        finally:
+            module.runs_eagerly = eager
 
-        return call
-
-    return wrap
+    return call
 
 
 if __name__ == "__main__":

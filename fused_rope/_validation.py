@@ -194,16 +194,17 @@ def may_overlap(x: torch.Tensor) -> bool:
     return False
 
 
-def runs_eagerly(*tensors: torch.Tensor) -> bool:
+def runs_eagerly(*tensors: torch.Tensor | None) -> bool:
     """Whether a launcher may run its kernels directly rather than through its torch custom op:
     no ``torch.compile``, no ``torch.jit.trace``, no dispatch mode (FakeTensorMode, make_fx's
-    tracer, torch.export's) and plain tensors. Tracers need the op: a Triton launch on a fake
-    or proxy tensor fails, and one under ``jit.trace`` would be missing from the trace."""
+    tracer, torch.export's) and plain tensors (None: an input not given). Tracers need the op:
+    a Triton launch on a fake or proxy tensor fails, and one under ``jit.trace`` would be
+    missing from the trace."""
     return (
         not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and _get_current_dispatch_mode() is None
-        and all(type(x) is torch.Tensor for x in tensors)
+        and all(x is None or type(x) is torch.Tensor for x in tensors)
     )
 
 
@@ -283,13 +284,9 @@ def eager_function(name: str, launch, setup_context, backward) -> type[torch.aut
 def backward_launches_directly(*tensors: torch.Tensor | None) -> bool:
     """Whether a kernel's backward may run its launcher directly, rather than through its
     custom op or autograd.Function: the backward runs eagerly (``runs_eagerly`` over every
-    tensor it reads, saved ones and cotangents alike; None skipped) and is not itself recorded
+    tensor it reads, saved ones and cotangents alike) and is not itself recorded
     (``create_graph=True`` turns grad mode on; torch.func's transforms record it too)."""
-    return (
-        not torch.is_grad_enabled()
-        and not under_functorch()
-        and runs_eagerly(*(t for t in tensors if t is not None))
-    )
+    return not torch.is_grad_enabled() and not under_functorch() and runs_eagerly(*tensors)
 
 
 def check_inv_freq(inv_freq, rope_dim: int, dtypes=FREQ_DTYPES) -> None:

@@ -629,7 +629,6 @@ def rope_attention(
         q, k, v, inv_freq, q_pos, k_pos, causal, scale, layout == "interleaved", rope_dim, factor,
         window,
     )  # fmt: skip
-    eager = runs_eagerly(*(x for x in inputs[:6] if x is not None))
-    fwd = _RopeAttentionFunction.apply if eager else _fwd_op
+    fwd = _RopeAttentionFunction.apply if runs_eagerly(*inputs[:6]) else _fwd_op
     o, lse = fwd(*inputs)
     return (o, lse) if return_lse else o
