@@ -80,6 +80,7 @@ SPEED_KEYS = (
     "train.device",
     "train.cpu_threads",
     "train.compile",
+    "train.compile_mode",
     "train.grad_accum_steps",
     "train.deterministic",
 )

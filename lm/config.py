@@ -44,9 +44,14 @@ RUN_CONDUCT_KEYS = (
     "train.cpu_threads",
     "train.time_attention",
     "train.compile",
+    "train.compile_mode",
     "train.ckpt_path",
     "train.deterministic",
 )
+
+
+# torch.compile's modes; the last two capture CUDA graphs (on a CUDA device)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 
 
 def is_under(key: str, keys: tuple[str, ...] | list[str]) -> bool:
@@ -224,6 +229,10 @@ class LoopConfig:
     # torch.compile the model (the first step and the first evaluations compile); the same
     # model up to rounding (and dropout's masks), so a run-conduct key. Attention is not timed.
     compile: bool = False
+    # torch.compile's mode under train.compile=true (COMPILE_MODES): reduce-overhead replays
+    # each step's forward and backward as CUDA graphs, removing the host's launch cost, which
+    # bounds the steps of small models on a GPU (lm/README.md, "torch.compile").
+    compile_mode: str = "default"
     progress: bool = True  # tqdm progress bar on rank 0
     # torch.use_deterministic_algorithms(True) for the run: bitwise-repeatable steps on the GPU
     # too (Co-RoPE's backward takes its deterministic mode), or a RuntimeError naming the

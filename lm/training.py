@@ -20,9 +20,11 @@ over an existing checkpoint unless ``train.resume`` (the same config) or
 ``train.overwrite`` says what to do with it.
 
 Speed (in ``summary.json`` and the logs), measured over the training steps after the
-first (which pays for kernel compilation and warm-up) and excluding evaluation:
+first (which pays for kernel compilation and warm-up; under CUDA graphs after the second, which
+records them) and excluding evaluation:
 ``tokens_per_s`` (global), ``step_ms``, ``peak_mem_mib`` (the most CUDA memory allocated
-during a step, weights and optimizer state included; null on the CPU), ``mfu``
+during a step, weights and optimizer state included; under CUDA graphs the most reserved,
+their pools included; null on the CPU), ``mfu``
 (``lm.profiling.model_flops_per_token`` x tokens/s over the GPUs' peak bf16 rate; null on
 the CPU and unknown GPUs), ``attn_time_frac`` (share of the step inside the attention op,
 forward and backward: CUDA events on GPU, wall clock on CPU; ``train.time_attention``).
@@ -65,7 +67,14 @@ from lm.checkpoint import (
     set_rng_state,
     write_json,
 )
-from lm.config import ATTENTION_SCHEMAS, RUN_CONDUCT_KEYS, is_under, schema_defaults, unknown_keys
+from lm.config import (
+    ATTENTION_SCHEMAS,
+    COMPILE_MODES,
+    RUN_CONDUCT_KEYS,
+    is_under,
+    schema_defaults,
+    unknown_keys,
+)
 from lm.data import build_dataset
 from lm.data.base import IGNORE_INDEX, check_fraction, check_int
 from lm.data.synthetic import SyntheticTask
@@ -360,6 +369,15 @@ def _check_options(cfg: DictConfig) -> None:
         _check_positive("train.max_minutes", t.max_minutes)
     if t.resume and t.overwrite:
         raise ValueError("train.resume=true and train.overwrite=true: pick one")
+    if t.compile_mode not in COMPILE_MODES:
+        raise ValueError(
+            f"train.compile_mode must be one of {COMPILE_MODES}, got {t.compile_mode!r}"
+        )
+    if t.compile_mode != "default" and not t.compile:
+        # else a sweep over the modes would time one eager run under each name
+        raise ValueError(
+            f"train.compile_mode={t.compile_mode} needs train.compile=true (the model is not compiled)"
+        )
     _check_positive("optim.lr", optim.lr, FP32_MAX)
     check_int("optim.warmup_steps", optim.warmup_steps, 0)
     check_fraction("optim.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
@@ -670,7 +688,13 @@ class _Run:
             torch._dynamo.reset()
             # nn.Module.compile: the same module and state_dict, its calls through
             # torch.compile; the first evaluations compile their shapes too (then dynamic).
-            model.compile()
+            model.compile(mode=self.t.compile_mode)
+        self._cudagraphs = (
+            self.t.compile
+            and self.t.compile_mode in COMPILE_MODES[2:]
+            and info.device.type == "cuda"
+        )
+        self._untimed_steps = 2 if self._cudagraphs else 1
         # The timer's stamps would break the compiled graph at every attention layer
         timed = self.t.time_attention and not self.t.compile
         if self.t.time_attention and not timed and info.main:
@@ -878,6 +902,12 @@ class _Run:
                     reduction="sum",
                 )
                 (part / targets * info.world_size).backward()
+            if self._cudagraphs and not last:
+                # The backward graph's outputs live in its pool, and .grad took them: the next
+                # micro-batch's replay would overwrite them before they are added to
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad = p.grad.clone()
             summed += part.detach()
         loss_value = (distributed.all_sum(summed, info) / targets).item()
         if not math.isfinite(loss_value):
@@ -939,14 +969,19 @@ class _Run:
                 loss, tokens = self._train_step()  # its .item() calls synchronise the GPU
                 seconds = time.perf_counter() - start
                 attn_s = self.timer.pop_seconds() if self.timer else 0.0
-                if self.step > first_step + 1:  # the first step pays for compilation and warm-up
+                # The first step pays for compilation and warm-up; under CUDA graphs the second
+                # records them (the third is the first replay)
+                if self.step > first_step + self._untimed_steps:
                     self.state["train_s"] += seconds
                     self.state["attn_s"] += attn_s
                     self.state["attn_train_s"] += seconds if self.timer else 0.0
                     self.state["timed_steps"] += 1
                     self.state["timed_tokens"] += tokens
                     if cuda:
-                        peak = torch.cuda.max_memory_allocated(info.device)
+                        # A CUDA graph's replay allocates nothing: its tensors live in the
+                        # pool reserved for it, so the reserved peak (an upper bound) counts them
+                        peak = (torch.cuda.max_memory_reserved if self._cudagraphs
+                                else torch.cuda.max_memory_allocated)(info.device)  # fmt: skip
                         self.state["peak_mem_bytes"] = max(self.state["peak_mem_bytes"], peak)
                 losses.append(loss)
                 bar.update(1)

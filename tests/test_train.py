@@ -858,6 +858,9 @@ def test_train_py_rejects_bad_overrides_at_start_up(override, expected, tmp_path
         (["optim.min_lr_ratio=-0.1"], "optim.min_lr_ratio must be in [0.0, 1.0], got -0.1"),
         (["train.resume=true", "train.overwrite=true"], "train.overwrite=true: pick one"),
         (["train.cpu_threads=0"], "train.cpu_threads must be >= 1, got 0"),
+        (["train.compile=true", "train.compile_mode=fast"], "train.compile_mode must be one of"),
+        # a sweep over the modes would have timed one eager run under each name
+        (["train.compile_mode=reduce-overhead"], "needs train.compile=true"),
         (["train.device=gpu"], "train.device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
         (["optim.weight_decay=-5"], "optim.weight_decay must be >= 0, got -5.0"),
         (["optim.beta1=1.5"], "optim.beta1 must be in [0.0, 1.0], got 1.5"),
@@ -894,10 +897,15 @@ def test_a_compiled_job_starts_from_empty_dynamo_caches(tmp_path, monkeypatch):
     ninth job ran eagerly while its record said train.compile=true (a review's find)."""
     calls = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
-    monkeypatch.setattr(GPT, "compile", lambda self, *args, **kwargs: calls.append("compile"))
+    monkeypatch.setattr(GPT, "compile", lambda self, **kwargs: calls.append(("compile", kwargs)))
     cfg = compose_cfg(*SMALL, "train.device=cpu", "train.steps=1", "train.compile=true")
     train(cfg, output_dir=str(tmp_path))
-    assert calls == ["reset", "compile"]
+    assert calls == ["reset", ("compile", {"mode": "default"})]
+    calls.clear()
+    mode = compose_cfg(*SMALL, "train.device=cpu", "train.steps=1", "train.compile=true",
+                       "train.compile_mode=reduce-overhead", "train.overwrite=true")  # fmt: skip
+    train(mode, output_dir=str(tmp_path))
+    assert calls == ["reset", ("compile", {"mode": "reduce-overhead"})]
 
 
 @pytest.mark.slow
@@ -1416,18 +1424,24 @@ def test_gpu_deterministic_mode_refused_by_no_operator(attention, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "device, attention",
+    "device, attention, options",
     [
-        pytest.param("cpu", "rope", marks=pytest.mark.slow),
-        pytest.param("cuda", "rope", marks=pytest.mark.gpu),
-        pytest.param("cuda", "corope", marks=pytest.mark.gpu),
+        pytest.param("cpu", "rope", [], marks=pytest.mark.slow),
+        pytest.param("cuda", "rope", [], marks=pytest.mark.gpu),
+        pytest.param("cuda", "corope", [], marks=pytest.mark.gpu),
+        pytest.param("cuda", "rope", ["train.compile_mode=reduce-overhead"], marks=pytest.mark.gpu),
+        # CUDA graphs, with two micro-batches a step: the first one's gradients, held in .grad
+        # while the second replays the graphs, must not be overwritten by that replay
+        *(pytest.param("cuda", attention, ["train.compile_mode=reduce-overhead",
+                                           "train.grad_accum_steps=2"], marks=pytest.mark.gpu)
+          for attention in ("rope", "corope")),
     ],
-)
-def test_compiled_run_trains_the_eager_runs_model(device, attention, tmp_path):
+)  # fmt: skip
+def test_compiled_run_trains_the_eager_runs_model(device, attention, options, tmp_path):
     """train.compile=true traces each forward into one graph (no break: the attention modules
     hold plain values, not the config), trains and evaluates the eager run's model (its losses,
     up to rounding) and writes a checkpoint that an eager run resumes (the same state_dict
-    keys)."""
+    keys); so does its CUDA-graph mode."""
     from torch._dynamo.utils import counters
 
     common = [
@@ -1442,7 +1456,8 @@ def test_compiled_run_trains_the_eager_runs_model(device, attention, tmp_path):
     eager = train(compose_cfg(*common), output_dir=str(tmp_path / "eager"))
     torch._dynamo.reset()
     counters.clear()
-    train_killed_at_step(compose_cfg(*common, "train.compile=true"), tmp_path / "compiled", 3)
+    compiled = compose_cfg(*common, "train.compile=true", *options)
+    train_killed_at_step(compiled, tmp_path / "compiled", 3)
     assert counters["stats"]["unique_graphs"] >= 1  # it compiled
     assert not counters["graph_break"], dict(counters["graph_break"])
     resumed = train(
@@ -1452,6 +1467,16 @@ def test_compiled_run_trains_the_eager_runs_model(device, attention, tmp_path):
     losses = [loss for _, loss in train_losses(tmp_path / "compiled")]
     rel = 1e-4 if device == "cpu" else 2e-2  # bf16 autocast on CUDA
     assert losses == pytest.approx([loss for _, loss in train_losses(tmp_path / "eager")], rel=rel)
+    # The first steps' losses barely move; the gradients' norms would show a lost micro-batch
+    norms = [
+        [
+            r["train/grad_norm"]
+            for r in read_jsonl(tmp_path / d / "metrics.jsonl")
+            if "train/loss" in r
+        ]
+        for d in ("eager", "compiled")
+    ]
+    assert norms[1] == pytest.approx(norms[0], rel=rel)
     evaluations = [  # step 2's evaluation: the compiled model's in the compiled run
         [r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "valid/loss" in r]
         for d in ("eager", "compiled")
