@@ -101,16 +101,20 @@ class KVCache:
         """Bytes of the buffers allocated so far (keys and values of every layer)."""
         return sum(b.nbytes for b in self._k + self._v if b is not None)
 
+    def _check_layer(self, layer: int) -> int:
+        return check_int("layer", layer, 0, self.n_layer - 1)
+
     def held(self, layer: int) -> int:
         """The tokens slot ``layer`` holds: ``length``, or at most ``window - 1`` once
         ``length`` has passed them."""
+        layer = self._check_layer(layer)
         return self._end[layer] - self._start[layer]
 
     def check_window(self, layer: int, window: int | None) -> None:
         """ValueError unless slot ``layer`` keeps the keys that a layer of sliding window
         ``window`` (None: every key) needs: every token, or the last ``w - 1`` for a window
         ``w >= window``."""
-        kept = self.windows[layer]
+        kept = self.windows[self._check_layer(layer)]
         if kept is not None and (window is None or kept < window):
             raise ValueError(
                 f"layer {layer}'s cache keeps its last {kept - 1} tokens (window {kept}), but "
@@ -126,8 +130,7 @@ class KVCache:
         the tokens it holds (every one, or a windowed layer's last ``window - 1`` or fewer)
         followed by the new ones, ``[B, HKV, held + N, D]`` each (views of the buffers, or,
         for a chunk longer than a windowed layer's buffer, new tensors)."""
-        if not 0 <= layer < self.n_layer:
-            raise ValueError(f"layer must be in [0, {self.n_layer}), got {layer}")
+        layer = self._check_layer(layer)
         if k.shape != v.shape or k.ndim != 4:
             raise ValueError(
                 f"k and v must be [B, HKV, N, D] of one shape, got {tuple(k.shape)} and "
@@ -146,7 +149,9 @@ class KVCache:
                 f"the cache holds {self.length} of its capacity {self.capacity} tokens and "
                 f"cannot take {N} more"
             )
-        if self._k[layer] is None:
+        # Buffers of the first call's shape: while nothing is committed (a first call that
+        # failed, say out of memory), a retry may bring another batch, dtype or device
+        if self._k[layer] is None or self.length == 0:
             B, HKV, _, D = k.shape
             self._k[layer] = k.new_empty(B, HKV, self._rows[layer], D)
             self._v[layer] = v.new_empty(B, HKV, self._rows[layer], D)

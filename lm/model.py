@@ -129,9 +129,12 @@ class GPT(nn.Module):
         x = self.drop(x)
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer)
+        # The head before the commit: its logits, a prefill's largest tensor, may fail to fit,
+        # and a cache advanced past them would take a retry's tokens at shifted positions
+        logits = self.lm_head(self.norm(x))  # (B, N, V)
         if cache is not None:
             cache.advance(N)
-        return self.lm_head(self.norm(x))  # (B, N, V)
+        return logits
 
     def matmul_params(self) -> int:
         """Parameters used in a matmul per token (the ``P`` of the FLOP count): all but the

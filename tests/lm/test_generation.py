@@ -451,8 +451,14 @@ def test_cache_refuses_overflow_mismatches_and_gradients():
         cache.append(0, k, k)
     with pytest.raises(ValueError, match=r"layer 0's cache holds \[B, HKV, \*, D\]"):
         cache.append(0, k[..., :1, :4], k[..., :1, :4])
-    with pytest.raises(ValueError, match=r"layer must be in \[0, 2\), got 2"):
-        cache.append(2, k, k)
+    for call in (lambda layer: cache.append(layer, k, k), cache.held,
+                 lambda layer: cache.check_window(layer, None)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"layer must be in \[0, 1\], got 2"):
+            call(2)
+        with pytest.raises(ValueError, match=r"layer must be in \[0, 1\], got -1"):
+            call(-1)  # read layer 1 before
+        with pytest.raises(TypeError, match="layer must be an int, got bool"):
+            call(True)
     with pytest.raises(ValueError, match="k and v must be"):
         cache.append(1, k, k[:, :1])
     with pytest.raises(ValueError, match="floating point of one dtype and device"):
@@ -507,28 +513,46 @@ def test_windowed_cache_holds_the_last_keys_in_a_buffer_of_twice_the_window(wind
 @pytest.mark.parametrize("variant", ["rope", "rope_window", "corope_window"])
 @torch.no_grad()
 def test_a_failed_cached_call_leaves_the_cache_as_it_was(variant, monkeypatch):
-    """A cached forward that fails in its last layer (out of memory, say) after the first
-    layer appended leaves every slot as it was: the retried steps, a long chunk among them
-    (past a windowed layer's buffer), compute the forward of the sequence. A review found the
-    first layer's keys stored twice, and a crash without a window, when appends moved the
-    slots before ``advance``."""
+    """A cached forward that fails in its last layer or in the head (out of memory, say)
+    after the first layer appended leaves every slot as it was: the retried steps, a long
+    chunk among them (past a windowed layer's buffer), compute the forward of the sequence.
+    Reviews found the first layer's keys stored twice, and a crash without a window, when
+    appends moved the slots before ``advance``, and the cache advanced before the head ran
+    (a retry took the tokens at shifted positions: logits 0.17 off)."""
     model = make_model(variant)
     x = torch.randint(0, VOCAB, (2, 30), device=DEVICE)
     chunks = [6, 1, 1, 12, 1, 1, 1]
     expected = forward_logits(model, x, chunks)
-    attention, real = model.blocks[-1].attn, model.blocks[-1].attn.attend_cached
+    failing = [(model.blocks[-1].attn, "attend_cached"), (model.lm_head, "forward")]
     cache, out = KVCache.for_model(model, x.shape[1]), []
     for start, end in chunk_ends(chunks):
-        if start:  # every step fails once first
-            monkeypatch.setattr(attention, "attend_cached", lambda *a: 1 / 0)
+        for module, name in failing:  # every step fails at each place once first
+            monkeypatch.setattr(module, name, lambda *a: 1 / 0)
             with pytest.raises(ZeroDivisionError):
                 model(x[:, start:end], cache)
-            monkeypatch.setattr(attention, "attend_cached", real)
+            monkeypatch.undo()
         out.append(model(x[:, start:end], cache))
     torch.testing.assert_close(torch.cat(out, 1), expected, atol=1e-10, rtol=1e-10)
     with pytest.raises(ValueError, match=r"advance\(2\) needs every layer to have appended 2"):
         cache.append(0, *(torch.zeros(2, 2, 1, 16, dtype=torch.float64, device=DEVICE),) * 2)
         cache.advance(2)
+
+
+@torch.no_grad()
+def test_a_failed_first_call_does_not_fix_the_caches_batch(monkeypatch):
+    """A first call that fails after a layer appended commits nothing, so its batch does not
+    bind the cache: a retry with fewer rows (what one does after running out of memory) is
+    taken, and computes the forward (a review's find: the retry was refused)."""
+    model = make_model("rope")
+    x = torch.randint(0, VOCAB, (8, 10), device=DEVICE)
+    cache = KVCache.for_model(model, 10)
+    monkeypatch.setattr(model.blocks[-1].attn, "attend_cached", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(x, cache)
+    monkeypatch.undo()
+    logits = model(x[:2, :6], cache)
+    assert cache.length == 6
+    torch.testing.assert_close(logits, model(x[:2, :6]), atol=1e-10, rtol=1e-10)
 
 
 @torch.no_grad()
