@@ -99,13 +99,20 @@ def test_rope_torch_path_scales_q_and_k_by_yarns_attention_factor():
     assert_close("yarn", attn.attend(q, k, v), causal_attention64(*rotated, v), 1e-5, 1e-5)
 
 
-def test_rope_triton_path_matches_torch_path():
+@pytest.mark.parametrize(
+    "layout, rope_dim", [("half", None), ("interleaved", None), ("interleaved", 8)]
+)
+def test_rope_triton_path_matches_torch_path(layout, rope_dim):
+    """Both paths take the layout and the rotated width (a review: the Triton path dropping
+    the layout passed every lm test)."""
     q, k, v = qkv(N=63)
     out = {}
     for impl in ("torch", "triton"):
         cfg = attn_cfg(
             "rope",
             impl=impl,
+            layout=layout,
+            rope_dim=rope_dim,
             scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
         )
         attn = build_attention(cfg, d_model=64, n_head=4, n_kv_head=2).to(DEVICE)

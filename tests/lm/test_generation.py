@@ -598,7 +598,8 @@ def test_model_refuses_a_cached_sequence_past_max_len():
 
 @pytest.mark.parametrize("steps", ["tokens", "chunks"])
 @pytest.mark.parametrize(
-    "variant", ["rope", "rope_window", "rope_window_ntk", "corope", "corope_window"]
+    "variant",
+    ["rope", "rope_interleaved", "rope_window", "rope_window_ntk", "corope", "corope_window"],
 )
 @torch.no_grad()
 def test_triton_decoding_is_as_close_as_the_torch_path(variant, steps):

@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from lm.config import ATTENTION_SCHEMAS, ModelConfig
 from lm.model import GPT, sinusoidal_table
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, assert_close
 
 
 def make_model(attention: str, **model_overrides) -> GPT:
@@ -53,6 +53,31 @@ def test_every_parameter_gets_a_gradient(attention):
     model(torch.randint(0, 11, (2, 13), device=DEVICE)).logsumexp(-1).sum().backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()]
     assert missing == []
+
+
+@torch.no_grad()
+def test_block_is_prenorm_attention_then_swiglu():
+    """A block computes ``h = x + attn(rmsnorm(x) g1)``, then ``h + W_down (silu(y W_gate)
+    * (y W_up))`` with ``y = rmsnorm(h) g2`` and the gate's rows first in ``w_gate_up``: the
+    MLP's layout and activation are pinned, as the attention's projections are
+    (``test_projection_layout_is_pinned``), since a swapped one trains as well from scratch
+    but computes something else from a saved checkpoint (a review: gate and up swapped, GELU
+    for SiLU, passed every lm test)."""
+    model = make_model("rope").double()
+    block = model.blocks[0]
+    for norm in (block.norm1, block.norm2):
+        norm.weight.uniform_(0.5, 1.5)
+
+    def rmsnorm(x, norm):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+
+    x = torch.randn(2, 9, 32, dtype=torch.float64, device=DEVICE)
+    h = x + block.attn(rmsnorm(x, block.norm1))
+    y = rmsnorm(h, block.norm2)
+    w_gate, w_up = block.mlp.w_gate_up.weight.chunk(2)
+    gate = y @ w_gate.T
+    expected = h + (gate * torch.sigmoid(gate) * (y @ w_up.T)) @ block.mlp.w_down.weight.T
+    assert_close("block", block(x), expected, atol=1e-12, rtol=1e-12)
 
 
 def test_input_position_encodings():
