@@ -336,7 +336,8 @@ def generate(
         with autocast(device), torch.compiler.set_stance("force_eager"):
             step_input = prompt
             for _ in range(max_new_tokens):
-                logits = model(step_input if use_cache else tokens, cache)  # (B, n, V)
+                # the last row's logits only: a long prompt's (B, P, V) need not exist
+                logits = model(step_input if use_cache else tokens, cache, logits_to_keep=1)
                 next_id = sample_next(logits[:, -1], temperature, top_k, generator)
                 if stop_token is not None:
                     next_id = next_id.masked_fill(done, stop_token)

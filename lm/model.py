@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm.attention import attention_class, build_attention, nope_layers, window_layers
+from lm.data.base import check_int
 
 if TYPE_CHECKING:
     from lm.generation import KVCache
@@ -111,10 +112,16 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.cfg.init_std)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, cache: KVCache | None = None, logits_to_keep: int = 0
+    ) -> torch.Tensor:
         """``idx (B, N)`` -> logits ``(B, N, V)``. With a ``cache`` (``lm.generation.KVCache``)
         the tokens continue the ``cache.length`` tokens it holds: they take the positions
-        after them and attend to them too; their keys and values are appended to it."""
+        after them and attend to them too; their keys and values are appended to it.
+        ``logits_to_keep = n > 0`` returns the logits of the last ``n`` positions only,
+        ``(B, min(n, N), V)`` (transformers' name): a prefill that samples from its last row
+        need not hold ``(B, N, V)``, the largest tensor of a long prompt's forward."""
+        check_int("logits_to_keep", logits_to_keep, 0)
         N = idx.shape[1]
         start = 0 if cache is None else cache.length
         if start + N > self.max_len:
@@ -131,6 +138,8 @@ class GPT(nn.Module):
             x = block(x, cache, layer)
         # The head before the commit: its logits, a prefill's largest tensor, may fail to fit,
         # and a cache advanced past them would take a retry's tokens at shifted positions
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(x))  # (B, N, V)
         if cache is not None:
             cache.advance(N)

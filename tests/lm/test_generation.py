@@ -263,6 +263,36 @@ def test_generate_runs_the_model_in_eval_mode():
     assert modes == [False] * 4 and model.training
 
 
+@torch.no_grad()
+def test_logits_to_keep_gives_the_last_rows():
+    """``logits_to_keep = n`` gives the last ``n`` rows of the logits (all of them past N),
+    with or without a cache; anything but an int >= 0 is refused by name."""
+    model = make_model("rope")
+    x = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    full = model(x)
+    for n in (1, 4, 9, 20):
+        torch.testing.assert_close(model(x, logits_to_keep=n), full[:, -n:], atol=1e-12, rtol=1e-12)
+    cache = KVCache.for_model(model, 9)
+    model(x[:, :5], cache, logits_to_keep=1)
+    torch.testing.assert_close(model(x[:, 5:], cache, logits_to_keep=2), full[:, -2:])
+    with pytest.raises(ValueError, match="logits_to_keep must be >= 0, got -1"):
+        model(x, logits_to_keep=-1)
+    with pytest.raises(TypeError, match="logits_to_keep must be an int, got bool"):
+        model(x, logits_to_keep=True)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_computes_the_last_rows_logits_only(use_cache):
+    """A prefill samples from its last row: the head sees one row a step, so a long prompt's
+    ``(B, P, V)`` logits, the largest tensor of its forward, are never made (a review's
+    find), with the cache or without it (where every step runs the whole sequence)."""
+    model = make_model("rope")
+    rows = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[1]))
+    generate(model, torch.randint(0, VOCAB, (2, 12), device=DEVICE), 3, use_cache=use_cache)
+    assert rows == [1, 1, 1]
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_zero_new_tokens_return_the_prompt(use_cache):
     """``max_new_tokens=0`` gives the prompt back, a one-token prompt included (the cache is
