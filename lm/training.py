@@ -23,8 +23,8 @@ Speed (in ``summary.json`` and the logs), measured over the training steps after
 first (which pays for kernel compilation and warm-up; under CUDA graphs after the second, which
 records them) and excluding evaluation:
 ``tokens_per_s`` (global), ``step_ms``, ``peak_mem_mib`` (the most CUDA memory allocated
-during a step, weights and optimizer state included; under CUDA graphs the most reserved,
-their pools included; null on the CPU), ``mfu``
+during a step, weights and optimizer state included; under CUDA graphs, whose replays
+allocate nothing, over the steps that warm up and record them too; null on the CPU), ``mfu``
 (``lm.profiling.model_flops_per_token`` x tokens/s over the GPUs' peak bf16 rate; null on
 the CPU and unknown GPUs), ``attn_time_frac`` (share of the step inside the attention op,
 forward and backward: CUDA events on GPU, wall clock on CPU; ``train.time_attention``).
@@ -682,10 +682,11 @@ class _Run:
         self.stopped_early = False
         if ckpt is not None:
             self._resume(ckpt)
+        # A multirun's jobs share the process: dynamo's graphs of earlier jobs count toward its
+        # recompile limit (8), past which it runs the forward eagerly, and their CUDA graphs
+        # hold their memory pool, into an eager job too: forgotten.
+        torch._dynamo.reset()
         if self.t.compile:
-            # A multirun's jobs share the process, and dynamo's graphs of earlier jobs count
-            # toward its recompile limit (8), past which it runs the forward eagerly: forgotten.
-            torch._dynamo.reset()
             # nn.Module.compile: the same module and state_dict, its calls through
             # torch.compile; the first evaluations compile their shapes too (then dynamic).
             model.compile(mode=self.t.compile_mode)
@@ -902,9 +903,10 @@ class _Run:
                     reduction="sum",
                 )
                 (part / targets * info.world_size).backward()
-            if self._cudagraphs and not last:
+            if self._cudagraphs and i == 0 and not last:
                 # The backward graph's outputs live in its pool, and .grad took them: the next
-                # micro-batch's replay would overwrite them before they are added to
+                # micro-batch's replay would overwrite them before they are added to (the
+                # later micro-batches add into these copies)
                 for p in self.model.parameters():
                     if p.grad is not None:
                         p.grad = p.grad.clone()
@@ -971,18 +973,18 @@ class _Run:
                 attn_s = self.timer.pop_seconds() if self.timer else 0.0
                 # The first step pays for compilation and warm-up; under CUDA graphs the second
                 # records them (the third is the first replay)
-                if self.step > first_step + self._untimed_steps:
+                timed = self.step > first_step + self._untimed_steps
+                if timed:
                     self.state["train_s"] += seconds
                     self.state["attn_s"] += attn_s
                     self.state["attn_train_s"] += seconds if self.timer else 0.0
                     self.state["timed_steps"] += 1
                     self.state["timed_tokens"] += tokens
-                    if cuda:
-                        # A CUDA graph's replay allocates nothing: its tensors live in the
-                        # pool reserved for it, so the reserved peak (an upper bound) counts them
-                        peak = (torch.cuda.max_memory_reserved if self._cudagraphs
-                                else torch.cuda.max_memory_allocated)(info.device)  # fmt: skip
-                        self.state["peak_mem_bytes"] = max(self.state["peak_mem_bytes"], peak)
+                # A CUDA graph's replay allocates nothing (its tensors live in the graphs'
+                # pool): there the steps that warm up and record the graphs hold the memory
+                if cuda and (timed or self._cudagraphs):
+                    peak = torch.cuda.max_memory_allocated(info.device)
+                    self.state["peak_mem_bytes"] = max(self.state["peak_mem_bytes"], peak)
                 losses.append(loss)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)

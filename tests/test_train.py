@@ -906,6 +906,10 @@ def test_a_compiled_job_starts_from_empty_dynamo_caches(tmp_path, monkeypatch):
                        "train.compile_mode=reduce-overhead", "train.overwrite=true")  # fmt: skip
     train(mode, output_dir=str(tmp_path))
     assert calls == ["reset", ("compile", {"mode": "reduce-overhead"})]
+    calls.clear()  # an eager job too: earlier jobs' CUDA graphs would keep their memory pool
+    train(compose_cfg(*SMALL, "train.device=cpu", "train.steps=1", "train.overwrite=true"),
+          output_dir=str(tmp_path))  # fmt: skip
+    assert calls == ["reset"]
 
 
 @pytest.mark.slow
@@ -1460,6 +1464,7 @@ def test_compiled_run_trains_the_eager_runs_model(device, attention, options, tm
     train_killed_at_step(compiled, tmp_path / "compiled", 3)
     assert counters["stats"]["unique_graphs"] >= 1  # it compiled
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["inductor"]["cudagraph_skips"] == 0  # where asked, CUDA graphs ran
     resumed = train(
         compose_cfg(*common, "train.resume=true"), output_dir=str(tmp_path / "compiled")
     )
@@ -1488,10 +1493,15 @@ def test_compiled_run_trains_the_eager_runs_model(device, attention, options, tm
 
 
 @pytest.mark.gpu
-def test_peak_memory_is_the_training_steps_not_the_evaluations(tmp_path):
+@pytest.mark.parametrize(
+    "options", [[], ["train.compile=true", "train.compile_mode=reduce-overhead"]]
+)
+def test_peak_memory_is_the_training_steps_not_the_evaluations(tmp_path, options):
     """peak_mem_mib is the most memory a timed training step allocated: evaluations of
-    8192-row batches between the steps leave it as it is without them."""
-    common = [*SMALL, "train.steps=4", "train.eval_every=1"]
+    8192-row batches between the steps leave it as it is without them; under CUDA graphs too
+    (whose replays allocate nothing: the steps that warm up and record them count), where
+    the evaluations' graphs share the training graphs' memory pool."""
+    common = [*SMALL, "train.steps=4", "train.eval_every=1", *options]
     light = train(compose_cfg(*common), output_dir=str(tmp_path / "light"))
     heavy = train(
         compose_cfg(*common, "data.eval_samples=8192", "train.eval_batch_size=8192"),
