@@ -35,6 +35,7 @@ from fused_rope._validation import (
     check_rope_dim,
     check_same_device,
     check_scale,
+    interpreting,
     may_overlap,
     runs_eagerly,
     under_functorch,
@@ -336,8 +337,10 @@ def _launch(
     config: TileConfig | None,
     position_offset: int = 0,
     inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    kernel=_rope_kernel,
 ) -> torch.Tensor | None:
-    """Rotates ``q`` (and ``k``) into ``q_out`` (``k_out``). ``inputs``: a backward's launch
+    """Rotates ``q`` (and ``k``) into ``q_out`` (``k_out``) by ``kernel``, ``_rope_kernel``
+    or, in a custom op's body, what ``wrap_triton`` makes of it. ``inputs``: a backward's launch
     (q, k the cotangents) that also forms the angles' gradient from the forward's inputs
     ``(q, k)``, returned as ``[head chunks, B, N, R/2]`` fp32 (sum it over the chunks).
     ``q_scale``/``k_scale`` scale the whole of q's/k's output, ``rotary_scale`` also its
@@ -346,7 +349,7 @@ def _launch(
     if B > MAX_GRID_AXIS2:  # the batch is the grid's third axis: a launch per slice of it
         return _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale,
                                     k_scale, rotary_scale, conjugate, config, position_offset,
-                                    inputs)  # fmt: skip
+                                    inputs, kernel)  # fmt: skip
     H_K = 0 if k is None else k.shape[1]
     N = NQ if k is None else k.shape[2]  # the positions: k's, with q's rows the last NQ
     a_q, a_k = (q, k) if inputs is None else inputs
@@ -366,7 +369,7 @@ def _launch(
         d_angles = torch.empty(grid[1], B, N, rope_dim // 2, device=q.device, dtype=torch.float32)
     if B == 0 or N == 0 or H_Q + H_K == 0:
         return d_angles  # a grid with a zero dimension is not a valid launch
-    _rope_kernel[grid](
+    kernel[grid](
         q, k, q_out, k_out, angles, a_q, a_k, q_out if d_angles is None else d_angles,
         a_q.stride(0), a_q.stride(1), a_q.stride(2), a_k.stride(0), a_k.stride(1), a_k.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
@@ -392,7 +395,8 @@ def _launch(
 
 
 def _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale,
-                         rotary_scale, conjugate, config, position_offset, inputs):  # fmt: skip
+                         rotary_scale, conjugate, config, position_offset, inputs,
+                         kernel):  # fmt: skip
     """``_launch`` for more batches than a grid axis takes: one launch per ``MAX_GRID_AXIS2``
     of them (the angles' gradient of each, ``[head chunks, slice, N, R/2]``, joined)."""
     per_batch = angles.dim() == 3 and angles.shape[0] > 1  # else shared by every batch
@@ -404,6 +408,7 @@ def _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale, 
             *sliced, angles[rows] if per_batch else angles, layout, rope_dim, q_scale,
             k_scale, rotary_scale, conjugate, config, position_offset,
             None if inputs is None else tuple(None if x is None else x[rows] for x in inputs),
+            kernel,
         )  # fmt: skip
         d_angles.append(part)
     return None if inputs is None else torch.cat(d_angles, dim=1)
@@ -433,6 +438,7 @@ def rope_fwd(
     conjugate: bool = False,
     config: TileConfig | None = None,
     position_offset: int = 0,
+    kernel=_rope_kernel,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None;
     ``rotary_scale`` also scales the rotated channels (``R`` becomes ``rotary_scale R``).
@@ -446,11 +452,11 @@ def rope_fwd(
     ``[B, H, N, D]``), contiguous otherwise.
     """
     return _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate,
-                    config, position_offset)[:2]  # fmt: skip
+                    config, position_offset, kernel=kernel)[:2]  # fmt: skip
 
 
 def _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, config,
-             offset, inputs=None):  # fmt: skip
+             offset, inputs=None, kernel=_rope_kernel):  # fmt: skip
     """``rope_fwd``'s outputs and ``_launch``'s angles' gradient: ``(q_out, k_out,
     d_angles)`` (``d_angles`` None without ``inputs``)."""
     q = _unit_last_stride(q)
@@ -461,7 +467,7 @@ def _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, con
     k_out = None if k is None else torch.empty_like(k)
     d_angles = _launch(
         q, q_out, k, k_out, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate,
-        config, offset, inputs,
+        config, offset, inputs, kernel,
     )  # fmt: skip
     return q_out, k_out, d_angles
 
@@ -571,9 +577,21 @@ class _RopeFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops: opaque to torch.compile (fullgraph traces through them), autograd registered.
-# No device type is given, so the ops run on CUDA and, through the interpreter, on the CPU.
+# Custom ops, what torch.compile traces (fullgraph), autograd registered. No device type is
+# given, so the ops run on CUDA and, through the interpreter, on the CPU.
+#
+# rope_qk, which rope_attention's separate path and the harness's RoPE take, is a triton_op
+# where Triton compiles: AOTAutograd traces into its body, whose launch goes through
+# wrap_triton, so Inductor launches the kernel from its own wrapper code. As an opaque custom
+# op each call of a compiled step paid the op's Python dispatch and Triton's launcher: host
+# time that left a compiled RoPE model's step 27% behind NoPE's (lm/README.md, "torch.compile").
+# In the interpreter wrap_triton hands back the interpreted kernel, which tracing cannot see:
+# an opaque custom op there, with a fake function of its own. The single-tensor and in-place
+# ops stay opaque: their launches pass one tensor in several of the kernel's slots (k's are
+# q's), which a traced kernel's functionalization would take for separate tensors.
 # --------------------------------------------------------------------------------------------
+
+TRACEABLE_KERNEL = not interpreting()
 
 
 @torch.library.custom_op("fused_rope::rope", mutates_args=())
@@ -619,7 +637,9 @@ def _rope_backward(ctx, grad):
 _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
-@torch.library.custom_op("fused_rope::rope_qk", mutates_args=())
+@(torch.library.triton_op if TRACEABLE_KERNEL else torch.library.custom_op)(
+    "fused_rope::rope_qk", mutates_args=()
+)
 def _rope_qk_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -632,15 +652,20 @@ def _rope_qk_op(
     conjugate: bool,
     offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # traceable under a tracer; the plain kernel in an eager call (the triton_op turns wrapping
+    # off there) and in the interpreter. Wrapped at each call: wrap_triton reads that switch.
+    kernel = torch.library.wrap_triton(_rope_kernel)
     return rope_fwd(
         q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale=rotary_scale,
-        conjugate=conjugate, position_offset=offset,
+        conjugate=conjugate, position_offset=offset, kernel=kernel,
     )  # fmt: skip
 
 
-@_rope_qk_op.register_fake
-def _(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, offset):
-    return _empty_out(q), _empty_out(k)
+if not TRACEABLE_KERNEL:  # a triton_op's body is its own fake function
+
+    @_rope_qk_op.register_fake
+    def _(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, offset):
+        return _empty_out(q), _empty_out(k)
 
 
 def _rope_qk_setup(ctx, inputs, output):

@@ -10,7 +10,10 @@
   with 1 thread it never happens), which made transformers' M-RoPE oracle flaky.
 * Freshly allocated floating-point tensors (``torch.empty``/``empty_like``/
   ``new_empty``) are filled with NaN during tests, so an output element a kernel
-  never writes shows up as NaN and fails the comparison.
+  never writes shows up as NaN and fails the comparison. Not while a tracer allocates
+  (fake or functional tensors: a triton_op's body traced into a compiled graph), where
+  the fill would be an in-place copy that the graph cannot hold; Inductor's own
+  allocations are not filled either way.
 * On the GPU, each test hands its cached blocks back to the driver when it ends: the
   test processes share one GPU under xdist, and PyTorch's caching allocator would
   otherwise keep each process's largest test's memory for the rest of the run (in
@@ -52,9 +55,13 @@ def _release_gpu_memory():
 
 
 def _nan_filled(fn):
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
     def wrapper(*args, **kwargs):
         out = fn(*args, **kwargs)
-        if out.is_floating_point() and out.numel() > 0:
+        traced = isinstance(out, (FakeTensor, FunctionalTensor))
+        if out.is_floating_point() and out.numel() > 0 and not traced:
             out.fill_(float("nan"))
         return out
 

@@ -836,6 +836,37 @@ def test_torch_compile_fullgraph_inductor(dtype):
     _check_compiled("inductor", dtype)
 
 
+@gpu
+def test_inductor_launches_the_qk_rotation_itself():
+    """Under Inductor the q, k rotation is no opaque op call: ``rope_qk`` is a triton_op, so
+    the generated code of the forward and of the backward launches the Triton kernel itself,
+    without the op's Python dispatch and Triton's launcher, host time a compiled RoPE model's
+    step paid per layer (``lm/README.md``). Values as in eager to bf16's rounding: Inductor
+    compiles the kernel with options of its own (on an H200, 26 of 307200 elements one ulp
+    apart)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    inv_freq = rope_frequencies(64)[0].to(DEVICE)
+    q = torch.randn(2, 8, 300, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 300, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    cotangents = torch.randn_like(q), torch.randn_like(k)
+
+    def rotate(q, k):
+        return apply_rope_qk(q, k, inv_freq=inv_freq, attention_factor=1.1)
+
+    def run(rotate):
+        out = rotate(q, k)
+        return torch.autograd.grad(out, (q, k), cotangents), out
+
+    (grads, outs), codes = run_and_get_code(run, torch.compile(rotate, fullgraph=True))
+    eager_grads, eager_outs = run(rotate)
+    code = "\n".join(codes)
+    assert code.count("_rope_kernel") >= 2 and "fused_rope.rope_qk" not in code
+    for got, expected in zip((*outs, *grads), (*eager_outs, *eager_grads), strict=True):
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=0)
+
+
 @pytest.mark.parametrize(
     "backend, dynamic",
     [("aot_eager", None), ("aot_eager", True), pytest.param("inductor", None, marks=gpu)],
