@@ -369,8 +369,14 @@ def _launch(
         d_angles = torch.empty(grid[1], B, N, rope_dim // 2, device=q.device, dtype=torch.float32)
     if B == 0 or N == 0 or H_Q + H_K == 0:
         return d_angles  # a grid with a zero dimension is not a valid launch
+    # Without the angles' gradient its slot is never stored to: q_out can fill it, but not in a
+    # traced launch, where a failed mutation analysis (it then takes every tensor for written)
+    # would clone the slot apart from q_out and write that clone back as the output
+    grad_slot = d_angles
+    if grad_slot is None:
+        grad_slot = q_out if kernel is _rope_kernel else q_out.new_empty(0)
     kernel[grid](
-        q, k, q_out, k_out, angles, a_q, a_k, q_out if d_angles is None else d_angles,
+        q, k, q_out, k_out, angles, a_q, a_k, grad_slot,
         a_q.stride(0), a_q.stride(1), a_q.stride(2), a_k.stride(0), a_k.stride(1), a_k.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -584,9 +590,9 @@ class _RopeFunction(torch.autograd.Function):
 # where Triton compiles: AOTAutograd traces into its body, whose launch goes through
 # wrap_triton, so Inductor launches the kernel from its own wrapper code. As an opaque custom
 # op each call of a compiled step paid the op's Python dispatch and Triton's launcher: host
-# time that left a compiled RoPE model's step 27% behind NoPE's (lm/README.md, "torch.compile").
-# In the interpreter wrap_triton hands back the interpreted kernel, which tracing cannot see:
-# an opaque custom op there, with a fake function of its own. The single-tensor and in-place
+# time that left a compiled RoPE model's step 28% behind NoPE's (lm/README.md, "torch.compile").
+# In the interpreter tracing cannot see the interpreted kernel (wrap_triton hands it back, or,
+# before PyTorch 2.13, refuses it): an opaque custom op there, with a fake function of its own. The single-tensor and in-place
 # ops stay opaque: their launches pass one tensor in several of the kernel's slots (k's are
 # q's), which a traced kernel's functionalization would take for separate tensors.
 # --------------------------------------------------------------------------------------------
@@ -653,8 +659,9 @@ def _rope_qk_op(
     offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # traceable under a tracer; the plain kernel in an eager call (the triton_op turns wrapping
-    # off there) and in the interpreter. Wrapped at each call: wrap_triton reads that switch.
-    kernel = torch.library.wrap_triton(_rope_kernel)
+    # off there: wrap_triton reads that switch, so it wraps at each call) and in the
+    # interpreter (where PyTorch before 2.13's wrap_triton refuses the interpreted kernel)
+    kernel = torch.library.wrap_triton(_rope_kernel) if TRACEABLE_KERNEL else _rope_kernel
     return rope_fwd(
         q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale=rotary_scale,
         conjugate=conjugate, position_offset=offset, kernel=kernel,
