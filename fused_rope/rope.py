@@ -592,9 +592,10 @@ class _RopeFunction(torch.autograd.Function):
 # op each call of a compiled step paid the op's Python dispatch and Triton's launcher: host
 # time that left a compiled RoPE model's step 28% behind NoPE's (lm/README.md, "torch.compile").
 # In the interpreter tracing cannot see the interpreted kernel (wrap_triton hands it back, or,
-# before PyTorch 2.13, refuses it): an opaque custom op there, with a fake function of its own. The single-tensor and in-place
-# ops stay opaque: their launches pass one tensor in several of the kernel's slots (k's are
-# q's), which a traced kernel's functionalization would take for separate tensors.
+# before PyTorch 2.13, refuses it): an opaque custom op there, with a fake function of its
+# own. The single-tensor and in-place ops stay opaque: their launches pass one tensor in
+# several of the kernel's slots (k's are q's), which a traced kernel's functionalization
+# would take for separate tensors.
 # --------------------------------------------------------------------------------------------
 
 TRACEABLE_KERNEL = not interpreting()

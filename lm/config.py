@@ -50,8 +50,9 @@ RUN_CONDUCT_KEYS = (
 )
 
 
-# torch.compile's modes; the last two capture CUDA graphs (on a CUDA device)
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+# torch.compile's modes, and those that capture CUDA graphs (on a CUDA device)
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", *CUDAGRAPH_MODES)
 
 
 def is_under(key: str, keys: tuple[str, ...] | list[str]) -> bool:

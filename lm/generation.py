@@ -149,9 +149,10 @@ class KVCache:
                 f"the cache holds {self.length} of its capacity {self.capacity} tokens and "
                 f"cannot take {N} more"
             )
-        # Buffers of the first call's shape: while nothing is committed (a first call that
-        # failed, say out of memory), a retry may bring another batch, dtype or device
-        if self._k[layer] is None or self.length == 0:
+        # Buffers of the first call's shape, made while nothing is committed (every layer has
+        # appended by the first advance): a retry of a first call that failed, say out of
+        # memory, may bring another batch, dtype or device
+        if self.length == 0:
             B, HKV, _, D = k.shape
             self._k[layer] = k.new_empty(B, HKV, self._rows[layer], D)
             self._v[layer] = v.new_empty(B, HKV, self._rows[layer], D)

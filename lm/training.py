@@ -70,6 +70,7 @@ from lm.checkpoint import (
 from lm.config import (
     ATTENTION_SCHEMAS,
     COMPILE_MODES,
+    CUDAGRAPH_MODES,
     RUN_CONDUCT_KEYS,
     is_under,
     schema_defaults,
@@ -376,7 +377,8 @@ def _check_options(cfg: DictConfig) -> None:
     if t.compile_mode != "default" and not t.compile:
         # else a sweep over the modes would time one eager run under each name
         raise ValueError(
-            f"train.compile_mode={t.compile_mode} needs train.compile=true (the model is not compiled)"
+            f"train.compile_mode={t.compile_mode} needs train.compile=true (the model is not "
+            "compiled)"
         )
     _check_positive("optim.lr", optim.lr, FP32_MAX)
     check_int("optim.warmup_steps", optim.warmup_steps, 0)
@@ -691,9 +693,7 @@ class _Run:
             # torch.compile; the first evaluations compile their shapes too (then dynamic).
             model.compile(mode=self.t.compile_mode)
         self._cudagraphs = (
-            self.t.compile
-            and self.t.compile_mode in COMPILE_MODES[2:]
-            and info.device.type == "cuda"
+            self.t.compile and self.t.compile_mode in CUDAGRAPH_MODES and info.device.type == "cuda"
         )
         self._untimed_steps = 2 if self._cudagraphs else 1
         # The timer's stamps would break the compiled graph at every attention layer
