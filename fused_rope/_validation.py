@@ -381,6 +381,7 @@ def check_angles(angles, batch: int, seq_len: int, rope_dim: int, name: str = "a
         )
     if angles.dim() == 3 and angles.shape[0] not in (1, batch):
         raise ValueError(f"{name} has batch {angles.shape[0]} but the input has B={batch} (or 1)")
+    check_finite_on_cpu(angles, name)
 
 
 def check_position_tensor(positions, name: str, ndim: tuple[int, ...] | None = None) -> None:

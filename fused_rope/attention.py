@@ -199,10 +199,12 @@ def _rotation_grads(need, q, k, dq, dk, inv_freq, q_pos, k_pos, interleaved, rop
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, inv_freq, q_pos, k_pos = ctx.saved_tensors
+    # unpacked once: non-reentrant activation checkpointing refuses a second unpack
+    saved = ctx.saved_tensors
+    q, k, v, o, lse, inv_freq, q_pos, k_pos = saved
     # forward-over-reverse: the kernels would drop the tangent (a silent zero)
     check_no_tangent(_REFERENCE, **{"o's cotangent": do, "lse's cotangent": dlse})
-    direct = backward_launches_directly(do, dlse, *ctx.saved_tensors)
+    direct = backward_launches_directly(do, dlse, *saved)
     if do is None:
         do = torch.zeros_like(o)
     elif _head_span(do) >= INT32_INDEX_LIMIT:  # o is contiguous, so its cotangent can be too
@@ -364,6 +366,19 @@ def _rope_then_sdpa(
         q_rot = apply_rope(q, **common, **q_rope)
         k_rot = apply_rope(k, **common, **k_rope)
     return sdpa_attention(q_rot, k_rot, v, causal=causal, scale=scale, window=window or None)
+
+
+def _autocast(q, k, v):
+    """q, k, v as SDPA takes them under autocast (on q's device type): floating-point tensors
+    other than fp64 in autocast's dtype, so that the fused kernels, which autocast does not
+    reach, and the separate path, whose SDPA it does, return one dtype."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    eligible = lambda x: (
+        isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+    )
+    return tuple(x.to(dtype) if eligible(x) else x for x in (q, k, v))
 
 
 def _check_inputs(
@@ -584,8 +599,11 @@ def rope_attention(
             neither can. See the README's benchmark.
 
     Returns:
-        ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``.
+        ``o [B, HQ, NQ, D]`` in q's dtype, or ``(o, lse)``. Under autocast q, k and v are
+        first cast as SDPA casts them (fp32 and fp16/bf16 to autocast's dtype), so ``o`` is
+        in autocast's dtype whichever path runs.
     """
+    q, k, v = _autocast(q, k, v)
     rope_dim, impl, window = _check_inputs(
         q,
         k,
@@ -608,7 +626,10 @@ def rope_attention(
     B, HQ, NQ, D = q.shape
     NK = k.shape[2]
     if inv_freq is None:
-        inv_freq = default_inv_freq(rope_dim, theta, q.device)
+        # Given angles, the kernels' tables load them and theta is unused, so not checked (as
+        # in the reference): the default base's frequencies fill the unread argument
+        base = theta if angles is None else 10000.0
+        inv_freq = default_inv_freq(rope_dim, base, q.device)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     scale = check_softmax_scale(softmax_scale, D)
     factor = float(attention_factor)

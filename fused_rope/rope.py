@@ -530,11 +530,13 @@ def _backward_rotation(ctx, rotate, dq_out, dk_out, layout, rope_dim, conjugate,
     cotangents = {"the cotangent of the rotated q (or x)": dq_out,
                   "the cotangent of the rotated k": dk_out}  # fmt: skip
     check_no_tangent("fused_rope.naive.apply_rope_ref", **cotangents)
-    angles, *inputs = ctx.saved_tensors
+    # unpacked once: non-reentrant activation checkpointing refuses a second unpack
+    saved = ctx.saved_tensors
+    angles, *inputs = saved
     if not ctx.angles_grad:
         return (*rotate(dq_out, dk_out, angles), None)
     q, k = inputs
-    if backward_launches_directly(dq_out, dk_out, *ctx.saved_tensors):
+    if backward_launches_directly(dq_out, dk_out, *saved):
         dq, dk, cross = _rotated(
             dq_out, dk_out, angles, layout, rope_dim, *ctx.scales, not conjugate, None, offset,
             (q, k),

@@ -20,6 +20,7 @@ import types
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from triton.runtime.errors import OutOfResources
 
 import fused_rope.sdpa
@@ -723,6 +724,23 @@ def test_a_forward_mode_tangent_on_a_cotangent_is_refused():
                 torch.autograd.grad(out, q, dual, retain_graph=True)
 
 
+@pytest.mark.parametrize("leaf", ["tensor", "parameter"])  # a Parameter takes the custom op
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+def test_backward_under_non_reentrant_checkpointing(impl, leaf):
+    """torch.utils.checkpoint(use_reentrant=False) lets each saved tensor be unpacked once:
+    the fused backward unpacked them twice and failed (a review's find, in Co-RoPE's). The
+    checkpointed gradients, learned positions' included, are the plain ones."""
+    wrap = torch.nn.Parameter if leaf == "parameter" else lambda x: x.requires_grad_()
+    leaves = [wrap(x) for x in (*_qkv(nq=6), torch.arange(8.0, device=DEVICE))]
+    f = lambda q, k, v, pos: rope_attention(
+        q, k, v, positions=pos, impl=impl, return_lse=impl == "fused"
+    )
+    out = lambda o: o if isinstance(o, torch.Tensor) else o[0] + o[1][..., None]
+    plain = torch.autograd.grad(out(f(*leaves)).sum(), leaves)
+    ckpt = torch.autograd.grad(out(checkpoint(f, *leaves, use_reentrant=False)).sum(), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(ckpt, plain, strict=True))
+
+
 def test_backward_is_deterministic():
     q, k, v = (torch.randn(1, 4, 50, 32, device=DEVICE, requires_grad=True) for _ in range(3))
     k2, v2 = k[:, :1].detach().requires_grad_(), v[:, :1].detach().requires_grad_()
@@ -997,6 +1015,52 @@ def test_validation(make, exc, match):
     q, k, v, kw = make(*_qkv())
     with pytest.raises(exc, match=match):
         rope_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("impl", ["auto", "fused", "separate"])
+def test_non_finite_angles_are_refused_on_the_cpu(impl):
+    """As positions and inv_freq are (a review's find); on a GPU not read back (the check would
+    wait for the device at every call): NaN reaches the outputs, as in the reference."""
+    q, k, v = _qkv()
+    angles, q_angles = _angles(), _angles()
+    angles[3, 2] = float("nan")
+    q_angles[0, 0] = -math.inf
+    for kw, name, value in ((dict(angles=angles), "angles", "nan"),
+                            (dict(angles=_angles(), q_angles=q_angles), "q_angles", "-inf")):  # fmt: skip
+        if ON_GPU:
+            assert rope_attention(q, k, v, impl=impl, **kw).isnan().any()
+        else:
+            with pytest.raises(ValueError, match=f"{name} must be finite, got {value}"):
+                rope_attention(q, k, v, impl=impl, **kw)
+
+
+@pytest.mark.parametrize("nq", [8, 5])  # square: auto takes the separate path; prefill: fused
+@pytest.mark.parametrize("impl", ["auto", "fused", "separate"])
+def test_autocast_casts_the_inputs_as_sdpa_does_on_every_path(impl, nq):
+    """Under autocast every impl computes what it computes on inputs in autocast's dtype and
+    returns that dtype (a review's find: the fused kernel, which autocast does not reach,
+    returned fp32 where the separate path's SDPA returned fp16, so auto's dtype followed the
+    shape); the gradients reach the fp32 leaves in their dtype."""
+    q, k, v = (x.requires_grad_() for x in _qkv(nq=nq))
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.float16):
+        o = rope_attention(q, k, v, impl=impl)
+    assert o.dtype == torch.float16
+    want = rope_attention(q.half(), k.half(), v.half(), impl=impl)
+    assert torch.equal(o, want)
+    o.float().sum().backward()
+    assert all(x.grad.dtype == torch.float32 and x.grad.isfinite().all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize("impl", ["auto", "fused", "separate"])
+def test_theta_is_unused_with_angles(impl):
+    """Given angles, theta plays no part and is not checked, as in the reference (a review's
+    find: the kernels' path checked it)"""
+    q, k, v = _qkv()
+    want = rope_attention(q, k, v, angles=_angles(), impl=impl)
+    torch.testing.assert_close(
+        rope_attention(q, k, v, angles=_angles(), theta=-5.0, impl=impl), want
+    )
+    torch.testing.assert_close(rope_attention_ref(q, k, v, angles=_angles(), theta=-5.0)[0], want)
 
 
 def test_validation_size_limits():

@@ -14,6 +14,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from torch.utils.checkpoint import checkpoint
 
 import fused_rope._validation
 import fused_rope.rope as rope_module
@@ -1100,6 +1101,37 @@ BAD_INPUTS = [
 def test_bad_input_is_named_in_the_error(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("qk", [False, True])
+def test_angles_backward_under_non_reentrant_checkpointing(qk):
+    """torch.utils.checkpoint(use_reentrant=False) lets each saved tensor be unpacked once:
+    the backward of learned angles unpacked them twice and failed (a review's find). The
+    checkpointed gradients are the plain ones."""
+    leaves = [_x(1, 2, 8, 16).requires_grad_(), _x(1, 1, 8, 16).requires_grad_(),
+              torch.randn(8, 8, device=DEVICE, requires_grad=True)]  # fmt: skip
+    f = lambda q, k, a: (
+        sum(o.sum() for o in apply_rope_qk(q, k, a)) if qk else apply_rope(q, a).sum() + k.sum()
+    )
+    plain = torch.autograd.grad(f(*leaves), leaves)
+    ckpt = torch.autograd.grad(checkpoint(f, *leaves, use_reentrant=False), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(ckpt, plain, strict=True))
+
+
+def test_non_finite_angles_are_refused_on_the_cpu():
+    """As positions and inv_freq are (a review's find: angles alone gave NaN outputs); on a
+    GPU not read back (the check would wait for the device): NaN reaches the outputs."""
+    angles = A()
+    angles[3, 2] = float("nan")
+    for call in (
+        lambda: apply_rope(_x(1, 2, 8, 16), angles),
+        lambda: apply_rope_qk(_x(1, 2, 8, 16), _x(1, 1, 8, 16), angles)[1],
+    ):
+        if ON_GPU:
+            assert call()[:, :, 3].isnan().any()
+        else:
+            with pytest.raises(ValueError, match="angles must be finite, got nan"):
+                call()
 
 
 def test_cpu_tensor_without_the_interpreter_is_refused(monkeypatch):
