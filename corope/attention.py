@@ -132,9 +132,11 @@ def _backward(ctx, do, dlse):
         return (None,) * 10
     # forward-over-reverse: the kernels would drop the tangent (a silent zero)
     check_no_tangent(_REFERENCE, **{"o's cotangent": do})
-    q, k, v, o, lse, inv_freq = ctx.saved_tensors
+    # unpacked once: non-reentrant activation checkpointing refuses a second unpack
+    saved = ctx.saved_tensors
+    q, k, v, o, lse, inv_freq = saved
     freq_grad = ctx.needs_input_grad[3]
-    if backward_launches_directly(do, *ctx.saved_tensors):
+    if backward_launches_directly(do, *saved):
         # the launcher without the op's dispatch (_CoropeAttentionFunction); a backward that is
         # recorded (create_graph=True) takes the op, whose autograd refuses a second derivative
         dq, dk, dv, dw = corope_bwd(

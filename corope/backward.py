@@ -85,7 +85,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from corope.forward import check_index_span
+from corope.forward import check_index_span, check_rope_dim
 from corope.naive import check_corope_inputs
 from fused_rope._device import num_sms
 from fused_rope._intmath import cdiv, next_power_of_2
@@ -108,8 +108,7 @@ def rotary_pairs(x: torch.Tensor, rope_dim: int, n_pad: int) -> torch.Tensor:
     over consecutive positions are contiguous, so a kernel loads a pair with one 8-byte load
     and converts nothing."""
     B, H, N, D = x.shape
-    if rope_dim % 2 or not 0 < rope_dim <= D:
-        raise ValueError(f"rope_dim must be even and in (0, {D}], got {rope_dim}")
+    check_rope_dim(rope_dim, D)
     if n_pad < N:
         raise ValueError(f"n_pad must be at least N = {N}, got {n_pad}")
     half = rope_dim // 2

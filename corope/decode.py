@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from corope.forward import check_index_span
+from corope.forward import check_index_span, check_rotation
 from fused_rope._device import num_sms
 from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin, fast_trig
@@ -260,8 +260,9 @@ def corope_decode(
     rope_dim: int,
     leader: str,
 ) -> torch.Tensor:
-    """Launches the decoding kernels; checks the shapes alone (``ValueError``): dtypes, devices
-    and values are ``corope_attention``'s to validate (the public API is ``corope``'s).
+    """Launches the decoding kernels; checks the shapes alone (``ValueError``: q, k, v, the
+    rotation's width and inv_freq's length): dtypes, devices and values are
+    ``corope_attention``'s to validate (the public API is ``corope``'s).
 
     Args:
         q: ``[B, HQ, 1, D]``, the query row at position ``NK - 1``; k, v: ``[B, HKV, NK, D]``,
@@ -280,8 +281,9 @@ def corope_decode(
     """
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
-    # The one check of this launcher (a few host operations): its kernels write o's first
-    # row of each head alone and index k and v by q's batch and head dim.
+    # The checks of this launcher (a few host operations): its kernels write o's first row of
+    # each head alone, index k and v by q's batch and head dim, and read R/2 frequencies and
+    # the first R channels of every row.
     shapes_ok = v.shape == k.shape and (k.shape[0], k.shape[3]) == (B, D)
     if NQ != 1 or not shapes_ok or HKV == 0 or HQ % HKV or NK == 0:
         raise ValueError(
@@ -290,6 +292,7 @@ def corope_decode(
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
             "corope.corope_attention checks and dispatches any shape"
         )
+    check_rotation(inv_freq, rope_dim, D)
     G = HQ // HKV
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     check_index_span(G, dict(q=q), dict(k=k, v=v))

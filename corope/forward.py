@@ -336,6 +336,23 @@ def pinned_config(index: int):
         kernel.configs, kernel.cache = saved
 
 
+def check_rope_dim(rope_dim: int, head_dim: int) -> None:
+    """``ValueError`` unless ``rope_dim`` is even and in ``(0, D]``: the kernels and copies read
+    the first ``R`` channels of every row."""
+    if rope_dim % 2 or not 0 < rope_dim <= head_dim:
+        raise ValueError(f"rope_dim must be even and in (0, {head_dim}], got {rope_dim}")
+
+
+def check_rotation(inv_freq: torch.Tensor, rope_dim: int, head_dim: int) -> None:
+    """The launchers' check of the rotation's size (``ValueError``): ``check_rope_dim``, and
+    ``R/2`` frequencies, which the kernels read (a shorter tensor would be read past its end)."""
+    check_rope_dim(rope_dim, head_dim)
+    if inv_freq.numel() != rope_dim // 2:
+        raise ValueError(
+            f"inv_freq must have rope_dim / 2 = {rope_dim // 2} elements, got {inv_freq.numel()}"
+        )
+
+
 def interleaved_pairs(
     x: torch.Tensor, rope_dim: int, n_pad: int, r_pad: int, g_pad: int, dtype=None
 ) -> torch.Tensor:
@@ -344,8 +361,7 @@ def interleaved_pairs(
     channel ``2 d + h`` holds ``x[..., h * R/2 + d]``, so a frequency's pair is adjacent along
     the forward's tensor-core K axis, which is the contiguous one."""
     B, HKV, G, N, D = x.shape
-    if rope_dim % 2 or not 0 < rope_dim <= D:
-        raise ValueError(f"rope_dim must be even and in (0, {D}], got {rope_dim}")
+    check_rope_dim(rope_dim, D)
     for name, value, least in (
         ("n_pad", n_pad, N),
         ("r_pad", r_pad, rope_dim),
@@ -426,11 +442,7 @@ def corope_fwd(
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
     G = HQ // HKV
-    if inv_freq.numel() != rope_dim // 2:
-        # the kernel reads R/2 frequencies: a shorter tensor would be read past its end
-        raise ValueError(
-            f"inv_freq must have rope_dim / 2 = {rope_dim // 2} elements, got {inv_freq.numel()}"
-        )
+    check_rotation(inv_freq, rope_dim, D)
     if NQ > NK:
         raise ValueError(f"q's rows are the last of k's positions: NQ={NQ} must be <= NK={NK}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))

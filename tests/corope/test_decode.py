@@ -126,6 +126,24 @@ def test_decode_launcher_refuses_shapes_its_kernels_cannot_take(q_shape, k_shape
         corope.decode.corope_decode(q, k, v, inv_freq, 32**-0.5, 32, "first")
 
 
+@pytest.mark.parametrize(
+    "half, rope_dim, match",
+    [
+        (4, 32, "inv_freq must have rope_dim / 2 = 16 elements, got 4"),  # read past its end
+        (32, 64, r"rope_dim must be even and in \(0, 32\], got 64"),  # past each row's end
+        (8, 15, r"rope_dim must be even and in \(0, 32\], got 15"),
+    ],
+)
+def test_decode_launcher_refuses_a_rotation_its_kernels_would_read_past(half, rope_dim, match):
+    """As ``corope_fwd`` does (a review's find: a short inv_freq was read past its end, and
+    rope_dim > D past each row's)."""
+    q, k = torch.randn(1, 2, 1, 32, device=DEVICE), torch.randn(1, 1, 40, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        corope.decode.corope_decode(
+            q, k, k, torch.rand(half, device=DEVICE), 0.2, rope_dim, "first"
+        )
+
+
 def test_decode_op_passes_opcheck():
     q = torch.randn(1, 4, 1, 32, device=DEVICE)
     k, v = (torch.randn(1, 2, 70, 32, device=DEVICE) for _ in "kv")
