@@ -18,8 +18,8 @@ them: ``optim.lr=1e-3`` is ``optim.lr=0.001``; ``seed`` aside, as are the keys
 of how a run is carried out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resume`` or
 ``train.max_minutes`` but for those that change its speed (``SPEED_KEYS``: ``attention.impl``,
 ``attention.chunk_size``, ``train.device``, ``train.cpu_threads``, ``train.compile``,
-``train.compile_mode``, ``train.grad_accum_steps``, ``train.deterministic``), and those of
-``--ignore``; each with the keys under it: runs of two launches that differ only in those
+``train.compile_mode``, ``train.activation_checkpointing``, ``train.grad_accum_steps``,
+``train.deterministic``), and those of ``--ignore``; each with the keys under it: runs of two launches that differ only in those
 share a cell; the shared overrides head the table).
 What a run ran on counts as overrides too: ``world_size`` (torchrun's processes, each taking
 ``train.batch_size`` rows) and ``device_name`` (the GPU's name, or ``cpu``), from runs that
@@ -82,6 +82,7 @@ SPEED_KEYS = (
     "train.cpu_threads",
     "train.compile",
     "train.compile_mode",
+    "train.activation_checkpointing",
     "train.grad_accum_steps",
     "train.deterministic",
 )

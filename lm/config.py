@@ -45,6 +45,7 @@ RUN_CONDUCT_KEYS = (
     "train.time_attention",
     "train.compile",
     "train.compile_mode",
+    "train.activation_checkpointing",
     "train.ckpt_path",
     "train.deterministic",
 )
@@ -234,6 +235,10 @@ class LoopConfig:
     # each step's forward and backward as CUDA graphs, removing the host's launch cost, which
     # bounds the steps of small models on a GPU (lm/README.md, "torch.compile").
     compile_mode: str = "default"
+    # Keep only each block's input and recompute the block in the backward: activation memory
+    # of one block instead of every layer's, for one more forward a step; the same gradients,
+    # so a run-conduct key.
+    activation_checkpointing: bool = False
     progress: bool = True  # tqdm progress bar on rank 0
     # torch.use_deterministic_algorithms(True) for the run: bitwise-repeatable steps on the GPU
     # too (Co-RoPE's backward takes its deterministic mode), or a RuntimeError naming the

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lm.attention import attention_class, build_attention, nope_layers, window_layers
 from lm.data.base import check_int
@@ -93,6 +94,9 @@ class GPT(nn.Module):
         else:
             self.pos_table = None
         self.drop = nn.Dropout(cfg.dropout)
+        # Recompute each block's activations in the backward instead of keeping them
+        # (train.activation_checkpointing): the same gradients, one more forward a step
+        self.activation_checkpointing = False
         nope = nope_layers(attn_cfg, cfg.n_layer)  # layers without rotation (Llama 4's)
         windows = window_layers(attn_cfg, cfg.n_layer)  # sliding-window layers (Gemma's local)
         self.blocks = nn.ModuleList(
@@ -134,8 +138,12 @@ class GPT(nn.Module):
         if self.pos_table is not None:
             x = x + self.pos_table[start : start + N].to(x.dtype)
         x = self.drop(x)
+        recompute = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer)
+            if recompute:  # non-reentrant: PyTorch's recommended mode, and what compile traces
+                x = checkpoint(block, x, None, layer, use_reentrant=False)
+            else:
+                x = block(x, cache, layer)
         # The head before the commit: its logits, a prefill's largest tensor, may fail to fit,
         # and a cache advanced past them would take a retry's tokens at shifted positions
         if logits_to_keep:

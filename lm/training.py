@@ -688,6 +688,7 @@ class _Run:
         # recompile limit (8), past which it runs the forward eagerly, and their CUDA graphs
         # hold their memory pool, into an eager job too: forgotten.
         torch._dynamo.reset()
+        model.activation_checkpointing = self.t.activation_checkpointing
         if self.t.compile:
             # nn.Module.compile: the same module and state_dict, its calls through
             # torch.compile; the first evaluations compile their shapes too (then dynamic).

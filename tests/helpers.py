@@ -10,11 +10,28 @@ max-abs error) flash-attention's margin of twice the dtype's rounding noise.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # Without CUDA, kernels run in the Triton interpreter on CPU tensors (tests/conftest.py).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool = True, warn_only: bool = False):
+    """``torch.use_deterministic_algorithms(on, warn_only=warn_only)`` inside the block, the
+    previous setting restored after (a failing test must not leave the switch on)."""
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(on, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import lm.distributed
+import lm.model
 import lm.training
 from fused_rope.frequencies import rope_frequencies
 from lm.checkpoint import load_checkpoint, read_jsonl, save_checkpoint, write_json
@@ -1427,6 +1428,41 @@ def test_gpu_deterministic_mode_refused_by_no_operator(attention, tmp_path):
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
+@pytest.mark.parametrize("attention", ["rope", "corope"])
+def test_activation_checkpointing_recomputes_each_block_and_trains_the_same_model(
+    attention, tmp_path, monkeypatch
+):
+    """train.activation_checkpointing=true runs each block's forward again in the backward
+    (non-reentrant checkpointing, which the attention kernels' backwards support) and trains
+    the model the run without it trains: the same losses and gradient norms, dropout's masks
+    included (checkpointing replays the RNG), with two micro-batches a step; evaluations and
+    generation recompute nothing."""
+    calls = []
+    forward = lm.model.Block.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(lm.model.Block, "forward", counted)
+    common = [*SMALL, f"attention={attention}", "model.n_layer=2", "model.dropout=0.1",
+              "train.steps=3", "train.log_every=1", "train.eval_every=3",
+              "train.grad_accum_steps=2"]  # fmt: skip
+    runs = {}
+    for flag in ("false", "true"):
+        calls.clear()
+        train(compose_cfg(*common, f"train.activation_checkpointing={flag}"),
+              output_dir=str(tmp_path / flag))  # fmt: skip
+        runs[flag] = sum(calls)  # the blocks' forwards with grad: training's
+    assert runs == {"false": 3 * 2 * 2, "true": 2 * 3 * 2 * 2}  # steps x micro-batches x layers
+    logged = {
+        flag: [r[key] for r in read_jsonl(tmp_path / flag / "metrics.jsonl") if "train/loss" in r
+               for key in ("train/loss", "train/grad_norm")]
+        for flag in runs
+    }  # fmt: skip
+    assert len(logged["true"]) == 6 and logged["true"] == pytest.approx(logged["false"], rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "device, attention, options",
     [
@@ -1439,6 +1475,9 @@ def test_gpu_deterministic_mode_refused_by_no_operator(attention, tmp_path):
         *(pytest.param("cuda", attention, ["train.compile_mode=reduce-overhead",
                                            "train.grad_accum_steps=2"], marks=pytest.mark.gpu)
           for attention in ("rope", "corope")),
+        # the blocks recomputed in the backward: checkpointing traced with the kernels' ops
+        *(pytest.param("cuda", attention, ["train.activation_checkpointing=true"],
+                       marks=pytest.mark.gpu) for attention in ("rope", "corope")),
     ],
 )  # fmt: skip
 def test_compiled_run_trains_the_eager_runs_model(device, attention, options, tmp_path):

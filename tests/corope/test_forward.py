@@ -24,7 +24,14 @@ from corope import corope_attention, corope_attention_ref, forward
 from corope.forward import corope_fwd
 from corope.naive import corope_inv_freq
 from fused_rope.frequencies import rope_frequencies
-from tests.helpers import DEVICE, ON_GPU, assert_close, assert_close_to_baseline, errors
+from tests.helpers import (
+    DEVICE,
+    ON_GPU,
+    assert_close,
+    assert_close_to_baseline,
+    deterministic_algorithms,
+    errors,
+)
 
 
 def _inputs(B, HQ, HKV, N, D, dtype):
@@ -288,16 +295,9 @@ def test_backward_options_reach_the_kernel(monkeypatch):
     assert learned.grad is not None and learned.grad.abs().max() > 0
 
     calls.clear()
-    previous = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         for kw in ({}, dict(deterministic=False)):  # an explicit choice wins over the switch
             corope_attention(q, k, v, **kw).sum().backward()
-    finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
     assert calls == [("first", False, True, False), ("first", False, False, False)]
     with pytest.raises(TypeError, match="deterministic"):
         corope_attention(q, k, v, deterministic=1)

@@ -34,6 +34,7 @@ from tests.helpers import (
     ON_GPU,
     assert_close,
     assert_close_to_baseline,
+    deterministic_algorithms,
     rope_attention_in_dtype,
 )
 
@@ -736,8 +737,9 @@ def test_backward_under_non_reentrant_checkpointing(impl, leaf):
         q, k, v, positions=pos, impl=impl, return_lse=impl == "fused"
     )
     out = lambda o: o if isinstance(o, torch.Tensor) else o[0] + o[1][..., None]
-    plain = torch.autograd.grad(out(f(*leaves)).sum(), leaves)
-    ckpt = torch.autograd.grad(out(checkpoint(f, *leaves, use_reentrant=False)).sum(), leaves)
+    with deterministic_algorithms():  # SDPA's backward on a GPU adds with atomics otherwise
+        plain = torch.autograd.grad(out(f(*leaves)).sum(), leaves)
+        ckpt = torch.autograd.grad(out(checkpoint(f, *leaves, use_reentrant=False)).sum(), leaves)
     assert all(torch.equal(a, b) for a, b in zip(ckpt, plain, strict=True))
 
 
@@ -1235,21 +1237,14 @@ def test_sdpa_is_slowed_by_determinism_follows_the_strict_switch_on_hopper(monke
     capability = {}
     monkeypatch.setattr(attention_module, "compute_capability", lambda d: (capability["major"], 0))
     on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))  # the function reads .device
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    try:
-        for on, warn_only in ((True, False), (True, True), (False, False)):
-            torch.use_deterministic_algorithms(on, warn_only=warn_only)
+    for on, warn_only in ((True, False), (True, True), (False, False)):
+        with deterministic_algorithms(on, warn_only):
             strict = on and not warn_only
             for major in (9, 8, 10):
                 capability["major"] = major
                 slowed = attention_module._sdpa_is_slowed_by_determinism(on_cuda)
                 assert slowed == (strict and major == 9), (on, warn_only, major)
             assert not attention_module._sdpa_is_slowed_by_determinism(torch.zeros(1, 1, 4, 32))
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 @pytest.mark.parametrize("nq", [37, 20])  # 20: a causal prefill, NQ < NK
@@ -1603,15 +1598,8 @@ def test_gpu_deterministic_algorithms_take_the_fused_kernel_and_repeat(separate_
         o = rope_attention(*inputs, impl=impl)
         return (o, *torch.autograd.grad(o, inputs, do))
 
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         first, again, fused = run("auto"), run("auto"), run("fused")
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert len(separate_calls) == (0 if hopper else 2)
     for name, a, b, c in zip(("o", "dq", "dk", "dv"), first, again, fused, strict=True):
