@@ -63,10 +63,12 @@ def run_config(ckpt: Path, state: dict) -> DictConfig:
     return OmegaConf.load(config)
 
 
-def launch_dir(run_dir: Path) -> Path | None:
-    """The directory ``train.py`` was started in for the run in ``run_dir``: its ``run.json``'s,
-    else Hydra's record (None without either)."""
-    cwd = run_record(run_dir).get("launch_dir")
+def launch_dir(run_dir: Path, state: dict) -> Path | None:
+    """The directory ``train.py`` was started in for the checkpoint ``state`` of the run in
+    ``run_dir``: the checkpoint's own record, else (older checkpoints) the run's ``run.json``'s,
+    which a later launch (a resume from elsewhere) rewrites before it saves a checkpoint, else
+    Hydra's record (None without any)."""
+    cwd = state.get("launch_dir") or run_record(run_dir).get("launch_dir")
     record = run_dir / ".hydra" / "hydra.yaml"
     if cwd is None and record.is_file():
         cwd = OmegaConf.select(OmegaConf.load(record), "hydra.runtime.cwd")
@@ -85,9 +87,10 @@ def run_directory(path: Path, ckpt: Path) -> Path:
     return ckpt.parent
 
 
-def build_run_dataset(cfg: DictConfig, run_dir: Path) -> LMDataset:
-    """``build_dataset(cfg.data)`` with relative paths taken from the run's launch directory."""
-    start = launch_dir(run_dir)
+def build_run_dataset(cfg: DictConfig, run_dir: Path, state: dict) -> LMDataset:
+    """``build_dataset(cfg.data)`` with relative paths taken from the launch directory of the
+    checkpoint ``state`` (``launch_dir``)."""
+    start = launch_dir(run_dir, state)
     if start is None:
         return build_dataset(cfg.data)
     here = os.getcwd()
@@ -128,7 +131,7 @@ def load_run(
     elif impl is not None:
         warnings.warn(f"impl={impl!r} ignored: attention {name!r} has no impl option", stacklevel=2)
     check_attention_config(cfg.attention, cfg.model, torch.device(device))
-    dataset = build_run_dataset(cfg, run_directory(Path(path), ckpt))
+    dataset = build_run_dataset(cfg, run_directory(Path(path), ckpt), state)
     # The tokens the run trained on (lm.training checks the same on resume): a changed data
     # file can keep the vocabulary's size and renumber its words, which the weights would
     # then read silently

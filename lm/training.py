@@ -844,6 +844,9 @@ class _Run:
                     "world_size": self.info.world_size,
                     "data_paths": self.data_paths,
                     "data_fingerprint": self.data_fingerprint,
+                    # where the config's relative paths resolve (lm.trained): run.json's is
+                    # rewritten at every launch, and a resume may start elsewhere
+                    "launch_dir": str(resolve_path(".")),
                 },
             )
         self.last_ckpt_step = self.step

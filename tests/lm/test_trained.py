@@ -45,6 +45,16 @@ def test_relative_data_paths_resolve_from_the_runs_launch_directory(text_run):
     for name, value in model.state_dict().items():
         assert torch.equal(value, state[name]), name
     assert not model.training
+    # A resume started elsewhere rewrites run.json before it saves a checkpoint (killed
+    # then, a review's find: its data was looked for there): the checkpoint's own record wins
+    run_json = json.loads((text_run / "run.json").read_text())
+    (text_run / "run.json").write_text(json.dumps({**run_json, "launch_dir": str(text_run)}))
+    assert load_run(text_run)[2].decode(dataset.encode("fox")) == "fox"
+    # Checkpoints older than that record: run.json's, then Hydra's record
+    (text_run / "run.json").write_text(json.dumps(run_json))
+    ckpt = load_checkpoint(text_run / "checkpoint.pt")
+    del ckpt["launch_dir"]
+    save_checkpoint(text_run / "checkpoint.pt", ckpt)
     # A refused launch from elsewhere rewrites .hydra/; run.json, written by runs that start,
     # still names the launch directory.
     record = {"hydra": {"runtime": {"cwd": str(text_run.parent)}}}
