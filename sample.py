@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from lm.data.base import IGNORE_INDEX, LMDataset
-from lm.generation import generate
+from lm.generation import check_sampling, generate
 from lm.trained import load_run
 
 
@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--samples must be >= 1, got {args.samples}")
     if args.tokens is not None and args.tokens < 0:
         raise SystemExit(f"--tokens must be >= 0, got {args.tokens}")
+    try:  # before the run loads, naming the flag
+        check_sampling(args.temperature, args.top_k)
+    except ValueError as error:  # "temperature must ...", "top_k must ..."
+        raise SystemExit(f"--{str(error).replace('top_k', 'top-k')}") from None
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:

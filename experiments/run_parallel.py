@@ -12,8 +12,9 @@ order, ``--common`` overrides appended to each. Hydra's sweep functions (``range
 ``-j/--max-parallel`` jobs share it (``--gpus 0,1`` spreads them over several: a starting job
 gets the GPU running the fewest jobs, the first listed on a tie).
 
-Job ``i`` runs ``python train.py <overrides> hydra.run.dir=<root>/<i>-<spec's overrides>`` in
-the repository root (``--common`` overrides are not in the directory name), its stdout and
+Job ``i`` runs ``python <repository>/train.py <overrides> hydra.run.dir=<root>/<i>-<spec's
+overrides>`` in the caller's directory, as ``--root`` is (relative data paths in the overrides
+resolve against it; ``--common`` overrides are not in the directory name), its stdout and
 stderr appended to ``stdout.log`` in that directory under a line per launch (time, command).
 ``jobs.tsv`` in the root has a row per job and launch (index, status, seconds, directory,
 command, GPU, launch time): the rows earlier launches left, then this launch's, rewritten as

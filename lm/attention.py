@@ -26,6 +26,8 @@ only the keys its next queries see.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +96,15 @@ def check_impl_device(impl: str | None, device: torch.device) -> None:
         )
 
 
+def check_sinusoidal_base(base, name: str = "base") -> None:
+    """The sinusoidal table's ``base`` is a finite number > 1 (at 1 every channel pair turns at
+    one frequency); errors name it ``name``."""
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(base).__name__}")
+    if not (math.isfinite(base) and base > 1):
+        raise ValueError(f"{name} must be a finite number > 1, got {base!r}")
+
+
 def check_attention_config(attn_cfg: Any, model_cfg: Any, device: torch.device) -> None:
     """Refuses, before data or weights load, an attention configuration that the model
     (``model_cfg``) or ``device`` cannot run: ``impl=triton`` off CUDA without the interpreter,
@@ -106,6 +117,8 @@ def check_attention_config(attn_cfg: Any, model_cfg: Any, device: torch.device) 
     nope = nope_layers(attn_cfg, m.n_layer)
     windows = window_layers(attn_cfg, m.n_layer)
     resolve_query_scale(attn_cfg)
+    if attention_class(attn_cfg).input_pe == "sinusoidal":  # the model's table, not a layer's
+        check_sinusoidal_base(attn_cfg.base, "attention.base")
     _check_window_theta_leaves_a_layer(attn_cfg, m.n_layer, nope, windows)
     # One layer of each kind the model will have (its checks: base, schedule, layout, impl,
     # leader), before the data loads; a few small matrices on the CPU

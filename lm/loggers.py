@@ -44,7 +44,10 @@ class WandbLogger:
         run_config: the resolved config.
         summaries: metric name -> ``"min"``/``"max"``/``"last"``: what the run summary keeps.
         run_id: the id of the wandb run to continue (a resumed training run's); None: a
-            new run with a new id. ``self.run_id`` is the run's id either way.
+            new run with a new id. ``self.run_id`` is the run's id either way, but None in
+            wandb's disabled mode (``mode="disabled"`` or ``WANDB_MODE=disabled``), which
+            sends nothing: as with ``logger=none``, a later start with the service logs the
+            steps this one did not send.
     """
 
     def __init__(
@@ -74,7 +77,8 @@ class WandbLogger:
             id=run_id,
             resume="allow",  # continue the run of that id if there is one
         )
-        self.run_id = self.run.id
+        # disabled: a stand-in run whose id names no run the service holds
+        self.run_id = None if self.run.settings.mode == "disabled" else self.run.id
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         for key, summary in summaries.items():

@@ -8,7 +8,6 @@ position encoding added at the input (sinusoidal / learned variants only).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +15,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lm.attention import attention_class, build_attention, nope_layers, window_layers
+from lm.attention import (
+    attention_class,
+    build_attention,
+    check_sinusoidal_base,
+    nope_layers,
+    window_layers,
+)
 from lm.data.base import check_int
 
 if TYPE_CHECKING:
@@ -59,10 +64,7 @@ class Block(nn.Module):
 def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
     """``(max_len, d_model)``: sin in the even channels, cos in the odd ones (Vaswani et al.).
     ``base`` (``attention.base``) > 1: at 1 every channel pair turns at one frequency."""
-    if isinstance(base, bool) or not isinstance(base, numbers.Real):
-        raise TypeError(f"base must be a number, got {type(base).__name__}")
-    if not (math.isfinite(base) and base > 1):
-        raise ValueError(f"base must be a finite number > 1, got {base!r}")
+    check_sinusoidal_base(base)
     pos = torch.arange(max_len, dtype=torch.float64)[:, None]
     inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     table = torch.zeros(max_len, d_model, dtype=torch.float64)

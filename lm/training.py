@@ -774,23 +774,31 @@ class _Run:
 
     def _check_metric(self) -> None:
         """``metric`` (what train.py returns to sweepers) must be a key of the summary whose
-        value is a number on this device: a sweeper given a string, a list or None would rank
-        runs by it, or fail at the end of the first."""
+        value will be a number in this run (on this device; a speed field with a timed step; the
+        attention's share with the attention timed): a sweeper given a string, a list or None
+        would rank runs by it, or fail at the end of the first."""
         # The summary's keys and kinds from the function that makes it, the evaluation's
         # values aside; the speed figures are None until a step is timed
         summary = self._summary(dict.fromkeys(_eval_keys(self.dataset), math.nan))
         numeric = [k for k, v in summary.items() if _is_number(v)]
         device = self.info.device
-        numeric += [k for k in ("tokens_per_s", "step_ms", "attn_time_frac") if k not in numeric]
-        if peak_bf16_flops(device) is not None and "mfu" not in numeric:
-            numeric.append("mfu")
+        # a step is timed past the untimed first one(s), or was in an earlier start; attention
+        # when the timer runs (not under train.compile, nor with train.time_attention=false)
+        timed = self.t.steps > self._untimed_steps or self.state["timed_steps"] > 0
+        speed = ["tokens_per_s", "step_ms"] if timed else []
+        if timed and peak_bf16_flops(device) is not None:
+            speed.append("mfu")
+        if timed and (self.timer is not None or self.state["attn_train_s"] > 0):
+            speed.append("attn_time_frac")
+        numeric += [k for k in speed if k not in numeric]
         if device.type == "cuda" and "peak_mem_mib" not in numeric:
             numeric.append("peak_mem_mib")
         if self.cfg.metric not in numeric:
             why = (
                 "is not a key of the run's summary"
                 if self.cfg.metric not in summary
-                else "is a key of the run's summary that holds no number on this device"
+                else "is a key of the run's summary that holds no number in this run (its "
+                "device, steps and timing options)"
             )
             raise ValueError(f"metric={self.cfg.metric!r} {why}: pick one of {', '.join(numeric)}")
 

@@ -115,6 +115,10 @@ def test_missing_checkpoint_and_bad_arguments_fail_by_name(tmp_path, trained_run
         sample.main([str(trained_run), "--samples", "0"])
     with pytest.raises(SystemExit, match="--tokens must be >= 0, got -2"):
         sample.main([str(trained_run), "--tokens", "-2"])
+    with pytest.raises(SystemExit, match="--top-k must be >= 1, got 0"):
+        sample.main([str(trained_run), "--top-k", "0"])
+    with pytest.raises(SystemExit, match="--temperature must be finite and >= 0, got -1.0"):
+        sample.main([str(trained_run), "--temperature", "-1"])
     with pytest.raises(ValueError, match="unknown tokens"):
         sample.main([str(trained_run), "--prompt", "zebra", "--device", "cpu"])
     _, model, _ = load_run(trained_run)

@@ -892,6 +892,42 @@ def test_bad_loop_options_fail_before_the_data_is_loaded(
     assert not any(tmp_path.iterdir())
 
 
+def test_the_sinusoidal_base_is_named_and_refused_before_the_data_loads(tmp_path, monkeypatch):
+    """The model's table (built after the data) took it unnamed: "base must be ..." (a
+    review's find)."""
+
+    def no_data(cfg):
+        raise AssertionError("the data was loaded")
+
+    monkeypatch.setattr(lm.training, "build_dataset", no_data)
+    cfg = compose_cfg(*SMALL, "attention=sinusoidal", "attention.base=-1")
+    with pytest.raises(ValueError, match="attention.base must be a finite number > 1, got -1.0"):
+        train(cfg, output_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, metric",
+    [
+        (["train.time_attention=false"], "attn_time_frac"),
+        (["train.compile=true"], "attn_time_frac"),  # compiled: attention is not timed
+        (["train.steps=1"], "tokens_per_s"),  # the first step is not timed
+        (["train.steps=1"], "step_ms"),
+    ],
+)
+def test_a_metric_the_run_will_leave_null_is_refused(overrides, metric, tmp_path):
+    """A summary field that this run's options leave null is no metric: train.py returned None
+    to the sweeper at the end (a review's find); refused at the start."""
+    with pytest.raises(ValueError, match=f"metric='{metric}' is a key .* no number in this run"):
+        train(compose_cfg(*SMALL, *overrides, f"metric={metric}"), output_dir=str(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_speed_metrics_are_numbers_once_a_step_is_timed(tmp_path):
+    summary = train(compose_cfg(*SMALL, "train.steps=2", "metric=attn_time_frac"),
+                    output_dir=str(tmp_path))  # fmt: skip
+    assert all(summary[k] > 0 for k in ("attn_time_frac", "tokens_per_s", "step_ms"))
+
+
 def test_a_compiled_job_starts_from_empty_dynamo_caches(tmp_path, monkeypatch):
     """A multirun's jobs share one process: a compiled job resets dynamo before it compiles,
     else the graphs of the jobs before it count toward dynamo's recompile limit (8), and the
@@ -1659,6 +1695,19 @@ def test_broadcast_and_all_sum_go_through_the_process_group(monkeypatch):
     assert all_sum(value, DistInfo(1, 2, cpu)).item() == 6.0 and value.item() == 3.0
     assert broadcast("mine", DistInfo(0, 1, cpu)) == "mine"
     assert all_sum(value, DistInfo(0, 1, cpu)).item() == 3.0
+
+
+def test_wandb_in_disabled_mode_is_no_service_run(tmp_path):
+    """logger.mode=disabled (WANDB_MODE=disabled sets it: tests/lm/test_config.py) sends
+    nothing: its logger has no run id, as logger=none, so the checkpoint keeps the service
+    run's id and logged.json marks no step as sent (the stand-in run's id had marked them, and
+    a resume with the service skipped them: a review's find)."""
+    from lm.loggers import WandbLogger
+
+    logger = WandbLogger(project="p", mode="disabled", run_dir=str(tmp_path), name="n",
+                         group="g", tags=[], run_config={}, summaries={})  # fmt: skip
+    assert logger.run_id is None
+    logger.finish({})
 
 
 def test_wandb_logger_passes_the_run_options(monkeypatch):
