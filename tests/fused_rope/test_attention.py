@@ -730,7 +730,7 @@ def test_a_forward_mode_tangent_on_a_cotangent_is_refused():
 def test_backward_under_non_reentrant_checkpointing(impl, leaf):
     """torch.utils.checkpoint(use_reentrant=False) lets each saved tensor be unpacked once:
     the fused backward unpacked them twice and failed (a review's find, in Co-RoPE's). The
-    checkpointed gradients, learned positions' included, are the plain ones."""
+    checkpointed gradients, learned positions' included, are the plain ones up to rounding."""
     wrap = torch.nn.Parameter if leaf == "parameter" else lambda x: x.requires_grad_()
     leaves = [wrap(x) for x in (*_qkv(nq=6), torch.arange(8.0, device=DEVICE))]
     f = lambda q, k, v, pos: rope_attention(
@@ -740,7 +740,10 @@ def test_backward_under_non_reentrant_checkpointing(impl, leaf):
     with deterministic_algorithms():  # SDPA's backward on a GPU adds with atomics otherwise
         plain = torch.autograd.grad(out(f(*leaves)).sum(), leaves)
         ckpt = torch.autograd.grad(out(checkpoint(f, *leaves, use_reentrant=False)).sum(), leaves)
-    assert all(torch.equal(a, b) for a, b in zip(ckpt, plain, strict=True))
+    # up to the order of a sum: the positions' two contributions (queries', keys') added in
+    # another order put the custom op's positions gradient 1 ulp off on an H200
+    for a, b in zip(ckpt, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=2**-22, atol=1e-6)
 
 
 def test_backward_is_deterministic():
