@@ -20,6 +20,7 @@ from corope.naive import check_corope_inputs, corope_inv_freq
 from fused_rope._validation import (
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
+    autocast_inputs,
     backward_launches_directly,
     check_bool,
     check_kernel_device,
@@ -208,11 +209,14 @@ def corope_attention(
             cost ``O(N * window)``, not ``O(N^2)``. ``None``: every earlier key.
 
     Returns:
-        ``o`` ``[B, HQ, NQ, D]`` in q's dtype (contiguous).
+        ``o`` ``[B, HQ, NQ, D]`` in q's dtype (contiguous). Under autocast q, k and v are
+        first cast as SDPA casts them (fp32 and fp16/bf16 to autocast's dtype), so ``o`` is
+        in autocast's dtype, as attention through SDPA would be.
 
     Raises:
         ValueError: with autograd, ``B * HKV > 65535`` (the backward's grid), or ``NQ < NK``.
     """
+    q, k, v = autocast_inputs(q, k, v)
     R, s = check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=True)
     NQ, NK = q.shape[2], k.shape[2]
     if q.dtype not in KERNEL_DTYPES:

@@ -401,6 +401,20 @@ def check_position_tensor(positions, name: str, ndim: tuple[int, ...] | None = N
     check_finite_on_cpu(positions, name)
 
 
+def autocast_inputs(q, k, v):
+    """q, k, v as SDPA takes them under autocast (on q's device type): floating-point tensors
+    other than fp64 in autocast's dtype. The attention functions start with it, so that their
+    kernels, which autocast does not reach, compute and return what SDPA would (and
+    ``rope_attention``'s paths, one of which is SDPA, one dtype)."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    eligible = lambda x: (
+        isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+    )
+    return tuple(x.to(dtype) if eligible(x) else x for x in (q, k, v))
+
+
 def check_finite_on_cpu(x: torch.Tensor, name: str) -> None:
     """A floating-point tensor on the CPU holds no NaN or infinity (their angles would be NaN,
     and so every output they reach). Read in eager mode on the CPU only: on a GPU the check

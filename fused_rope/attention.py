@@ -23,6 +23,7 @@ from fused_rope._validation import (
     INT32_INDEX_LIMIT,
     KERNEL_DTYPES,
     MAX_GRID_AXIS1,
+    autocast_inputs,
     backward_launches_directly,
     check_attention_factor,
     check_attention_shapes,
@@ -368,19 +369,6 @@ def _rope_then_sdpa(
     return sdpa_attention(q_rot, k_rot, v, causal=causal, scale=scale, window=window or None)
 
 
-def _autocast(q, k, v):
-    """q, k, v as SDPA takes them under autocast (on q's device type): floating-point tensors
-    other than fp64 in autocast's dtype, so that the fused kernels, which autocast does not
-    reach, and the separate path, whose SDPA it does, return one dtype."""
-    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
-    eligible = lambda x: (
-        isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
-    )
-    return tuple(x.to(dtype) if eligible(x) else x for x in (q, k, v))
-
-
 def _check_inputs(
     q,
     k,
@@ -603,7 +591,7 @@ def rope_attention(
         first cast as SDPA casts them (fp32 and fp16/bf16 to autocast's dtype), so ``o`` is
         in autocast's dtype whichever path runs.
     """
-    q, k, v = _autocast(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     rope_dim, impl, window = _check_inputs(
         q,
         k,

@@ -619,6 +619,20 @@ def test_backward_under_non_reentrant_checkpointing(learn, leaf):
     assert all(torch.equal(a, b) for a, b in zip(ckpt, plain, strict=True))
 
 
+def test_autocast_casts_the_inputs_as_sdpa_does():
+    """Under autocast corope_attention computes what it computes on inputs in autocast's dtype
+    and returns that dtype, as attention through SDPA (and rope_attention) does; the gradients
+    reach the fp32 leaves in their dtype."""
+    q, k, v, do = _inputs(1, 4, 2, 20, 32, torch.float32)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.float16):
+        o = corope_attention(*leaves)
+    assert o.dtype == torch.float16
+    assert torch.equal(o, corope_attention(q.half(), k.half(), v.half()))
+    grads = torch.autograd.grad(o, leaves, do.half())
+    assert all(g.dtype == torch.float32 and g.isfinite().all() for g in grads)
+
+
 def test_backward_of_an_empty_sequence():
     q, k, v = (torch.randn(1, h, 0, 64, device=DEVICE, requires_grad=True) for h in (4, 2, 2))
     corope_attention(q, k, v).sum().backward()
