@@ -319,6 +319,8 @@ def tasks_and_variants(summaries: list[dict]) -> list[tuple[str, str]]:
     for s in summaries:
         o = overrides_of(s)
         task = _label(o, task_keys) if task_keys else str(s.get("data", ALL_RUNS))
+        if task == DEFAULTS and "data" in s:  # no task override: the default data, by name
+            task = f"data={s['data']}"
         out.append((task, _label(o, other)))
     return out
 

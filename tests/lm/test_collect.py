@@ -385,6 +385,18 @@ def test_a_failed_run_counts_in_its_cell_of_its_task(tmp_path):
     assert "| attention=rope | 1 | 0.5 | 1 |" in table  # seeds, test/err, failed
 
 
+def test_runs_on_the_default_data_are_headed_by_its_name(tmp_path):
+    """Beside runs of data=counting, runs that leave the data at its default head a task table
+    of their data's name, not '(defaults)' (a review's find)."""
+    for data, overrides in (("counting", ["data=counting"]), ("flipflop", [])):
+        for attention in ("rope", "nope"):
+            _run(tmp_path, f"{data}-{attention}", [*overrides, f"attention={attention}", "seed=0"],
+                 0.5, data=data, attention=attention)  # fmt: skip
+    table = main([str(tmp_path), "--metrics", "test/err"]).split("Made by")[0]
+    assert "### data=flipflop" in table and "### data=counting" in table
+    assert "(defaults)" not in table
+
+
 def test_a_seed_that_failed_then_ran_counts_once(tmp_path, capsys):
     """Seed 1 failed (out of memory), then ran again into the same root: its cell has two
     seeds and no failure, and the failed attempt is left out as a repeat; a seed that failed
