@@ -85,7 +85,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from corope.forward import check_index_span, check_rope_dim
+from corope.forward import check_index_span
 from corope.naive import check_corope_inputs
 from fused_rope._device import num_sms
 from fused_rope._intmath import cdiv, next_power_of_2
@@ -96,6 +96,7 @@ from fused_rope._validation import (
     check_float_tensor,
     check_inv_freq,
     check_kernel_device,
+    check_rope_dim,
     check_same_device,
     check_window,
     interpreting,

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin
-from fused_rope._validation import INT32_INDEX_LIMIT, element_span, interpreting
+from fused_rope._validation import INT32_INDEX_LIMIT, check_rope_dim, element_span, interpreting
 
 _INTERPRET = interpreting()
 
@@ -336,16 +336,11 @@ def pinned_config(index: int):
         kernel.configs, kernel.cache = saved
 
 
-def check_rope_dim(rope_dim: int, head_dim: int) -> None:
-    """``ValueError`` unless ``rope_dim`` is even and in ``(0, D]``: the kernels and copies read
-    the first ``R`` channels of every row."""
-    if rope_dim % 2 or not 0 < rope_dim <= head_dim:
-        raise ValueError(f"rope_dim must be even and in (0, {head_dim}], got {rope_dim}")
-
-
 def check_rotation(inv_freq: torch.Tensor, rope_dim: int, head_dim: int) -> None:
-    """The launchers' check of the rotation's size (``ValueError``): ``check_rope_dim``, and
-    ``R/2`` frequencies, which the kernels read (a shorter tensor would be read past its end)."""
+    """The launchers' check of the rotation's size (``ValueError``): ``rope_dim`` even and in
+    ``(0, D]`` (``fused_rope``'s ``check_rope_dim``: the kernels and copies read the first ``R``
+    channels of every row), and ``R/2`` frequencies, which the kernels read (a shorter tensor
+    would be read past its end)."""
     check_rope_dim(rope_dim, head_dim)
     if inv_freq.numel() != rope_dim // 2:
         raise ValueError(

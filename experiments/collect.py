@@ -13,22 +13,22 @@ out of the means and listed, with the error, under the tables and on stderr; whe
 what they were (``run.json`` or ``.hydra/``) they still count in their cells: a ``failed``
 column, and a row with no values for a cell whose every seed failed.
 
-A cell is one setting of the overrides that vary between runs (their values as Hydra reads
-them: ``optim.lr=1e-3`` is ``optim.lr=0.001``; ``seed`` aside, as are the keys
-of how a run is carried out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resume`` or
-``train.max_minutes`` but for those that change its speed (``SPEED_KEYS``: ``attention.impl``,
-``attention.chunk_size``, ``train.device``, ``train.cpu_threads``, ``train.compile``,
-``train.compile_mode``, ``train.activation_checkpointing``, ``train.grad_accum_steps``,
-``train.deterministic``), and those of ``--ignore``; each with the keys under it: runs of two launches that differ only in those
-share a cell; the shared overrides head the table).
-What a run ran on counts as overrides too: ``world_size`` (torchrun's processes, each taking
-``train.batch_size`` rows) and ``device_name`` (the GPU's name, or ``cpu``), from runs that
-record them. A
-seed run twice in a cell (a subset re-run into the same root) counts once: the run with the most
-steps, then the newest; the others are listed like failed runs. The task of a cell is its varying
-``experiment`` / ``data`` / ``data.*`` overrides (or ``summary["data"]``), its variant the rest (``attention=...``).
-Each metric is ``mean ± std`` over the cell's seeds (sample standard deviation; ``±``
-omitted for one seed); with several tasks, one table per task.
+A cell is one setting of the overrides that vary between runs (their values as Hydra reads them:
+``optim.lr=1e-3`` is ``optim.lr=0.001``; ``seed`` aside, as are the keys of how a run is carried
+out, ``lm.config.RUN_CONDUCT_KEYS`` such as ``train.resume`` or ``train.max_minutes`` but for those
+that change its speed (``SPEED_KEYS``: ``attention.impl``, ``attention.chunk_size``,
+``train.device``, ``train.cpu_threads``, ``train.compile``, ``train.compile_mode``,
+``train.activation_checkpointing``, ``train.grad_accum_steps``, ``train.deterministic``), and those
+of ``--ignore``; each with the keys under it: runs of two launches that differ only in those share a
+cell; the shared overrides head the table). What a run ran on counts as overrides too:
+``world_size`` (torchrun's processes, each taking ``train.batch_size`` rows) and ``device_name``
+(the GPU's name, or ``cpu``), from runs that record them. A seed run twice in a cell (a subset
+re-run into the same root) counts once: the run with the most steps, then the newest; the others are
+listed like failed runs. The task of a cell is its varying ``experiment`` / ``data`` / ``data.*``
+overrides (or ``summary["data"]``; a run that sets none of them beside runs that do:
+``data=<summary["data"]>``), its variant the rest (``attention=...``). Each metric is ``mean
+± std`` over the cell's seeds (sample standard deviation; ``±`` omitted for one seed); with several
+tasks, one table per task.
 
 Writes into the root (or ``--out``): ``results.md`` (the tables and the command that made
 them), ``results.csv`` (one row per cell: mean and std per metric), ``runs.csv`` (one row

@@ -45,9 +45,9 @@ class WandbLogger:
         summaries: metric name -> ``"min"``/``"max"``/``"last"``: what the run summary keeps.
         run_id: the id of the wandb run to continue (a resumed training run's); None: a
             new run with a new id. ``self.run_id`` is the run's id either way, but None in
-            wandb's disabled mode (``mode="disabled"`` or ``WANDB_MODE=disabled``), which
-            sends nothing: as with ``logger=none``, a later start with the service logs the
-            steps this one did not send.
+            wandb's disabled mode (``mode="disabled"``, which ``configs/logger/wandb.yaml``
+            takes from ``WANDB_MODE``), which sends nothing: as with ``logger=none``, a later
+            start with the service logs the steps this one did not send.
     """
 
     def __init__(

@@ -459,18 +459,23 @@ def _hardware(info) -> dict[str, Any]:
     return {"world_size": info.world_size, "device_name": name}
 
 
+def _launch_dir() -> str:
+    """The directory the launch started in, where the config's relative data paths resolve
+    (Hydra's original one: with hydra.job.chdir=true the process is in out_dir by now)."""
+    return str(resolve_path("."))
+
+
 def _write_run_record(out_dir: Path, run_config: dict, info) -> None:
     """``run.json``: what the run in ``out_dir`` is (its resolved config and overrides, the
     directory it started in, its ``_hardware``), for collect.py to read a run stopped before
     its summary. Written once the run has passed its checks, unlike Hydra's ``.hydra/``,
     which a refused launch into the same directory (another grid's job, a resume with another
     config) has already rewritten with its own."""
-    # launch_dir: where relative data paths resolved (lm.trained rebuilds the data from it)
-    # (Hydra's original directory: with hydra.job.chdir=true the process is in out_dir by now)
+    # launch_dir: lm.trained rebuilds the data from it, for checkpoints without their own
     record = {
         "config": run_config,
         "overrides": _overrides(),
-        "launch_dir": str(resolve_path(".")),
+        "launch_dir": _launch_dir(),
         **_hardware(info),
     }
     write_json(out_dir / "run.json", record)
@@ -782,17 +787,20 @@ class _Run:
         summary = self._summary(dict.fromkeys(_eval_keys(self.dataset), math.nan))
         numeric = [k for k, v in summary.items() if _is_number(v)]
         device = self.info.device
-        # a step is timed past the untimed first one(s), or was in an earlier start; attention
-        # when the timer runs (not under train.compile, nor with train.time_attention=false)
-        timed = self.t.steps > self._untimed_steps or self.state["timed_steps"] > 0
+        # A step of this start is timed past its untimed first one(s) (counted from the step
+        # it resumes at), or one of an earlier start was; attention's share where the timer
+        # runs (not under train.compile, nor with train.time_attention=false) or ran
+        timed_now = self.t.steps - self.step > self._untimed_steps
+        timed = timed_now or self.state["timed_steps"] > 0
         speed = ["tokens_per_s", "step_ms"] if timed else []
         if timed and peak_bf16_flops(device) is not None:
             speed.append("mfu")
-        if timed and (self.timer is not None or self.state["attn_train_s"] > 0):
+        if timed and device.type == "cuda":
+            speed.append("peak_mem_mib")
+        attention_timed = timed_now and self.timer is not None
+        if attention_timed or self.state["attn_train_s"] > 0:
             speed.append("attn_time_frac")
         numeric += [k for k in speed if k not in numeric]
-        if device.type == "cuda" and "peak_mem_mib" not in numeric:
-            numeric.append("peak_mem_mib")
         if self.cfg.metric not in numeric:
             why = (
                 "is not a key of the run's summary"
@@ -854,7 +862,7 @@ class _Run:
                     "data_fingerprint": self.data_fingerprint,
                     # where the config's relative paths resolve (lm.trained): run.json's is
                     # rewritten at every launch, and a resume may start elsewhere
-                    "launch_dir": str(resolve_path(".")),
+                    "launch_dir": _launch_dir(),
                 },
             )
         self.last_ckpt_step = self.step

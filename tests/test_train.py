@@ -922,6 +922,16 @@ def test_a_metric_the_run_will_leave_null_is_refused(overrides, metric, tmp_path
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_resume_with_no_step_left_to_time_refuses_a_speed_metric(tmp_path):
+    """The untimed first step is each start's: a resume at step 1 of 2 times none, so its
+    summary's speed would be null (a review's find: the check counted train.steps whole)."""
+    cfg = compose_cfg(*SMALL, "train.steps=2", "train.ckpt_every=1", "metric=step_ms")
+    train_killed_at_step(cfg, tmp_path, 1)
+    cfg.train.resume = True
+    with pytest.raises(ValueError, match="metric='step_ms' is a key .* no number in this run"):
+        train(cfg, output_dir=str(tmp_path))
+
+
 def test_speed_metrics_are_numbers_once_a_step_is_timed(tmp_path):
     summary = train(compose_cfg(*SMALL, "train.steps=2", "metric=attn_time_frac"),
                     output_dir=str(tmp_path))  # fmt: skip

@@ -850,7 +850,9 @@ def test_rotary_pairs_layout_and_errors():
     assert torch.equal(pairs[:, :, :, :5], expected)
     with pytest.raises(ValueError, match="rope_dim must be even"):
         backward.rotary_pairs(x, 5, 8)
-    with pytest.raises(ValueError, match="rope_dim must be even and in"):
+    with pytest.raises(
+        ValueError, match="rope_dim must be even, positive and at most the head dim"
+    ):
         backward.rotary_pairs(x, 10, 8)
     with pytest.raises(ValueError, match="n_pad must be at least N = 5, got 4"):
         backward.rotary_pairs(x, 6, 4)

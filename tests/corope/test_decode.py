@@ -130,8 +130,12 @@ def test_decode_launcher_refuses_shapes_its_kernels_cannot_take(q_shape, k_shape
     "half, rope_dim, match",
     [
         (4, 32, "inv_freq must have rope_dim / 2 = 16 elements, got 4"),  # read past its end
-        (32, 64, r"rope_dim must be even and in \(0, 32\], got 64"),  # past each row's end
-        (8, 15, r"rope_dim must be even and in \(0, 32\], got 15"),
+        (
+            32,
+            64,
+            "rope_dim must be even, positive and at most the head dim 32, got 64",
+        ),  # past each row's end
+        (8, 15, "rope_dim must be even, positive and at most the head dim 32, got 15"),
     ],
 )
 def test_decode_launcher_refuses_a_rotation_its_kernels_would_read_past(half, rope_dim, match):

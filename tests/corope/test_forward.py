@@ -600,7 +600,9 @@ def test_interleaved_pairs_layout():
     k = forward.interleaved_pairs(x[:, :, :1], 6, 8, 16, 1, torch.float32)
     assert k.shape == (2, 3, 8, 16) and k.dtype == torch.float32
     assert torch.equal(k[:, :, :5, :6], out[:, :, :5, 0, :6].float())
-    with pytest.raises(ValueError, match="rope_dim must be even and in"):
+    with pytest.raises(
+        ValueError, match="rope_dim must be even, positive and at most the head dim"
+    ):
         forward.interleaved_pairs(x, 5, 8, 16, 4)
     for args, name in (((4, 16, 4), "n_pad must be at least 5"),
                        ((8, 4, 4), "r_pad must be at least 6"),
