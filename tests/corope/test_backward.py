@@ -611,7 +611,9 @@ def test_backward_under_non_reentrant_checkpointing(learn, leaf):
     wrap = torch.nn.Parameter if leaf == "parameter" else lambda x: x.requires_grad_()
     leaves = [wrap(x) for x in (q, k, v)]
     if learn:
-        leaves.append(corope_inv_freq(32, 10000.0, None, DEVICE).requires_grad_())
+        # a copy: the default is a shared tensor, which a leaf of its own would change for
+        # every later call (corope_inv_freq)
+        leaves.append(corope_inv_freq(32, 10000.0, None, DEVICE).clone().requires_grad_())
     f = lambda q, k, v, *w: corope_attention(q, k, v, inv_freq=w[0] if w else None)
     with deterministic_algorithms():  # the default backward adds with atomics on a GPU
         plain = torch.autograd.grad(f(*leaves), leaves, do)
