@@ -459,13 +459,7 @@ def _hardware(info) -> dict[str, Any]:
     return {"world_size": info.world_size, "device_name": name}
 
 
-def _launch_dir() -> str:
-    """The directory the launch started in, where the config's relative data paths resolve
-    (Hydra's original one: with hydra.job.chdir=true the process is in out_dir by now)."""
-    return str(resolve_path("."))
-
-
-def _write_run_record(out_dir: Path, run_config: dict, info) -> None:
+def _write_run_record(out_dir: Path, run_config: dict, launch_dir: str, info) -> None:
     """``run.json``: what the run in ``out_dir`` is (its resolved config and overrides, the
     directory it started in, its ``_hardware``), for collect.py to read a run stopped before
     its summary. Written once the run has passed its checks, unlike Hydra's ``.hydra/``,
@@ -475,7 +469,7 @@ def _write_run_record(out_dir: Path, run_config: dict, info) -> None:
     record = {
         "config": run_config,
         "overrides": _overrides(),
-        "launch_dir": _launch_dir(),
+        "launch_dir": launch_dir,
         **_hardware(info),
     }
     write_json(out_dir / "run.json", record)
@@ -685,6 +679,11 @@ class _Run:
         self.last_ckpt_step: int | None = None
         # What every checkpoint records the run read: the data's paths and a digest of its tokens
         self.data_paths = _data_paths(cfg)
+        # Where the config's relative paths resolve, which every checkpoint records for
+        # lm.trained (run.json's is rewritten at every launch, and a resume may start
+        # elsewhere): Hydra's original directory (with hydra.job.chdir=true the process is in
+        # out_dir by now)
+        self.launch_dir = str(resolve_path("."))
         self.data_fingerprint = self._same_data_on_every_rank(dataset.fingerprint())
         self.stopped_early = False
         if ckpt is not None:
@@ -739,7 +738,7 @@ class _Run:
                 # Replaced now, not at the first save: a run killed before that save would
                 # leave the old run's weights for a later resume to continue under its metrics.
                 ckpt_path.unlink(missing_ok=True)
-            _write_run_record(out_dir, self.run_config, info)
+            _write_run_record(out_dir, self.run_config, self.launch_dir, info)
             self.jsonl = _Jsonl(out_dir / "metrics.jsonl", None if ckpt is None else self.step)
             self.logged = _LoggedSteps(
                 out_dir / "logged.json", self.logger.run_id, resumed_run,
@@ -860,9 +859,7 @@ class _Run:
                     "world_size": self.info.world_size,
                     "data_paths": self.data_paths,
                     "data_fingerprint": self.data_fingerprint,
-                    # where the config's relative paths resolve (lm.trained): run.json's is
-                    # rewritten at every launch, and a resume may start elsewhere
-                    "launch_dir": _launch_dir(),
+                    "launch_dir": self.launch_dir,
                 },
             )
         self.last_ckpt_step = self.step
