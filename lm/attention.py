@@ -18,7 +18,7 @@ training). Decoding continues a ``lm.generation.KVCache`` through ``attend_cache
 cached call computes what a forward over the sequence so far computes at its rows: RoPE caches
 its keys rotated (each rotated once, at its position); Co-RoPE caches them as projected and
 rotates them all at each call, since the new query's gates set every key's mileage, and so
-does RoPE with dynamic NTK, whose frequencies follow the sequence's length
+does RoPE with dynamic NTK or LongRoPE, whose frequencies follow the sequence's length
 (``lm/generation.py`` says where it departs from the forward). A windowed layer's cache holds
 only the keys its next queries see.
 """
@@ -69,13 +69,7 @@ def scaling_dict(scaling: Any) -> dict | None:
         fields = ", ".join(f"attention.scaling.{k}={v}" for k, v in d.items())
         raise ValueError(
             f"{fields} set but attention.scaling.type is null (no scaling); set a type "
-            f"(linear, dynamic, ntk_alpha, yarn, llama3) or leave the fields null"
-        )
-    if d and scaling_type(d) == "longrope":
-        raise ValueError(
-            f"attention.scaling.type={d['type']} (LongRoPE) is not available in the harness: "
-            f"its per-frequency lists (short_factor, long_factor, searched for a checkpoint) "
-            f"have no config keys; fused_rope.rope_frequencies takes them"
+            f"(linear, dynamic, ntk_alpha, yarn, llama3, longrope) or leave the fields null"
         )
     return d or None
 
@@ -362,9 +356,15 @@ class LearnedAttention(Attention):
     input_pe = "learned"
 
 
+# The schedules whose frequencies follow the sequence's length, by their names in messages:
+# dynamic NTK ("xdrope" too) and LongRoPE (short factors up to the original length, long ones
+# past it)
+_LENGTH_SCHEDULES = {"dynamic": "dynamic NTK", "longrope": "LongRoPE"}
+
+
 class RotaryFrequencies(nn.Module):
-    """``inv_freq`` of ``rope_frequencies(rope_dim, theta, scaling)``; for dynamic NTK it is
-    recomputed for each sequence length (the schedule depends on it). A buffer that follows
+    """``inv_freq`` of ``rope_frequencies(rope_dim, theta, scaling)``; for dynamic NTK and
+    LongRoPE it is recomputed for each sequence length (the schedule depends on it). A buffer that follows
     the model's device but stays fp32 when the model is cast to half precision (fp64 with an
     fp64 model): bf16 frequencies would be off by up to 2^-9 of each, phase errors that grow
     with the position.
@@ -373,12 +373,12 @@ class RotaryFrequencies(nn.Module):
     the schedule and learned in log space, so that AdamW's steps change each frequency by a
     like fraction (in linear space a step of the learning rate's size would swamp the lowest
     frequencies, 1e-4 at theta = 10^4); fp32 whatever the model is cast to. Not with dynamic
-    NTK, whose frequencies follow the sequence length."""
+    NTK or LongRoPE, whose frequencies follow the sequence length."""
 
     def __init__(self, rope_dim: int, theta: float, scaling: dict | None, learn: bool = False):
         super().__init__()
         self.rope_dim, self.theta, self.scaling = rope_dim, theta, scaling
-        self.dynamic = scaling_type(scaling) == "dynamic"  # "xdrope" too
+        self.dynamic = scaling_type(scaling) in _LENGTH_SCHEDULES
         inv_freq, self.attention_factor = rope_frequencies(rope_dim, theta, scaling)
         self.learn = learn
         if not learn:
@@ -386,8 +386,9 @@ class RotaryFrequencies(nn.Module):
             return
         if self.dynamic:
             raise ValueError(
-                "attention.learn_freq=true cannot learn dynamic NTK's frequencies, which are "
-                "recomputed for each sequence length; pick another attention.scaling.type"
+                f"attention.learn_freq=true cannot learn "
+                f"{_LENGTH_SCHEDULES[scaling_type(scaling)]}'s frequencies, which are "
+                f"recomputed for each sequence length; pick another attention.scaling.type"
             )
         self.log_inv_freq = nn.Parameter(inv_freq.log())
 
@@ -489,8 +490,8 @@ class RopeAttention(Attention):
         A chunk of several rows runs SDPA too, where ``rope_attention`` would have picked
         its fused kernel for a long chunk (it would rotate the cached keys again), except a
         windowed layer's prefill past its window into an empty cache on the Triton path. Dynamic
-        NTK's frequencies follow the length, so it keeps the keys as projected and rotates
-        the held ones at their positions at each call."""
+        NTK's and LongRoPE's frequencies follow the length, so they keep the keys as projected
+        and rotate the held ones at their positions at each call."""
         length = cache.length + q.shape[2]  # the sequence's tokens, these N included
         inv_freq, factor = self.freqs.for_length(length)
         triton = resolve_impl(self.impl, q.device, "rope") == "triton"

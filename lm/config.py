@@ -70,7 +70,7 @@ class RopeScalingConfig:
     ``rope_frequencies`` for the rest.
     """
 
-    type: str | None = None  # linear | dynamic | ntk_alpha | yarn | llama3
+    type: str | None = None  # linear | dynamic | ntk_alpha | yarn | llama3 | longrope
     factor: float | None = None
     alpha: float | None = None  # ntk_alpha's (HunYuan): theta * alpha ** (R / (R - 2))
     original_max_position_embeddings: int | None = None
@@ -82,6 +82,13 @@ class RopeScalingConfig:
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     truncate: bool | None = None
+    # LongRoPE (Phi-3): rope_dim // 2 divisors of the frequencies each, the short ones up to
+    # original_max_position_embeddings tokens, the long ones past it
+    short_factor: list[float] | None = None
+    long_factor: list[float] | None = None
+    short_mscale: float | None = None  # Phi-3.5-MoE's attention factors, short and long
+    long_mscale: float | None = None
+    max_position_embeddings: int | None = None  # LongRoPE's factor: this / the original length
 
 
 @dataclass

@@ -8,13 +8,13 @@ and rotates them at each call, as it must: its rotation of key ``j`` for query `
 on the mileage from ``j`` to ``i``, which the new query's gates set. So a cached call
 computes what a forward over the sequence so far computes at its rows
 (``tests/lm/test_generation.py`` checks it for every attention). One exception: dynamic
-NTK, whose frequencies follow the sequence length, so its cache holds the keys unrotated
-too and rotates them at their positions at each call. The first layer's keys are rotated
-with the frequencies of the current length, but a
-deeper layer's cached keys come from hidden states computed at the lengths of their time,
-where a forward over the whole sequence would recompute them: past the original length such
-a model decodes close to, not exactly as, the forward (``use_cache=False`` decodes exactly,
-at the cost of a forward per token).
+NTK and LongRoPE, whose frequencies follow the sequence length, so their cache holds the keys
+unrotated too and rotates them at their positions at each call. The first layer's keys are
+rotated with the frequencies of the current length, but a deeper layer's cached keys come
+from hidden states computed at the lengths of their time, where a forward over the whole
+sequence would recompute them: past the original length such a model decodes close to, not
+exactly as, the forward (``use_cache=False`` decodes exactly, at the cost of a forward per
+token).
 """
 
 from __future__ import annotations

@@ -149,13 +149,27 @@ def test_dynamic_ntk_recomputes_beyond_the_training_length(kind):
     assert (longer[1:] < freqs.inv_freq[1:]).all()
 
 
+LONGROPE = {  # 16 rotated channels: 8 factors each
+    "type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.5, 11.0, 14.0],
+    "original_max_position_embeddings": 32,
+    "attention_factor": 1.0,  # Co-RoPE takes frequencies alone
+}
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
 @pytest.mark.parametrize("name", ["rope", "corope"])
-def test_attend_takes_the_dynamic_frequencies_of_its_length(name):
-    """Dynamic NTK past the training length: ``attend`` on 96 tokens rotates with the
-    frequencies ``rope_frequencies`` gives for ``seq_len=96``, not the stored ones."""
+def test_attend_takes_the_dynamic_frequencies_of_its_length(name, kind):
+    """Dynamic NTK and LongRoPE past the training length: ``attend`` on 96 tokens rotates with
+    the frequencies ``rope_frequencies`` gives for ``seq_len=96``, not the stored ones."""
     from corope.naive import corope_attention_ref
 
-    scaling = {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 32}
+    scaling = (
+        {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 32}
+        if kind == "dynamic"
+        else LONGROPE
+    )
     attn = build_attention(attn_cfg(name, impl="torch", scaling=scaling), 64, 4, 2).to(DEVICE)
     q, k, v = qkv(N=96)
     inv_freq = rope_frequencies(16, scaling=scaling, seq_len=96)[0].to(DEVICE)
@@ -483,7 +497,7 @@ def test_scaling_dict_drops_unset_keys():
         ),
         ("rope", {"scaling": {"factor": 4.0}}, r"attention.scaling.factor=4.0 set but .*type"),
         ("corope", {"scaling": {"alpha": 2.0}}, r"attention.scaling.alpha=2.0 set but .*type"),
-        ("rope", {"scaling": {"type": "su"}}, r"type=su \(LongRoPE\) is not available"),
+        ("rope", {"scaling": {"type": "su"}}, r"'longrope' is missing the key\(s\) \['short_f"),
         ("nope", {"query_scale": {"length": 64}}, r"query_scale.length=64 set but .*beta"),
         ("rope", {"query_scale": {"beta": 0.1}}, r"attention.query_scale .*length=None"),
         ("corope", {"query_scale": {"beta": -0.1, "length": 8}}, r"query_scale .*beta must"),
@@ -601,10 +615,12 @@ def test_learned_corope_frequencies(impl):
                  rtol=1e-5)  # fmt: skip
 
 
-def test_learned_rope_frequencies_refuse_dynamic_ntk():
+def test_learned_rope_frequencies_refuse_those_that_follow_the_length():
     dynamic = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
     with pytest.raises(ValueError, match="cannot learn dynamic NTK's frequencies"):
         build_attention(attn_cfg("rope", scaling=dynamic, learn_freq=True), 64, 4, 2)
+    with pytest.raises(ValueError, match="cannot learn LongRoPE's frequencies"):
+        build_attention(attn_cfg("rope", scaling=LONGROPE, learn_freq=True), 64, 4, 2)
 
 
 def test_unknown_attention_lists_the_known_ones():

@@ -12,6 +12,14 @@ from lm.model import GPT
 from tests.helpers import DEVICE, ON_GPU, assert_close_to_baseline
 
 VOCAB, MAX_LEN = 13, 96
+# LongRoPE over the test models' 16-channel heads (8 frequencies), original length 8
+LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.5, 11.0, 14.0],
+    "original_max_position_embeddings": 8,
+    "factor": 4.0,
+}
 # Every attention, and RoPE with dynamic NTK, whose frequencies change with the length
 # (original length 8: the steps below run past it).
 VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
@@ -52,17 +60,26 @@ VARIANTS = {name: {} for name in ATTENTION_SCHEMAS} | {
         "window": 3,
         "scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
     },
+    # LongRoPE's frequencies switch from the short factors to the long ones past 8 tokens
+    "rope_longrope": {"scaling": LONGROPE},
+    "corope_longrope": {"scaling": LONGROPE | {"attention_factor": 1.0}},
 }
+
+
+def follows_length(variant: str) -> bool:
+    """Whether the variant's frequencies follow the sequence's length (dynamic NTK,
+    LongRoPE): its cache is exact in the first layer only (see the test of it)."""
+    return variant.endswith(("_ntk", "_longrope"))
 
 
 def make_model(
     variant: str, dtype=torch.float64, impl="torch", n_layer=None, d_model=64, **attn
 ) -> GPT:
-    """A 2-layer GPT of ``variant`` in eval mode; dynamic NTK has 1 layer unless asked (a
-    cache is exact for it in the first layer only: see the test of it)."""
+    """A 2-layer GPT of ``variant`` in eval mode; 1 layer unless asked where the frequencies
+    follow the length (``follows_length``)."""
     name = variant.split("_")[0]
     if n_layer is None:
-        n_layer = 1 if variant.endswith("_ntk") else 2
+        n_layer = 1 if follows_length(variant) else 2
     model_cfg = OmegaConf.merge(
         OmegaConf.structured(ModelConfig),
         {"d_model": d_model, "n_layer": n_layer, "n_head": 4, "n_kv_head": 2},
@@ -108,7 +125,7 @@ def test_cached_steps_compute_the_forward_of_the_sequence_so_far(variant, chunks
     x = torch.randint(0, VOCAB, (2, 23), device=DEVICE)
     expected = forward_logits(model, x, chunks)
     torch.testing.assert_close(cached_logits(model, x, chunks), expected, atol=1e-10, rtol=1e-10)
-    if not variant.endswith("_ntk"):
+    if not follows_length(variant):
         torch.testing.assert_close(model(x), expected, atol=1e-10, rtol=1e-10)
 
 
@@ -180,6 +197,7 @@ def test_a_windowed_rope_prefill_takes_the_fused_kernel(monkeypatch):
         ("rope_ntk", "torch"),
         ("rope_ntk", "triton"),
         ("rope_window_ntk", "torch"),
+        ("rope_longrope", "torch"),
     ],
 )
 @torch.no_grad()
@@ -187,8 +205,8 @@ def test_rope_rotates_each_key_once_unless_its_frequencies_follow_the_length(
     variant, impl, monkeypatch
 ):
     """RoPE caches its keys rotated: a step rotates its own row of q and k, not every cached
-    key again. Dynamic NTK's frequencies follow the length, so it rotates them all (with a
-    window of 3, the 2 held and its own)."""
+    key again. Dynamic NTK's and LongRoPE's frequencies follow the length, so they rotate them
+    all (with a window of 3, the 2 held and its own)."""
     import fused_rope.naive
     import fused_rope.rope
 
@@ -208,7 +226,9 @@ def test_rope_rotates_each_key_once_unless_its_frequencies_follow_the_length(
     monkeypatch.setattr(fused_rope.rope, "apply_rope_qk", spy_qk)
     model = make_model(variant, torch.float32, impl)
     cached_logits(model, torch.randint(0, VOCAB, (1, 7), device=DEVICE), [5, 1, 1])
-    per_layer = {"rope_ntk": [5, 6, 7], "rope_window_ntk": [5, 3, 3]}.get(variant, [5, 1, 1])
+    per_layer = {"rope_window_ntk": [5, 3, 3]}.get(
+        variant, [5, 6, 7] if follows_length(variant) else [5, 1, 1]
+    )
     assert rows == [n for n in per_layer for _ in model.blocks]
 
 
