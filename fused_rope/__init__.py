@@ -1,7 +1,8 @@
 """RoPE as a library: frequency schedules, PyTorch references and Triton kernels.
 
 Public API:
-    rope_frequencies, rope_angles, mrope_angles, nd_rope_frequencies, nd_rope_angles
+    rope_frequencies, rope_angles, mrope_angles, xdrope_angles, nd_rope_frequencies,
+    nd_rope_angles
     llama4_attn_scale                 (Llama 4 / Mistral's position-dependent query scale)
     apply_rope, apply_rope_qk        (Triton, autograd, torch.compile-able)
     rope_attention                    (RoPE fused into FlashAttention-2, Triton)
@@ -17,6 +18,7 @@ from fused_rope.frequencies import (
     rope_angles,
     rope_frequencies,
     scaling_type,
+    xdrope_angles,
 )
 from fused_rope.naive import apply_rope_ref, rope_attention_ref
 from fused_rope.query_scale import llama4_attn_scale
@@ -36,4 +38,5 @@ __all__ = [
     "rope_attention_ref",
     "rope_frequencies",
     "scaling_type",
+    "xdrope_angles",
 ]

@@ -149,6 +149,21 @@ def check_kernel_device(
     )
 
 
+def as_device(device, name: str = "device") -> torch.device:
+    """``device`` (a ``torch.device``, a string such as ``"cuda:1"``, an int GPU index, or None
+    for the CPU) as a ``torch.device``; errors name ``name``."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            f"{name} must be a torch.device, a string or None, got {type(device).__name__}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"{name} is not a device: {device!r} ({error})") from None
+
+
 def check_bool(value, name: str) -> None:
     """``value`` is a ``bool`` (not a truthy string or number, which would switch an option on
     silently: ``"False"`` is true)."""

@@ -22,6 +22,7 @@ import torch
 
 from fused_rope._validation import (
     FREQ_DTYPES,
+    as_device,
     check_bool,
     check_finite_on_cpu,
     check_float_tensor,
@@ -70,6 +71,26 @@ _SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "proportional": ((), ("factor", "partial_rotary_factor")),
 }
 SCALING_TYPES = tuple(_SCALING_KEYS)
+# The range of each numeric key, checked wherever the key is present (_check_present_keys),
+# read or not: a key that loses to another (YaRN's mscale to attention_factor, LongRoPE's
+# factor to max_position_embeddings) or that a type carries unread (HunYuan's yarn keys) is
+# still a claim about the model, and "garbage" or NaN there is an error in the config.
+# (minimum, strict): the number must be > minimum (>= when not strict); each schedule then
+# checks its own tighter bounds (a factor >= 1).
+_NUMBER_KEYS = {
+    "factor": (0.0, True),
+    "alpha": (0.0, True),
+    "beta_fast": (0.0, True),
+    "beta_slow": (0.0, True),
+    "mscale": (0.0, False),
+    "mscale_all_dim": (0.0, False),
+    "attention_factor": (0.0, True),
+    "low_freq_factor": (0.0, True),
+    "high_freq_factor": (0.0, True),
+    "short_mscale": (0.0, True),
+    "long_mscale": (0.0, True),
+}
+_INT_KEYS = ("original_max_position_embeddings", "max_position_embeddings")
 # Qwen2-VL / Qwen2.5-VL checkpoints store {"type": "mrope", "mrope_section": [...]}; transformers'
 # configs of those models turn that type into "default" (M-RoPE changes positions, not inv_freq).
 # Phi-3's first long-context checkpoints name LongRoPE "su", which transformers reads as such.
@@ -190,8 +211,9 @@ def _check_shared_keys(params: dict, rope_dim: int, kind: str, head_dim: int | N
             )
     # The context a checkpoint was trained to (Ministral 3 keeps it here); only longrope,
     # which lists it, reads it.
-    if kind != "longrope":
-        params.pop("max_position_embeddings", None)
+    if kind != "longrope" and "max_position_embeddings" in params:
+        _positive_int(params, "max_position_embeddings", kind)  # unread, but a claim
+        del params["max_position_embeddings"]
     if "llama_4_scaling_beta" in params:
         raise ValueError(
             "scaling['llama_4_scaling_beta'] is a per-position scale of the queries (Ministral "
@@ -288,7 +310,21 @@ def _parse_scaling(
             f"scaling of type {kind!r} got unknown key(s) {unknown}; "
             f"it takes {list(required)} and optionally {list(optional)}"
         )
+    _check_present_keys(params, kind)
     return kind, params
+
+
+def _check_present_keys(params: dict, kind: str) -> None:
+    """Every numeric key of ``params`` in its range (``_NUMBER_KEYS``, ``_INT_KEYS``) and
+    ``truncate`` a bool, whether or not the schedule reads it."""
+    for key in params:
+        if key in _NUMBER_KEYS:
+            minimum, strict = _NUMBER_KEYS[key]
+            _number(params, key, kind, minimum=minimum, strict=strict)
+        elif key in _INT_KEYS:
+            _positive_int(params, key, kind)
+        elif key == "truncate":
+            _flag(params, key, kind, True)
 
 
 def _ladder_exponent(rope_dim: int) -> torch.Tensor:
@@ -510,8 +546,8 @@ def rope_frequencies(
       as ``mrope_section``. Only the frequencies: XD-RoPE's multi-axis positions give the
       two halves of a rotated pair different axes (transformers doubles each section, so
       channels ``d`` and ``d + R/2`` take their angles from different axes), which is not
-      a rotation and which ``mrope_angles`` does not produce; text positions (every axis
-      equal) are plain RoPE.
+      a rotation: ``xdrope_angles`` gives both halves' angles and the two rotations that
+      make it; text positions (every axis equal) are plain RoPE.
     * ``"yarn"`` (Peng et al. 2023; DeepSeek-V2/V3, Qwen2.5/Qwen3 long context, gpt-oss):
       slot ``d`` blends
       ``inv_freq`` (extrapolation) into ``inv_freq / f`` (interpolation) by a ramp that is 0
@@ -572,14 +608,50 @@ def rope_frequencies(
     """
     _check_rope_dim(rope_dim)
     _check_theta(theta)
-    if isinstance(seq_len, torch.Tensor) and seq_len.dim() == 0 and not seq_len.is_floating_point():
+    if (
+        isinstance(seq_len, torch.Tensor)
+        and seq_len.dim() == 0
+        and not (seq_len.is_floating_point() or seq_len.is_complex() or seq_len.dtype == torch.bool)
+    ):
         seq_len = int(seq_len)  # max(position_ids) + 1
     seq_len = _optional_positive_int(seq_len, "seq_len")
     head_dim = _optional_positive_int(head_dim, "head_dim")
+    device = as_device(device)
     kind, params = _parse_scaling(scaling, theta, rope_dim, head_dim)
     inv = float(theta) ** -_ladder_exponent(rope_dim)
-    inv, attention_factor = _SCHEDULES[kind](inv, params, rope_dim, float(theta), seq_len)
-    return inv.to(device=device, dtype=torch.float32), float(attention_factor)
+    try:
+        inv, attention_factor = _SCHEDULES[kind](inv, params, rope_dim, float(theta), seq_len)
+    except OverflowError as error:  # Python's float arithmetic on huge keys
+        raise ValueError(
+            f"scaling {params} of type {kind!r} (theta={theta!r}, seq_len={seq_len}) overflows "
+            f"a float64 ({error})"
+        ) from None
+    inv32 = inv.to(torch.float32)
+    _check_schedule_result(inv, inv32, float(attention_factor), kind, params, theta)
+    return inv32.to(device), float(attention_factor)
+
+
+def _check_schedule_result(inv, inv32, attention_factor: float, kind: str, params, theta) -> None:
+    """The fp64 frequencies ``inv`` and their fp32 ``inv32`` (``[R/2]``, on the CPU) finite,
+    none rounded to 0 from a positive value, and ``attention_factor`` finite and > 0: extreme
+    keys (a factor of 1e308, 1e-300) give infinite or vanished frequencies, whose angles are
+    NaN or 0 at every position. Skipped under a tracer, whose tensors hold no values."""
+    if not runs_eagerly(inv):
+        return
+    bad = ~inv32.isfinite() | ((inv32 == 0) & (inv > 0))
+    if bool(bad.any()) or not (math.isfinite(attention_factor) and attention_factor > 0):
+        slot = int(bad.nonzero()[0]) if bool(bad.any()) else None
+        what = (
+            f"frequency {float(inv[slot])!r} at slot {slot}, which fp32 holds as "
+            f"{float(inv32[slot])!r}"
+            if slot is not None
+            else f"attention factor {attention_factor!r}"
+        )
+        raise ValueError(
+            f"scaling {params} of type {kind!r} with theta={theta!r} gives the {what}: the "
+            f"frequencies must be finite fp32 numbers (0 only where the schedule sets it) and "
+            f"the attention factor finite and > 0"
+        )
 
 
 def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
@@ -587,6 +659,9 @@ def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str) ->
     (rope_dim, theta, device) and shared: kernels that default to it then do no host-to-device
     copy per call, which also keeps them capturable in CUDA graphs. Treat it as read-only.
     It is never an inference tensor, even when first asked for under ``torch.inference_mode()``.
+    A shared tensor that was changed in place or made to require grad is refused at the next
+    call (``RuntimeError``; the cache is cleared, so the calls after it get fresh tensors): the
+    change would otherwise reach every call that defaults to it, silently.
     Under a tracer it is computed in the graph instead (``runs_eagerly``): Dynamo does not
     trace caches, and under a dispatch mode (FakeTensorMode, make_fx's) the cache would keep
     that mode's fake or proxy tensor for every later call."""
@@ -596,11 +671,21 @@ def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str) ->
     # must not pass float() as a number
     _check_rope_dim(rope_dim)
     _check_theta(theta)
-    device = torch.device(device)
+    device = as_device(device)
     if device.type == "cuda" and device.index is None:
         # "cuda" is the current GPU: keyed by its index, not by the GPU current at the first call
         device = torch.device("cuda", torch.cuda.current_device())
-    return _cached_inv_freq(int(rope_dim), float(theta), device)
+    inv_freq = _cached_inv_freq(int(rope_dim), float(theta), device)
+    if inv_freq._version or inv_freq.requires_grad:
+        _cached_inv_freq.cache_clear()
+        change = "made to require grad" if inv_freq.requires_grad else "changed in place"
+        raise RuntimeError(
+            f"the shared default inv_freq (rope_dim={rope_dim}, theta={theta}, {device}) was "
+            f"{change} after an earlier call returned it; it is read-only: clone it to learn or "
+            f"change frequencies (or pass inv_freq=rope_frequencies(...)[0]). The calls between "
+            f"that change and this one used the changed tensor; later calls get a fresh one"
+        )
+    return inv_freq
 
 
 @functools.lru_cache(maxsize=64)
@@ -629,7 +714,9 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
     check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=FREQ_DTYPES)
     check_finite_on_cpu(inv_freq, "inv_freq")
     check_same_device(positions=positions, inv_freq=inv_freq)
-    return positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+    check_finite_on_cpu(angles, "positions * inv_freq in fp32")
+    return angles
 
 
 def _check_sections(sections, half: int, name: str = "sections") -> list[int]:
@@ -715,9 +802,61 @@ def mrope_angles(
             f"positions must have one axis per section ({len(sections)}) in dimension 0, "
             f"got shape {tuple(positions.shape)}"
         )
-    axes = torch.tensor(_slot_axes(sections, interleaved), device=positions.device)
+    axes = torch.tensor(
+        _slot_axes(sections, interleaved), dtype=torch.long, device=positions.device
+    )
     per_slot = positions.to(torch.float32)[axes].movedim(0, -1)  # [..., N, R/2]
-    return per_slot * inv_freq.to(torch.float32)
+    angles = per_slot * inv_freq.to(torch.float32)
+    check_finite_on_cpu(angles, "positions * inv_freq in fp32")
+    return angles
+
+
+def xdrope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, sections: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """XD-RoPE angles (HunyuanOCR / HunYuan-VL, transformers' ``HunYuanVLRotaryEmbedding``):
+    the angles of the first and of the second channel of each rotated pair, which differ.
+
+    transformers gives axis ``a`` the ``2 * sections[a]`` consecutive channels after those of
+    the axes before it, over all ``R`` rotated channels of the ``"half"`` layout, channel ``c``
+    turning at ``inv_freq[c % (R/2)]``. So the pair ``(d, d + R/2)`` can take its two channels'
+    angles ``a, b`` from two axes, and its map ``(x1 cos a - x2 sin a, x2 cos b + x1 sin b)`` is
+    not a rotation (it is where every axis holds one position, the text tokens). Each of its
+    two outputs is that of a rotation: rotate once by ``first`` and once by ``second`` and take
+    the first ``R/2`` rotated channels from the one and the rest from the other::
+
+        first, second = xdrope_angles(pos, inv_freq, [16, 16, 16, 16])  # R = 128
+        x1 = apply_rope(x, first)
+        x2 = apply_rope(x, second)
+        x_rot = torch.cat([x1[..., :64], x2[..., 64:]], dim=-1)
+
+    (with ``attention_factor`` and ``rope_dim`` as for plain RoPE; the pass-through channels are
+    in both). The fused attention kernels rotate by one table, so XD-RoPE takes the rotation
+    first, then attention without RoPE (``scaled_dot_product_attention``).
+
+    Args:
+        positions: ``[K, N]`` or ``[K, B, N]``, integer or floating point, one row per axis.
+        inv_freq: ``[R/2]`` floating point, on ``positions``' device.
+        sections: ``K`` non-negative ints summing to ``R/2`` (transformers' ``mrope_section``,
+            the checkpoints' ``xdrope_section``: HunyuanOCR's ``[16, 16, 16, 16]``).
+
+    Returns:
+        ``(first, second)``, fp32 ``[N, R/2]`` or ``[B, N, R/2]`` each: ``mrope_angles`` of
+        the contiguous sections that the channel ranges give each half.
+    """
+    check_float_tensor(inv_freq, "inv_freq", ndim=1, dtypes=FREQ_DTYPES)
+    sections = _check_sections(sections, inv_freq.shape[0])
+    half = sum(sections)
+    starts = [2 * sum(sections[:a]) for a in range(len(sections))]
+    # axis a's channels [start, start + 2 s) clipped to each half of [0, R)
+    first = [
+        max(0, min(s + 2 * n, half) - min(s, half)) for s, n in zip(starts, sections, strict=True)
+    ]
+    second = [2 * n - f for n, f in zip(sections, first, strict=True)]
+    return (
+        mrope_angles(positions, inv_freq, first),
+        mrope_angles(positions, inv_freq, second),
+    )
 
 
 NDROPE_LAYOUTS = ("sections", "axial", "mixed")
@@ -768,6 +907,8 @@ def nd_rope_frequencies(
     ladder = float(theta) ** -_ladder_exponent(rope_dim)
     if layout != "sections" and (sections is not None or interleaved):
         raise ValueError("sections and interleaved apply to layout='sections' only")
+    if layout != "mixed" and generator is not None:
+        raise ValueError(f"generator draws layout='mixed' only, got layout={layout!r}")
     if layout == "mixed":
         u = torch.randn(n_axes, half, dtype=torch.float64, generator=generator)
         freqs = ladder * u / u.norm(dim=0, keepdim=True)
@@ -784,13 +925,19 @@ def nd_rope_frequencies(
         freqs = torch.where(on_axis, axis_ladder[slots % block], 0.0)
     else:
         if sections is None:
+            if n_axes > half:
+                raise ValueError(
+                    f"n_axes = {n_axes} is more than the rope_dim // 2 = {half} slots: an even "
+                    f"split leaves axes without a slot, whose positions would do nothing; "
+                    f"pass sections (a zero names an axis left out on purpose)"
+                )
             sections = [half // n_axes + (a < half % n_axes) for a in range(n_axes)]
         sections = _check_sections(sections, half)
         if len(sections) != n_axes:
             raise ValueError(f"sections must have n_axes = {n_axes} entries, got {sections}")
         axes = torch.tensor(_slot_axes(sections, interleaved))
         freqs = torch.where(axes == torch.arange(n_axes)[:, None], ladder, 0.0)
-    return freqs[:, None].to(device=device, dtype=torch.float32)
+    return freqs[:, None].to(device=as_device(device), dtype=torch.float32)
 
 
 def nd_rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -830,4 +977,5 @@ def nd_rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor
         for g in range(f.shape[1]):
             term = pos[..., p, None] * f[p, g]
             angles = term if angles is None else angles + term
+    check_finite_on_cpu(angles, "the sum of positions * freqs in fp32")
     return angles

@@ -41,8 +41,9 @@ def llama4_attn_scale(
             read back: a negative position gives a non-finite scale). Integers are divided
             exactly, floats in fp64; transformers divides in fp32, which rounds
             ``p / L0`` up to the next integer for some ``p`` just below a multiple of ``L0``
-            once ``p`` passes 2**24 (or earlier where ``L0`` is not a power of 2), where the
-            two differ by one step.
+            once ``p`` passes 2**24 (where fp32 no longer holds every integer ``p``), where
+            the two differ by one step. uint64 positions must be below 2**63 (divided as
+            int64; checked on the CPU).
         beta: the scale's slope, a finite real number >= 0 (0: no scaling).
         original_max_position_embeddings: ``L0``, a positive int below 2**62.
 
@@ -63,6 +64,13 @@ def llama4_attn_scale(
         raise ValueError(f"original_max_position_embeddings must be in [1, 2**62), got {length}")
     eager_cpu = positions.device.type == "cpu" and not torch.compiler.is_compiling()
     if eager_cpu and positions.numel():
+        if positions.dtype == torch.uint64:  # .long() would wrap these to negative values
+            big = positions.double() >= 2.0**63
+            if bool(big.any()):
+                raise ValueError(
+                    f"uint64 positions must be below 2**63 (divided as int64), got "
+                    f"{positions[big][0].item()}"
+                )
         # int64: PyTorch compares no unsigned type wider than 8 bits
         values = positions if positions.is_floating_point() else positions.long()
         valid = values >= 0  # NaN fails too

@@ -24,7 +24,10 @@ from fused_rope.frequencies import (
     rope_angles,
     rope_frequencies,
     scaling_type,
+    xdrope_angles,
 )
+from fused_rope.naive import apply_rope_ref
+from fused_rope.rope import apply_rope
 from tests.helpers import DEVICE, assert_close
 
 FREQ_RTOL = 2e-6  # relative, per element: fp32 rounding of transformers' pow, ~10 ulps
@@ -664,6 +667,43 @@ def test_scaling_type_resolves_aliases(scaling, kind):
     assert scaling_type(scaling) == kind
 
 
+@pytest.mark.parametrize(
+    "sections", [[16, 16, 16, 16], [10, 20, 18, 16], [0, 30, 2, 32], [32, 0, 0, 32], [5, 5, 5, 49]]
+)
+def test_xdrope_angles_rotate_as_transformers_hunyuan_vl(sections):
+    """XD-RoPE's pairs take their two channels' angles from different axes (not a rotation):
+    the recipe of ``xdrope_angles``' docstring, in the reference and in the Triton kernel,
+    gives what transformers' HunYuan-VL rotary embedding and ``apply_rotary_pos_emb`` give,
+    at random positions per axis (image tokens), where one ``mrope_angles`` table does not."""
+    config_cls, rotary_cls = _hf_classes(
+        "hunyuan_vl", "HunYuanVLTextConfig", "HunYuanVLRotaryEmbedding"
+    )
+    checkpoint = {**_HUNYUAN_A13B, "type": "xdrope", "xdrope_section": sections}
+    config = config_cls(
+        hidden_size=256, num_attention_heads=2, head_dim=128, rope_parameters=dict(checkpoint)
+    )
+    rotary = rotary_cls(config)
+    positions = torch.randint(0, 2000, (4, 2, 37))
+    x = torch.randn(2, 3, 37, 128)
+    cos, sin = rotary(x, positions)  # [B, N, 128] each
+    x1, x2 = x.chunk(2, dim=-1)
+    theirs = x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+    # transformers' own frequencies (rope_frequencies' match them to fp32 rounding, tested
+    # above, which at positions near 2000 would move the angles by more than this tolerance)
+    inv, factor = rotary.inv_freq, rotary.attention_scaling
+    first, second = xdrope_angles(positions, inv, sections)
+    rotate = {
+        "reference": lambda angles: apply_rope_ref(x, angles, attention_factor=factor),
+        "kernel": lambda angles: apply_rope(x.to(DEVICE), angles.to(DEVICE),
+                                            attention_factor=factor).cpu(),
+    }  # fmt: skip
+    for name, rot in rotate.items():
+        ours = torch.cat([rot(first)[..., :64], rot(second)[..., 64:]], dim=-1)
+        assert_close(f"XD-RoPE, {name}", ours, theirs, atol=2e-5, rtol=1e-5)
+    one_table = mrope_angles(positions, inv, sections)  # is not XD-RoPE
+    assert (apply_rope_ref(x, one_table, attention_factor=factor) - theirs).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("rope_dim", [4, 64, 128])
 def test_ntk_alpha_is_a_fixed_stretch_of_the_base(rope_dim):
     """``theta * alpha ** (R / (R - 2))`` at every ``seq_len`` (the formula, without
@@ -782,11 +822,31 @@ def test_default_inv_freq_checks_before_its_cache_and_keys_cuda_by_the_current_g
         with pytest.raises(TypeError, match="rope_dim must be an int"):
             default_inv_freq(rope_dim, 10000.0, "cpu")
     keys = []
-    monkeypatch.setattr(frequencies, "_cached_inv_freq", lambda *key: keys.append(key))
+    monkeypatch.setattr(
+        frequencies, "_cached_inv_freq", lambda *key: keys.append(key) or torch.ones(32)
+    )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     default_inv_freq(64, 10000.0, "cuda")
     default_inv_freq(64, 10000.0, torch.device("cuda", 1))
     assert [key[2] for key in keys] == [torch.device("cuda", 3), torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("change", ["in place", "requires grad"])
+def test_default_inv_freq_refuses_its_shared_tensor_once_changed(change):
+    """A caller that changed the shared tensor (a session's own test made it a learned leaf)
+    silently changed every later call that defaulted to it: refused at the next call, which
+    drops the entry, so the call after it gets the unchanged frequencies again."""
+    _cached_inv_freq.cache_clear()
+    shared = default_inv_freq(64, 10000.0, DEVICE)
+    if change == "in place":
+        shared.mul_(2)
+    else:
+        shared.requires_grad_()
+    with pytest.raises(RuntimeError, match="shared default inv_freq .* was (changed|made)"):
+        default_inv_freq(64, 10000.0, DEVICE)
+    fresh = default_inv_freq(64, 10000.0, DEVICE)
+    assert fresh is not shared and not fresh.requires_grad
+    assert torch.equal(fresh, rope_frequencies(64, 10000.0, device=DEVICE)[0])
 
 
 def test_default_inv_freq_first_asked_for_under_fake_tensors_stays_real():
@@ -972,6 +1032,55 @@ LONGROPE = {
             "max_position_embeddings",
         ),
         ({"scaling": {**LONGROPE, "original_max_position_embeddings": 1}}, ValueError, "original"),
+        # Extreme keys: infinite or vanished frequencies (NaN or 0 angles at every position)
+        # and Python's OverflowError, which named no key (a review's finds)
+        ({"scaling": {"type": "proportional", "factor": 1e-300}}, ValueError, "holds as inf"),
+        ({"scaling": {"type": "linear", "factor": 1e308}}, ValueError, "holds as 0.0"),
+        (
+            {"scaling": {**LONGROPE, "short_factor": [1e-300] + [1.0] * 31}},
+            ValueError,
+            "slot 0, which fp32 holds as inf",
+        ),
+        ({"scaling": {"type": "ntk_alpha", "alpha": 1e300}}, ValueError, "'alpha'.*overflows"),
+        (
+            {"scaling": {**YARN, "original_max_position_embeddings": 10**400}},
+            ValueError,
+            "type 'yarn'.*overflows",
+        ),
+        # A key that another one overrides, or that its type does not read, is checked too
+        ({"scaling": {**LONGROPE, "attention_factor": 1.1, "factor": "x"}}, TypeError, "factor"),
+        (
+            {"scaling": {**LONGROPE, "max_position_embeddings": "x"}},
+            TypeError,
+            "max_position_embeddings",
+        ),
+        (
+            {
+                "scaling": {
+                    **LONGROPE,
+                    "short_mscale": 1.0,
+                    "long_mscale": 1.2,
+                    "attention_factor": math.nan,
+                }
+            },
+            ValueError,
+            "attention_factor",
+        ),
+        ({"scaling": {**YARN, "attention_factor": 1.0, "mscale": "x"}}, TypeError, "'mscale'"),
+        (
+            {"scaling": {"type": "ntk_alpha", "alpha": 1e3, "beta_fast": math.nan}},
+            ValueError,
+            "beta_fast",
+        ),
+        (
+            {"scaling": {"type": "linear", "factor": 2.0, "max_position_embeddings": "x"}},
+            TypeError,
+            "max_position_embeddings",
+        ),
+        ({"seq_len": torch.tensor(True)}, TypeError, "seq_len"),
+        ({"seq_len": torch.tensor(3 + 0j)}, TypeError, "seq_len"),
+        ({"device": "foo"}, ValueError, "device is not a device: 'foo'"),
+        ({"device": 3.0}, TypeError, "device must be"),
     ],
 )
 def test_rope_frequencies_rejects_bad_arguments(kwargs, error, match):
@@ -1023,6 +1132,9 @@ def test_rope_angles_fractional_positions_and_gradient():
         # NaN angles, then NaN in every output they reach, without an error (a review's find)
         (torch.tensor([0.0, math.inf]), torch.ones(4), ValueError, "positions must be finite"),
         (torch.arange(3), torch.tensor([1.0, math.nan]), ValueError, "inv_freq must be finite"),
+        # finite inputs whose fp32 product is not (positions cast to fp32 overflow)
+        (torch.tensor([1e300], dtype=torch.float64), torch.ones(2), ValueError, "in fp32 must"),
+        (torch.tensor([1e30]), torch.tensor([1e10]), ValueError, "in fp32 must be finite"),
     ],
 )
 def test_rope_angles_rejects_bad_arguments(positions, inv_freq, error, match):
@@ -1185,9 +1297,21 @@ def test_mrope_angles_refuse_non_finite_positions_and_frequencies():
     positions = torch.zeros(3, 10)
     with pytest.raises(ValueError, match="inv_freq must be finite, got nan"):
         mrope_angles(positions, torch.full((32,), math.nan), [16, 8, 8])
+    positions[1, 4] = 1e30
+    with pytest.raises(ValueError, match="positions \\* inv_freq in fp32 must be finite"):
+        mrope_angles(positions, torch.full((32,), 1e10), [16, 8, 8])
     positions[1, 4] = math.inf
     with pytest.raises(ValueError, match="positions must be finite, got inf"):
         mrope_angles(positions, torch.ones(32), [16, 8, 8])
+
+
+def test_angle_builders_take_empty_frequencies():
+    """No rotated slot (rope_dim 0 of a head): ``[..., N, 0]`` angles from every builder; the
+    M-RoPE slot index was a float tensor then, an IndexError (a review's find)."""
+    positions = torch.arange(4)
+    assert mrope_angles(positions[None], torch.ones(0), [0]).shape == (4, 0)
+    assert rope_angles(positions, torch.ones(0)).shape == (4, 0)
+    assert nd_rope_angles(positions[:, None], torch.ones(1, 1, 0)).shape == (4, 0)
 
 
 def test_mrope_sections_take_numpy_ints():
@@ -1352,6 +1476,10 @@ def test_nd_rope_mixed_layout():
         ({"sections": [16, 16, 16]}, ValueError, "sections"),
         ({"layout": "mixed", "sections": [32, 16, 16]}, ValueError, "sections"),
         ({"sections": [16, 24, 24], "interleaved": True}, ValueError, "interleaved"),
+        # axes that the even split leaves without a slot, and a generator that draws nothing
+        ({"rope_dim": 4}, ValueError, "n_axes = 3 is more than the rope_dim // 2 = 2"),
+        ({"generator": torch.Generator()}, ValueError, "generator draws layout='mixed' only"),
+        ({"device": "foo"}, ValueError, "device is not a device"),
     ],
 )
 def test_nd_rope_frequencies_rejects_bad_arguments(kwargs, error, match):

@@ -159,6 +159,12 @@ def test_ministral3_attention_is_the_frequencies_plus_the_query_scale():
         ((torch.arange(4).half(), 0.1, 8), TypeError, "positions"),
         ((torch.ones(4, dtype=torch.bool), 0.1, 8), TypeError, "positions"),
         (([0, 1, 2], 0.1, 8), TypeError, "positions"),
+        # divided as int64, where they would wrap to negative values (a review's find)
+        (
+            (torch.tensor([3, 2**63 + 5], dtype=torch.uint64), 0.1, 8),
+            ValueError,
+            "uint64 positions must be below 2\\*\\*63 .*, got 9223372036854775813",
+        ),
     ],
 )
 def test_bad_arguments_are_refused(args, error, match):
