@@ -25,6 +25,7 @@ custom ops.
 
     python experiments/host_cost.py          # this CPU, launches stubbed
     python experiments/host_cost.py --gpu    # a GPU machine, launches real
+    python experiments/host_cost.py --quick  # one round of a few calls: a smoke run
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 GPU = "--gpu" in sys.argv[1:]
+QUICK = "--quick" in sys.argv[1:]
 if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors reach the launchers' checks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,7 +76,7 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def us_per_call(calls: dict, runs: int = 7) -> dict[str, float]:
+def us_per_call(calls: dict, runs: int = 1 if QUICK else 7) -> dict[str, float]:
     """Microseconds a call of each entry of ``calls`` (name -> ``(fn, n)``): the fastest of
     ``runs`` rounds, each round timing ``n`` calls of every entry in turn (the GPU machine's host
     speed drifts by up to 2x within a process: rounds put the entries under the same drift),
@@ -163,6 +165,8 @@ def main() -> None:
             _through_custom_ops(corope.attention, corope_step),
             200,
         )
+    if QUICK:
+        timed = {name: (fn, 5) for name, (fn, _) in timed.items()}
     for name, us in us_per_call(timed).items():
         print(f"{name}: {us:.1f} us")
 

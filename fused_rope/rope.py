@@ -337,14 +337,16 @@ def _launch(
     config: TileConfig | None,
     position_offset: int = 0,
     inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-    kernel=_rope_kernel,
+    kernel=None,
 ) -> torch.Tensor | None:
-    """Rotates ``q`` (and ``k``) into ``q_out`` (``k_out``) by ``kernel``, ``_rope_kernel``
-    or, in a custom op's body, what ``wrap_triton`` makes of it. ``inputs``: a backward's launch
+    """Rotates ``q`` (and ``k``) into ``q_out`` (``k_out``) by ``kernel``: ``_rope_kernel``
+    (None; looked up at the call, so that a stand-in patched into the module reaches it) or,
+    in a custom op's body, what ``wrap_triton`` makes of it. ``inputs``: a backward's launch
     (q, k the cotangents) that also forms the angles' gradient from the forward's inputs
     ``(q, k)``, returned as ``[head chunks, B, N, R/2]`` fp32 (sum it over the chunks).
     ``q_scale``/``k_scale`` scale the whole of q's/k's output, ``rotary_scale`` also its
     rotated channels."""
+    kernel = _rope_kernel if kernel is None else kernel
     B, H_Q, NQ, D = q.shape
     if B > MAX_GRID_AXIS2:  # the batch is the grid's third axis: a launch per slice of it
         return _launch_batch_slices(q, q_out, k, k_out, angles, layout, rope_dim, q_scale,
@@ -444,7 +446,7 @@ def rope_fwd(
     conjugate: bool = False,
     config: TileConfig | None = None,
     position_offset: int = 0,
-    kernel=_rope_kernel,
+    kernel=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unchecked launcher: ``(s_q R(theta) q, s_k R(theta) k)``; ``k`` may be None;
     ``rotary_scale`` also scales the rotated channels (``R`` becomes ``rotary_scale R``).
@@ -462,7 +464,7 @@ def rope_fwd(
 
 
 def _rotated(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate, config,
-             offset, inputs=None, kernel=_rope_kernel):  # fmt: skip
+             offset, inputs=None, kernel=None):  # fmt: skip
     """``rope_fwd``'s outputs and ``_launch``'s angles' gradient: ``(q_out, k_out,
     d_angles)`` (``d_angles`` None without ``inputs``)."""
     q = _unit_last_stride(q)

@@ -88,6 +88,22 @@ def test_benchmark_quick_run(script, op, markdown, tmp_path):
         assert "rows over the accuracy tolerance: 0" in text, text
 
 
+@pytest.mark.slow
+def test_host_cost_quick_run_stubs_every_launch():
+    """``host_cost.py``'s CPU mode replaces the kernels by no-ops: the RoPE launcher bound its
+    kernel as a default argument at import, so the stand-in never reached it and the run sat
+    in the interpreter for hours (a review's find). A quick run times every call in seconds."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "host_cost.py"), "--quick"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    timed = [line for line in run.stdout.splitlines() if line.endswith(" us")]
+    assert len(timed) == 9 and any("forward+backward" in line for line in timed), run.stdout
+
+
 def test_a_quick_run_never_writes_into_the_committed_results(tmp_path):
     """A quick run (which a CPU forces) without --out writes to a temporary folder: in
     experiments/results/ it replaced the committed GPU tables with a smoke test's."""
