@@ -16,7 +16,7 @@ second, the same a clock an SM at the 1.98 GHz of the floor's count (both counte
 floor counts them: its 16 a clock an SM), and each variant's largest error against fp64 (of
 its fp32 sums over the phases, relative to the largest sum). Session 19 (``corope/PERF_NOTES.md``) has the H100's numbers and what they say.
 
-    python experiments/sincos_rate.py --out experiments/results    # GPU (or the interpreter)
+    python experiments/sincos_rate.py --out experiments/results    # GPU (the interpreter: errors only, no rates)
 """
 
 from __future__ import annotations
