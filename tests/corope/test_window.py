@@ -107,7 +107,11 @@ def _check_backward(B, HQ, HKV, N, D, window, dtype=F32, leader="first", detach=
     def reference(cd):
         leaves = [x.detach().to(cd).requires_grad_() for x in (q, k, v)]
         if learn:
-            leaves.append(w.to(torch.float64 if cd == torch.float64 else F32).requires_grad_())
+            # a copy: in fp32, .to() returned the shared default tensor itself, which this made
+            # a learned leaf for every later call that defaulted to it (default_inv_freq now
+            # refuses it)
+            wd = torch.float64 if cd == torch.float64 else F32
+            leaves.append(w.to(wd, copy=True).requires_grad_())
         o, lse = corope_attention_ref(
             *leaves[:3], inv_freq=leaves[3] if learn else None, leader=leader,
             detach_mileage=detach, window=window, return_lse=True,
