@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from corope.forward import check_index_span, check_rotation
+from fused_rope._attention_common import segment_dims
 from fused_rope._device import num_sms
 from fused_rope._intmath import cdiv, next_power_of_2
 from fused_rope._trig import cos_sin, fast_trig
@@ -305,6 +306,7 @@ def corope_decode(
     n_splits, per_split = decode_splits(n_blocks, B * HKV, sms)
     g_pad = max(MIN_DOT, next_power_of_2(G))
     d_pad = max(MIN_DOT, next_power_of_2(D))
+    half_pad, pass_pad = segment_dims(D, rope_dim)  # the rotated halves' and the rest's
     shape = dict(G=G, G_PAD=g_pad, HEAD_DIM=D, D_PAD=d_pad, LEADER_MEAN=leader == "mean")
     # One allocation (a decoding step is bound by the host): the fp64 gate sums
     # [B * HKV, n_splits], then m, l [.., G] and o [.., G, D] of the partials, flat, each from
@@ -335,8 +337,7 @@ def corope_decode(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *splits, softmax_scale * LOG2E,
-        ROPE_DIM=rope_dim, HALF_PAD=max(MIN_DOT, next_power_of_2(rope_dim // 2)),
-        PASS_PAD=max(MIN_DOT, next_power_of_2(max(D - rope_dim, 1))),
+        ROPE_DIM=rope_dim, HALF_PAD=half_pad, PASS_PAD=pass_pad,
         FAST_TRIG=fast_trig(q),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK=BLOCK_N, SUM_CHUNK=256, num_warps=warps, num_stages=stages, **shape,

@@ -257,3 +257,46 @@ def test_random_configurations(seed):
         o = corope_attention(q, k, v, **kw)
     assert o.dtype == dtype and o.shape == q.shape and o.is_contiguous()
     assert_close_to_baseline("o", o, o64, baseline)
+
+
+class _RecordsKwargs:
+    """Stands in for a kernel: records each launch's keyword arguments and launches nothing
+    (what the interpreter ignores, the dots' padding and precision, only a GPU compile
+    checks)."""
+
+    def __init__(self):
+        self.kwargs = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kwargs.append(kwargs)
+
+
+@pytest.mark.parametrize(
+    "G, D, rope_dim, dtype, pads, precision",
+    [
+        # tl.dot's dims are at least 16: 2 heads, a 8-wide half and 16 other channels padded
+        (2, 32, 16, F32, (16, 32, 16, 16), "ieee"),
+        (1, 64, 64, F16, (16, 64, 32, 16), "tf32"),  # no pass-through channels: 16 all the same
+        (8, 128, 96, BF16, (16, 128, 64, 32), "tf32"),
+        (24, 256, 200, F32, (32, 256, 128, 64), "ieee"),
+    ],
+)
+def test_decode_launch_pads_its_dots_and_keeps_fp32_exact(
+    monkeypatch, G, D, rope_dim, dtype, pads, precision
+):
+    """The split kernel's padded widths (heads, head dim, rotated half, the rest) and its
+    dots' precision: IEEE fp32 for fp32 inputs (TF32 would round their products to 10
+    bits), TF32 for half inputs (whose dots are in half)."""
+    kernels = {name: _RecordsKwargs() for name in ("_gate_sums_kernel", "_split_kernel")}
+    for name, stand_in in kernels.items():
+        monkeypatch.setattr(corope.decode, name, stand_in)
+    monkeypatch.setattr(corope.decode, "_combine_kernel", _RecordsKwargs())
+    q = torch.randn(1, 2 * G, 1, D, device=DEVICE).to(dtype)
+    k, v = (torch.randn(1, 2, 70, D, device=DEVICE).to(dtype) for _ in "kv")
+    inv_freq = torch.rand(rope_dim // 2, device=DEVICE)
+    corope.decode.corope_decode(q, k, v, inv_freq, D**-0.5, rope_dim, "first")
+    (split,) = kernels["_split_kernel"].kwargs
+    assert (split["G_PAD"], split["D_PAD"], split["HALF_PAD"], split["PASS_PAD"]) == pads
+    assert split["DOT_PRECISION"] == precision and split["ROPE_DIM"] == rope_dim
+    (gates,) = kernels["_gate_sums_kernel"].kwargs
+    assert (gates["G"], gates["G_PAD"], gates["D_PAD"]) == (G, pads[0], pads[1])

@@ -1811,3 +1811,63 @@ def test_causal_alignment_is_bottom_right():
         q_positions=torch.tensor([6], device=DEVICE),
     )
     assert torch.allclose(o[:, :, :1], first, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "head_dim, rope_dim, dims",
+    [
+        (16, 0, (16, 16)),  # no rotation: the halves are empty, padded all the same
+        (32, 32, (16, 16)),  # a half of 16, no pass-through channels
+        (64, 48, (32, 16)),  # halves of 24 and 16 others, padded to powers of two
+        (96, 64, (32, 32)),
+        (256, 256, (128, 16)),
+        (256, 2, (16, 256)),
+    ],
+)
+def test_segment_dims_are_powers_of_two_of_at_least_16(head_dim, rope_dim, dims):
+    """``(HALF, PASS)``: tl.dot's inner dims, which the interpreter does not check (a GPU
+    compile refuses a dot narrower than 16)."""
+    from fused_rope._attention_common import segment_dims
+
+    assert segment_dims(head_dim, rope_dim) == dims
+
+
+def test_kernel_meta_takes_ieee_dots_for_fp32_and_a_window_of_one():
+    """fp32 inputs (the tests') take IEEE fp32 dots, not TF32's 10-bit products, which the
+    interpreter does not have; a window of one key is a window."""
+    from fused_rope._attention_common import _meta
+
+    meta = _meta(96, 64, False, True, torch.float32, 0.125, window=1)
+    assert meta["INPUT_PRECISION"] == "ieee" and meta["WINDOWED"]
+    assert (meta["HALF"], meta["PASS"], meta["BLOCK_D"], meta["SCORE_SCALE"]) == (
+        32,
+        32,
+        128,
+        0.125,
+    )
+    for dtype in (torch.float16, torch.bfloat16):
+        meta = _meta(128, 128, True, False, dtype, 1.0)
+        assert meta["INPUT_PRECISION"] == "tf32" and not meta["WINDOWED"]
+        assert (meta["INTERLEAVED"], meta["CAUSAL"]) == (True, False)
+
+
+def test_autotune_pruning_keeps_the_tiles_whose_accumulators_fit():
+    """``owner`` rows times the padded head dim at most 128 * 128 fp32 accumulators, read from
+    the constexprs (keyword arguments) or the named arguments; the last, untuned config when
+    none fits."""
+    import triton
+
+    from fused_rope._attention_common import _prune_for
+
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 64}) for m in (256, 128, 64)]
+    prune = _prune_for("BLOCK_M")["early_config_prune"]
+
+    def rows(kept):
+        return [c.kwargs["BLOCK_M"] for c in kept]
+
+    assert rows(prune(configs, {}, BLOCK_D=64)) == [256, 128, 64]
+    assert rows(prune(configs, {}, BLOCK_D=128)) == [128, 64]
+    assert rows(prune(configs, {"BLOCK_D": 256})) == [64]
+    assert rows(prune(configs[:2], {}, BLOCK_D=256)) == [128]
+    by_keys = _prune_for("BLOCK_N")["early_config_prune"]
+    assert rows(by_keys(configs, {}, BLOCK_D=256)) == [256, 128, 64]  # BLOCK_N = 64 rows

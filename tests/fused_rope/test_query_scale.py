@@ -50,13 +50,24 @@ def test_narrow_integer_positions_are_divided_in_int64(dtype, positions, length)
     assert torch.equal(scale, torch.ones(2))
 
 
-def test_integer_positions_past_fp32s_integers_are_divided_exactly():
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_positions_past_fp32s_integers_are_divided_exactly(dtype):
     """p = 2**24 + 3 * 16384 - 1 is one short of a multiple of L0 = 16384; in fp32 it rounds up
-    to the multiple (transformers divides in fp32), here it stays one step below."""
+    to the multiple (transformers divides in fp32), here it stays one step below, integers
+    and fp64 positions alike."""
     p = 2**24 + 3 * 16384 - 1
-    scale = llama4_attn_scale(torch.tensor([p, p + 1], device=DEVICE), 1.0, 16384)
+    scale = llama4_attn_scale(torch.tensor([p, p + 1], dtype=dtype, device=DEVICE), 1.0, 16384)
     steps = torch.tensor([p // 16384, (p + 1) // 16384], dtype=torch.float64)  # 1026, 1027
     assert_close("scale", scale.cpu(), 1 + torch.log1p(steps), atol=1e-7, rtol=1e-7)
+
+
+def test_an_original_context_of_one_steps_at_every_position():
+    """L0 = 1, the smallest accepted: ``1 + beta * ln(1 + p)``."""
+    positions = torch.tensor([0, 1, 2, 999])
+    expected = 1 + 0.25 * torch.log1p(positions.double())
+    assert_close("scale", llama4_attn_scale(positions, 0.25, 1), expected, atol=1e-7, rtol=1e-7)
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings must be in \[1"):
+        llama4_attn_scale(positions, 0.25, 0)
 
 
 def test_fractional_positions_are_floored():

@@ -281,6 +281,19 @@ def test_generate_runs_the_model_in_eval_mode():
     model.blocks[0].register_forward_pre_hook(lambda module, args: modes.append(module.training))
     generate(model, torch.randint(0, VOCAB, (1, 3), device=DEVICE), 4, temperature=0)
     assert modes == [False] * 4 and model.training
+    # the mode is restored, not set: a model given in eval mode stays in it
+    generate(model.eval(), torch.randint(0, VOCAB, (1, 3), device=DEVICE), 1, temperature=0)
+    assert not model.training
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_fills_max_len_exactly(use_cache):
+    """A prompt plus new tokens of exactly ``max_len`` runs (one more is refused)."""
+    model = make_model("rope")
+    prompt = torch.randint(0, VOCAB, (1, MAX_LEN - 3), device=DEVICE)
+    assert generate(model, prompt, 3, use_cache=use_cache).shape == (1, MAX_LEN)
+    with pytest.raises(ValueError, match=f"exceeds the model's max_len {MAX_LEN}"):
+        generate(model, prompt, 4, use_cache=use_cache)
 
 
 @torch.no_grad()
@@ -370,6 +383,9 @@ def test_top_k_keeps_exactly_k_ids_and_sample_next_checks_its_arguments():
     ranked = torch.tensor([[-5.0, -4.0, -3.0, 4.0, 5.0]], device=DEVICE).expand(500, 5)
     drawn = sample_next(ranked, 1e39, top_k=2, generator=gen).unique().tolist()
     assert sorted(drawn) == [3, 4]
+    # all but one id: the least likely is still dropped (at 1e39 the others are uniform)
+    drawn = sample_next(ranked, 1e39, top_k=4, generator=gen).unique().tolist()
+    assert sorted(drawn) == [1, 2, 3, 4]
     logits = torch.zeros(2, 5, device=DEVICE)
     for bad, error, match in (
         ({"logits": logits[0]}, ValueError, r"logits must be a floating-point tensor \(B, V\)"),
