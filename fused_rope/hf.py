@@ -1,0 +1,205 @@
+"""A Hugging Face transformers model's RoPE and attention through ``rope_attention``.
+
+``fuse_rope_attention(model)`` replaces the forward of each attention module of a supported
+class (Llama, Mistral, Qwen2, Qwen3, OLMo 2 and the checkpoints built on them) with one that
+takes the projections, unrotated, to ``rope_attention``: the rotation happens in its kernels
+(the fused FlashAttention kernel or the Triton RoPE kernel before SDPA, by ``impl``), with the
+model's own frequencies (its rotary embedding's ``inv_freq``, dynamic NTK's and LongRoPE's as
+they follow the length) and attention factor (YaRN's, LongRoPE's). ``unfuse_rope_attention``
+puts the stock forwards back.
+
+Which calls take the new path: those of a model loaded with ``attn_implementation="sdpa"``
+(transformers' default where SDPA exists) that build no attention mask (no padding, no
+packed sequences, a sliding window that does not bind), with no attention dropout in
+training, no attention weights asked for, and a cache that is empty at the layer or none
+(training, scoring, and a generation's prefill). A prefill stores its keys rotated, as the
+stock forward does (one RoPE kernel over k), so the decoding steps after it, which take the
+stock forward, see the cache they expect. Every other call takes the stock forward: its
+result is transformers' own. Pass ``use_cache=False`` where nothing decodes after the
+forward (scoring, training: transformers' models make a cache by default in eval mode), so
+that no keys are rotated for a cache.
+
+This module imports nothing from transformers: it knows the supported forwards by their
+classes' names and the signature of transformers 5 (``hidden_states, position_embeddings,
+attention_mask, cache``), and refuses other versions' modules by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fused_rope.attention import IMPLS, rope_attention
+from fused_rope.frequencies import rope_angles
+from fused_rope.rope import apply_rope
+
+
+def _heads(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``[B, N, H * D]`` -> ``[B, H, N, D]`` (a view)."""
+    return x.view(*x.shape[:-1], -1, module.head_dim).transpose(1, 2)
+
+
+def _project(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v ``[B, H, N, D]`` before the rotation: Llama, Mistral, Qwen2."""
+    return tuple(_heads(module, p(hidden)) for p in (module.q_proj, module.k_proj, module.v_proj))
+
+
+def _project_head_norm(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3: q and k normalized over each head's channels, before the rotation."""
+    shape = (*hidden.shape[:-1], -1, module.head_dim)
+    q = module.q_norm(module.q_proj(hidden).view(shape)).transpose(1, 2)
+    k = module.k_norm(module.k_proj(hidden).view(shape)).transpose(1, 2)
+    return q, k, _heads(module, module.v_proj(hidden))
+
+
+def _project_flat_norm(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """OLMo 2: q and k normalized over all heads' channels, before the rotation."""
+    q = _heads(module, module.q_norm(module.q_proj(hidden)))
+    k = _heads(module, module.k_norm(module.k_proj(hidden)))
+    return q, k, _heads(module, module.v_proj(hidden))
+
+
+# The attention classes whose stock forward is "project, rotate by position_embeddings, update
+# the cache, attend causally (with the layer's sliding window), o_proj", by class name.
+PROJECTIONS: dict[str, Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    "LlamaAttention": _project,
+    "MistralAttention": _project,
+    "Qwen2Attention": _project,
+    "Qwen3Attention": _project_head_norm,
+    "Olmo2Attention": _project_flat_norm,
+}
+# transformers 5's attention forward; older ones named the cache past_key_value(s)
+_SIGNATURE = ("hidden_states", "position_embeddings", "attention_mask", "cache")
+
+
+def _window(module: nn.Module) -> int | None:
+    """The layer's sliding window: Qwen2/Qwen3 set it per layer (None on full layers),
+    Mistral's forward reads its config's."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)
+
+
+class RopeAttentionForward:
+    """The forward of an attention module patched by ``fuse_rope_attention``: its arguments
+    and return value are the stock forward's, ``(output [B, N, hidden], None)`` on the
+    ``rope_attention`` path (no attention weights)."""
+
+    def __init__(self, module: nn.Module, rotary: nn.Module, impl: str):
+        self.module, self.rotary, self.impl = module, rotary, impl
+        self.project = PROJECTIONS[type(module).__name__]
+        self.stock = type(module).forward.__get__(module)
+        self.signature = inspect.signature(self.stock)
+
+    def __call__(self, *args, **kwargs):
+        arguments = self.signature.bind(*args, **kwargs).arguments
+        extra = arguments.get("kwargs", {})
+        module, cache = self.module, arguments.get("cache")
+        if cache is None:  # the name transformers 5 deprecates, still taken
+            cache = extra.get("past_key_values")
+        fusable = (
+            getattr(module.config, "_attn_implementation", None) == "sdpa"
+            and arguments.get("attention_mask") is None
+            and not (module.training and module.attention_dropout > 0)
+            and not extra.get("output_attentions", False)
+            and (cache is None or cache.get_seq_length(module.layer_idx) == 0)
+        )
+        if not fusable:
+            return self.stock(*args, **kwargs)
+        hidden = arguments["hidden_states"]
+        q, k, v = self.project(module, hidden)
+        positions = extra.get("position_ids")
+        if positions is None:  # no cache at the layer: the sequence starts at 0
+            positions = torch.arange(hidden.shape[1], device=hidden.device)
+        # transformers computes cos and sin from the fp32 frequencies whatever the model's dtype
+        inv_freq = self.rotary.inv_freq.float()
+        factor = float(self.rotary.attention_scaling)
+        if cache is not None:  # what the stock forward stores: the keys rotated
+            k_rotated = apply_rope(k, rope_angles(positions, inv_freq), attention_factor=factor)
+            cache.update(k_rotated, v, module.layer_idx, kwargs=extra)
+        o = rope_attention(
+            q, k, v, inv_freq=inv_freq, positions=positions, softmax_scale=module.scaling,
+            attention_factor=factor, window=_window(module), impl=self.impl,
+        )  # fmt: skip
+        return module.o_proj(o.transpose(1, 2).reshape(*hidden.shape[:-1], -1)), None
+
+
+def _rotary_embedding(model: nn.Module) -> nn.Module:
+    """The model's one rotary embedding (transformers computes cos and sin once, at the top)."""
+    found = [
+        (n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")
+    ]
+    if len(found) != 1:
+        names = [f"{n} ({type(m).__name__})" for n, m in found]
+        raise ValueError(
+            f"model must hold exactly one rotary embedding, whose frequencies every layer "
+            f"takes, got {len(found)}: {names}"
+        )
+    return found[0][1]
+
+
+def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
+    """Routes the attention modules of ``model`` (a transformers model of a class in
+    ``PROJECTIONS``) through ``rope_attention``; see the module's docstring for which calls.
+
+    Args:
+        model: a transformers model (``LlamaForCausalLM``, ``Qwen3Model``, ...).
+        impl: ``rope_attention``'s ``impl``: ``"auto"``, ``"fused"`` or ``"separate"``.
+
+    Returns:
+        the qualified names of the patched modules. Patching again replaces the patch
+        (a new ``impl``).
+
+    Raises ``TypeError`` for a model that is not an ``nn.Module``, ``ValueError`` for a bad
+    ``impl``, a model with no attention module of a supported class, with several rotary
+    embeddings (Gemma 3's local and global ones), whose frequencies do not rotate the whole
+    head, or whose attention forward is not transformers 5's.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    modules = [(n, m) for n, m in model.named_modules() if type(m).__name__ in PROJECTIONS]
+    if not modules:
+        classes = sorted(
+            {type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__}
+        )
+        raise ValueError(
+            f"model has no attention module of a supported class {sorted(PROJECTIONS)}, "
+            f"got attention classes {classes}"
+        )
+    rotary = _rotary_embedding(model)
+    for name, module in modules:
+        parameters = tuple(inspect.signature(type(module).forward).parameters)[1:5]
+        if parameters != _SIGNATURE:
+            raise ValueError(
+                f"{name}: {type(module).__name__}.forward takes {parameters}, not transformers "
+                f"5's {_SIGNATURE}"
+            )
+        if 2 * rotary.inv_freq.numel() != module.head_dim:
+            raise ValueError(
+                f"{name}: the rotary embedding's {rotary.inv_freq.numel()} frequencies rotate "
+                f"{2 * rotary.inv_freq.numel()} channels, not the head's {module.head_dim}"
+            )
+    for _, module in modules:
+        module.forward = RopeAttentionForward(module, rotary, impl)
+    return [name for name, _ in modules]
+
+
+def unfuse_rope_attention(model: nn.Module) -> list[str]:
+    """Puts back the stock forward of each module that ``fuse_rope_attention`` patched;
+    returns their qualified names (none: an empty list)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    restored = []
+    for name, module in model.named_modules():
+        if isinstance(module.__dict__.get("forward"), RopeAttentionForward):
+            del module.forward
+            restored.append(name)
+    return restored
+
+
+__all__ = ["PROJECTIONS", "RopeAttentionForward", "fuse_rope_attention", "unfuse_rope_attention"]

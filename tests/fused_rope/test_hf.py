@@ -1,0 +1,221 @@
+"""``fused_rope.hf``: transformers models whose RoPE and attention run in ``rope_attention``,
+against the same models' stock forward (transformers is the oracle), in float64 for the
+reference and in fp32 for the baseline of flash-attention's rule."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fused_rope.hf
+from fused_rope.hf import fuse_rope_attention, unfuse_rope_attention
+from tests.helpers import DEVICE, assert_close, assert_close_to_baseline
+
+transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
+
+VOCAB = 50
+# config class, model class, and the keys that make its attention differ from Llama's
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"attention_bias": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+
+
+def make_model(family="llama", attn_implementation="sdpa", **config):
+    """A 2-layer model of ``family`` with random weights: 4 query heads, 2 key-value heads
+    of 16 channels, fp32, eval mode."""
+    config_class, model_class, keys = FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        **{
+            "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "max_position_embeddings": 128,
+        } | keys | config,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)._from_config(
+        config, attn_implementation=attn_implementation
+    )
+    for p in model.parameters():  # norms start at 1, biases at 0: random, so that they count
+        if p.ndim == 1:
+            p.data.normal_(1.0 if p.abs().max() == 1 else 0.0, 0.2)
+    return model.to(DEVICE).eval()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many times the patched forwards called ``rope_attention``."""
+    count = []
+
+    def counted(*args, **kwargs):
+        count.append(kwargs["impl"])
+        return rope_attention(*args, **kwargs)
+
+    rope_attention = fused_rope.hf.rope_attention
+    monkeypatch.setattr(fused_rope.hf, "rope_attention", counted)
+    return count
+
+
+def logits_and_grads(model, x, cotangent):
+    """The logits ``[B, N, V]`` of ``x`` and the gradients of ``<logits, cotangent>`` with
+    respect to the input embeddings and the first layer's key projection."""
+    model.zero_grad()
+    embeddings = model.get_input_embeddings()(x).detach().requires_grad_()
+    logits = model(inputs_embeds=embeddings, use_cache=False).logits
+    (logits * cotangent.to(logits.dtype)).sum().backward()
+    k_proj = model.model.layers[0].self_attn.k_proj.weight
+    return logits, embeddings.grad, k_proj.grad
+
+
+def check_against_transformers(model, x, calls, impl="auto", **rope):
+    """The patched model's logits and gradients against the stock model's in float64, with
+    the stock model's in fp32 as the baseline; ``rope_attention`` called once a layer."""
+    cotangent = torch.randn(*x.shape, VOCAB, device=DEVICE)
+    reference = logits_and_grads(copy.deepcopy(model).double(), x, cotangent)
+    baseline = logits_and_grads(model, x, cotangent)
+    assert fuse_rope_attention(model, impl=impl) == [
+        "model.layers.0.self_attn", "model.layers.1.self_attn"
+    ]  # fmt: skip
+    fused = logits_and_grads(model, x, cotangent)
+    assert calls == [impl] * 2
+    for name, out, ref, base in zip(
+        ("logits", "d embeddings", "d k_proj"), fused, reference, baseline, strict=True
+    ):
+        assert_close_to_baseline(name, out, ref, base)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_matches_its_stock_forward(family, calls):
+    check_against_transformers(
+        make_model(family), torch.randint(0, VOCAB, (2, 21), device=DEVICE), calls
+    )
+
+
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+def test_both_implementations_match(impl, calls):
+    check_against_transformers(
+        make_model("qwen3"), torch.randint(0, VOCAB, (1, 70), device=DEVICE), calls, impl
+    )
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        {"rope_type": "linear", "factor": 2.0},
+        # past its original context (max_position_embeddings, 16 here), dynamic NTK's
+        # frequencies follow the length: read from the rotary embedding at each call
+        {"rope_type": "dynamic", "factor": 2.0},
+    ],
+    ids=lambda p: p["rope_type"],
+)
+def test_scaled_schedules_take_the_models_frequencies_and_attention_factor(rope_parameters, calls):
+    """YaRN's attention factor scales cos and sin in transformers; here the rotated channels."""
+    max_len = 16 if rope_parameters["rope_type"] == "dynamic" else 128
+    model = make_model(
+        "llama", max_position_embeddings=max_len,
+        rope_parameters={"rope_theta": 10000.0} | rope_parameters,
+    )  # fmt: skip
+    if rope_parameters["rope_type"] == "yarn":
+        assert model.model.rotary_emb.attention_scaling != 1.0
+    check_against_transformers(model, torch.randint(0, VOCAB, (2, 40), device=DEVICE), calls)
+
+
+def test_a_prefill_fills_the_cache_the_decoding_steps_expect(calls):
+    """A prefill takes ``rope_attention`` and stores its keys rotated, as the stock forward
+    does; the decoding steps after it take the stock forward and give the stock logits."""
+    model = make_model("qwen2")
+    x = torch.randint(0, VOCAB, (2, 12), device=DEVICE)
+    stock = model(x[:, :9], use_cache=True)
+    stock_step = model(x[:, 9:], cache=stock.cache).logits
+    stock_tokens = model.generate(x, max_new_tokens=5, do_sample=False)
+    fuse_rope_attention(model)
+    fused = model(x[:, :9], use_cache=True)
+    assert len(calls) == 2
+    fused_step = model(x[:, 9:], cache=fused.cache).logits
+    assert len(calls) == 2  # the step saw a cache with keys: the stock forward
+    assert_close("prefill", fused.logits, stock.logits, atol=1e-5, rtol=1e-6)
+    for layer, (ours, theirs) in enumerate(
+        zip(fused.cache.layers, stock.cache.layers, strict=True)
+    ):
+        assert_close(f"keys {layer}", ours.keys, theirs.keys, atol=1e-5, rtol=1e-6)
+        assert_close(f"values {layer}", ours.values, theirs.values, atol=1e-5, rtol=1e-6)
+    assert_close("step", fused_step, stock_step, atol=1e-5, rtol=1e-6)
+    assert torch.equal(model.generate(x, max_new_tokens=5, do_sample=False), stock_tokens)
+    assert len(calls) == 4  # generate's prefill
+
+
+def test_calls_with_a_mask_dropout_or_another_attention_take_the_stock_forward(calls):
+    """Padding, a sliding window that binds, attention dropout in training and the eager
+    implementation (which always makes a mask) give transformers' own result."""
+    x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    padding = torch.ones_like(x)
+    padding[0, :4] = 0
+    cases = [
+        (make_model(), {"attention_mask": padding}),
+        (make_model("mistral", sliding_window=8), {}),
+        (make_model("llama", attn_implementation="eager"), {}),
+        (make_model("llama", attention_dropout=0.5).train(), {}),
+    ]
+    for model, kwargs in cases:
+        torch.manual_seed(1)
+        stock = model(x, use_cache=False, **kwargs).logits
+        fuse_rope_attention(model)
+        torch.manual_seed(1)
+        assert torch.equal(model(x, use_cache=False, **kwargs).logits, stock)
+    assert calls == []
+
+
+def test_unfuse_puts_back_the_stock_forward(calls):
+    model = make_model()
+    x = torch.randint(0, VOCAB, (1, 10), device=DEVICE)
+    stock = model(x, use_cache=False).logits
+    fuse_rope_attention(model, impl="separate")
+    names = fuse_rope_attention(model)  # patching again replaces the patch
+    model(x, use_cache=False)
+    assert calls == ["auto"] * 2
+    assert unfuse_rope_attention(model) == names and unfuse_rope_attention(model) == []
+    assert torch.equal(model(x, use_cache=False).logits, stock) and len(calls) == 2
+
+
+def test_bad_models_and_arguments_are_refused():
+    model = make_model()
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        fuse_rope_attention("llama")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got int"):
+        unfuse_rope_attention(3)
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'fused', 'separate'\)"):
+        fuse_rope_attention(model, impl="flash")
+    with pytest.raises(ValueError, match="no attention module of a supported class"):
+        fuse_rope_attention(torch.nn.Linear(2, 2))
+    two = make_model()
+    two.second_rotary = copy.deepcopy(two.model.rotary_emb)  # Gemma 3 has a local one
+    with pytest.raises(ValueError, match="exactly one rotary embedding.* got 2"):
+        fuse_rope_attention(two)
+    partial = make_model()
+    partial.model.rotary_emb.inv_freq = partial.model.rotary_emb.inv_freq[:4]
+    with pytest.raises(ValueError, match="4 frequencies rotate 8 channels, not the head's 16"):
+        fuse_rope_attention(partial)
+
+    class LlamaAttention(torch.nn.Module):  # an older transformers' forward
+        def forward(self, hidden_states, position_embeddings, attention_mask, past_key_value=None):
+            pass
+
+    old = make_model()
+    old.model.layers[0].self_attn = LlamaAttention()
+    with pytest.raises(ValueError, match="model.layers.0.self_attn: LlamaAttention.forward takes"):
+        fuse_rope_attention(old)
+    # nothing was patched by the refused calls
+    assert all("forward" not in m.__dict__ for m in old.modules())
