@@ -671,3 +671,37 @@ def test_more_groups_than_the_backward_grid_takes_are_refused_with_autograd(monk
         corope_attention(q.requires_grad_(), k, v)
     with torch.no_grad():
         torch.testing.assert_close(corope_attention(q, k, v), corope_attention_ref(q, k, v))
+
+
+def test_backward_grid_limit_counts_kv_heads_inclusively(monkeypatch):
+    """B x HKV = 2 at a (lowered) limit of 2 runs with autograd; HQ = 4 does not count."""
+    monkeypatch.setattr(attention_module, "MAX_GRID_AXIS1", 2)
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 8, 32, torch.float32))
+    corope_attention(q, k, v).sum().backward()
+    assert q.grad is not None
+
+
+def test_a_single_position_is_differentiable():
+    """NQ = NK = 1 is training, not a decoding step: it takes the differentiable kernels."""
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 1, 32, torch.float32))
+    do = torch.randn_like(q)
+    o = corope_attention(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = corope_attention_ref(*leaves)
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    assert_close("o", o, ref, atol=1e-5, rtol=1e-5)
+    # one key: the softmax is 1 whatever the scores, so dq and dk are 0 up to rounding
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_eager_decoding_steps_skip_the_custom_op(monkeypatch):
+    q, k, v = _inputs(1, 4, 2, 1, 32, torch.float32)
+    k, v = (torch.randn(1, 2, 9, 32, device=q.device) for _ in range(2))
+    with torch.no_grad():
+        want = corope_attention(q, k, v)
+        monkeypatch.setattr(
+            attention_module, "_decode_op", lambda *a: pytest.fail("an eager step took the op")
+        )
+        assert torch.equal(corope_attention(q, k, v), want)

@@ -850,6 +850,13 @@ BAD_INPUTS = [
         "q must have dtype",
     ),
     ("mixed dtype", lambda q, k, v: (q, k.half(), v, {}), TypeError, "share a dtype"),
+    ("mixed v dtype", lambda q, k, v: (q, k, v.half(), {}), TypeError, "share a dtype"),
+    (
+        "empty keys",
+        lambda q, k, v: (q, k[:, :, :0], v[:, :, :0], {}),
+        ValueError,
+        "at least one position, got NQ=8, NK=0",
+    ),  # fmt: skip
     ("3-d q", lambda q, k, v: (q[0], k, v, {}), ValueError, "q must have 4 dimensions"),
     ("k/v mismatch", lambda q, k, v: (q, k, v[:, :, :4], {}), ValueError, "k and v must be"),
     (
@@ -1871,3 +1878,68 @@ def test_autotune_pruning_keeps_the_tiles_whose_accumulators_fit():
     assert rows(prune(configs[:2], {}, BLOCK_D=256)) == [128]
     by_keys = _prune_for("BLOCK_N")["early_config_prune"]
     assert rows(by_keys(configs, {}, BLOCK_D=256)) == [256, 128, 64]  # BLOCK_N = 64 rows
+
+
+def test_separate_refuses_causal_one_more_query_than_keys():
+    q, k, v = _qkv(nq=5, nk=4)
+    with pytest.raises(ValueError, match="causal NQ=5 > NK=4"):
+        rope_attention(q, k, v, impl="separate")
+
+
+def test_fused_prefill_wins_at_exactly_half_a_program_per_sm():
+    # 1 query tile x 66 heads = 66 programs = 0.5 * 132 SMs: the fused kernel
+    assert attention_module.fused_prefill_wins(1, 66, 16, 132)
+    assert not attention_module.fused_prefill_wins(1, 65, 16, 132)
+
+
+def test_sdpa_is_not_slowed_by_determinism_off_cuda(monkeypatch):
+    monkeypatch.setattr(attention_module, "compute_capability", lambda d: (9, 0))
+    with deterministic_algorithms(True, False):
+        assert not attention_module._sdpa_is_slowed_by_determinism(torch.zeros(1, 1, 4, 32))
+
+
+def test_auto_takes_the_fused_kernel_for_a_window_of_one(separate_calls):
+    q, k, v = _qkv(nq=37, nk=37)
+    out = rope_attention(q, k, v, window=1)
+    assert len(separate_calls) == 0
+    assert torch.equal(out, rope_attention(q, k, v, window=1, impl="fused"))
+
+
+def test_a_head_spanning_exactly_the_limit_is_refused(monkeypatch):
+    monkeypatch.setattr(attention_module, "INT32_INDEX_LIMIT", 2464)
+    q = torch.randn(1, 20, 4, 32, device=DEVICE).transpose(1, 2)  # head span 2464
+    _, k, v = _qkv(nq=20, nk=37)
+    with pytest.raises(ValueError, match="q spans 2464 elements.*int32 indexing"):
+        rope_attention(q, k, v, impl="fused")
+
+
+def test_rotated_copies_of_exactly_the_limit_are_refused(monkeypatch):
+    monkeypatch.setattr(attention_module, "INT32_INDEX_LIMIT", 2368)
+    q, k, v = _qkv(nq=20, nk=37, d=40)  # 37 rows of 64: 2368
+    with pytest.raises(ValueError, match="37 rows of 64 elements.*2368, past their int32"):
+        rope_attention(q, k, v, impl="fused")
+
+
+def test_batch_times_heads_at_the_grid_limit_runs(monkeypatch):
+    monkeypatch.setattr(attention_module, "MAX_GRID_AXIS1", 4)
+    q, k, v = _qkv(hq=4, nq=4, nk=4)
+    assert rope_attention(q, k, v, impl="fused").shape == q.shape  # B x HQ = 4: at the limit
+    monkeypatch.setattr(attention_module, "MAX_GRID_AXIS1", 3)
+    with pytest.raises(ValueError, match="at most 3, got 1 x 4"):
+        rope_attention(q, k, v, impl="fused")
+
+
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+def test_fp64_inv_freq_gives_the_fp32_result(impl):
+    q, k, v = _qkv()
+    inv_freq = rope_frequencies(32, device=DEVICE)[0]
+    want = rope_attention(q, k, v, inv_freq=inv_freq.float(), impl=impl)
+    torch.testing.assert_close(rope_attention(q, k, v, inv_freq=inv_freq.double(), impl=impl), want)
+
+
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+def test_fp64_angles_give_the_fp32_result(impl):
+    q, k, v = _qkv(nq=8, nk=8)
+    want = rope_attention(q, k, v, angles=_angles(), impl=impl)
+    got = rope_attention(q, k, v, angles=_angles().double(), q_angles=_angles().double(), impl=impl)
+    torch.testing.assert_close(got, want)

@@ -22,7 +22,7 @@ from fused_rope._trig import reduce_angle
 from fused_rope._validation import check_kernel_device, interpreter_blocker, interpreting
 from fused_rope.frequencies import rope_angles, rope_frequencies
 from fused_rope.naive import apply_rope_ref
-from fused_rope.rope import TileConfig, apply_rope, apply_rope_qk, rope_fwd
+from fused_rope.rope import TileConfig, apply_rope, apply_rope_qk, rope_fwd, tile_config
 from tests.helpers import DEVICE, ON_GPU, assert_close_to_baseline
 
 gpu = pytest.mark.gpu
@@ -1424,3 +1424,42 @@ def test_random_configurations(seed):
     torch.autograd.backward(outs, dys)
     for name, x, a, s, dy in zip(names, xs, x_angles, scales, dys, strict=True):
         _check(f"d{name}", x.grad, x, a, layout, R, s, dy=dy)
+
+
+def test_qk_offset_limit_counts_k_positions():
+    # q one decoding row, k 8 rows: k's last position is offset + 7 = 2**24
+    with pytest.raises(ValueError, match="position_offset \\+ N <= 2\\*\\*24.*with N=8"):
+        apply_rope_qk(_x(1, 2, 1, 16), _x(1, 2, 8, 16), inv_freq=torch.ones(8, device=DEVICE),
+                      position_offset=2**24 - 7)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        # two loop iterations (q's heads, k's): every head in one program; 1024 programs fill
+        # 4 a SM
+        ((1, 4096, 8, 8, 32), TileConfig(4, 8, 8, 4)),
+        # more iterations: one head block (at most 8 heads) a program
+        ((1, 64, 16, 2, 64), TileConfig(1, 8, 2, 2, heads_per_program=8)),
+        # 16 positions a program give 400 programs, under 4 a SM (132): halved to 8
+        ((1, 6400, 1, 1, 64), TileConfig(8, 1, 1, 2)),
+    ],
+)
+def test_tile_config_on_a_gpu(args, expected, monkeypatch):
+    monkeypatch.setattr(rope_module, "num_sms", lambda device: 132)
+    assert tile_config(*args, torch.device("cuda")) == expected
+
+
+def test_tile_config_in_the_interpreter_counts_the_wider_head_block():
+    # 2048 pairs a program: 8 positions of 32 pairs times k's 8 heads, though q has 1
+    assert tile_config(1, 64, 1, 8, 64, torch.device("cpu")) == TileConfig(8, 1, 8, 4)
+
+
+def test_one_batch_past_the_grid_axis_launches_in_slices(monkeypatch):
+    calls, real = [], rope_module._launch_batch_slices
+    monkeypatch.setattr(rope_module, "MAX_GRID_AXIS2", 4)
+    monkeypatch.setattr(rope_module, "_launch_batch_slices", lambda *a: calls.append(1) or real(*a))
+    x = _x(5, 2, 7, 16)
+    inv_freq = rope_frequencies(16)[0].to(DEVICE)
+    apply_rope(x, inv_freq=inv_freq)
+    assert calls == [1]
