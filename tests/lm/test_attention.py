@@ -666,3 +666,14 @@ def test_rope_attention_compiles_to_one_graph_before_any_eager_call(monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
     assert_close("compiled rope", compiled(x), attn(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rope", "corope"])
+def test_rope_dim_past_the_head_dim_is_refused_when_the_layer_is_built(name):
+    """d_model 64 over 4 heads: head dim 16; an even rope_dim above it is refused at build
+    time, naming attention.rope_dim (not at the first forward, by the kernels' check)."""
+    with pytest.raises(
+        ValueError, match=r"attention.rope_dim must be even and in \[2, head_dim=16\]"
+    ):
+        build_attention(attn_cfg(name, rope_dim=18, impl="torch"), 64, 4, 2)
+    build_attention(attn_cfg(name, rope_dim=16, impl="torch"), 64, 4, 2)

@@ -23,6 +23,7 @@ from lm.data.base import digest, split_rng
 from lm.data.corpus import EOS_ID
 from lm.data.counting import VAR_NAMES
 from lm.data.hub import load_hub_streams
+from lm.data.vocab import Vocab
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = {
@@ -746,3 +747,17 @@ def test_decode_refuses_ids_past_the_vocabulary():
     ds = build_dataset(SMALL["flipflop"])
     with pytest.raises(ValueError, match="ids must be in"):
         ds.decode([len(ds.vocab)])
+
+
+def test_a_train_stream_shorter_than_one_window_is_refused(tmp_path):
+    """16 bytes + <eos> = 17 tokens, the last 9 valid: 8 train tokens, one short of a window
+    of seq_len + 1 = 9 (the valid stream holds one): refused when the dataset is built."""
+    (tmp_path / "t.txt").write_text("abcdefghijklmnop")
+    with pytest.raises(ValueError, match="training stream has 8 tokens.*data.seq_len"):
+        build_dataset({"name": "text", "files": [str(tmp_path / "t.txt")], "seq_len": 8,
+                       "valid_fraction": 0.53})  # fmt: skip
+
+
+def test_vocab_tokens_must_be_distinct():
+    with pytest.raises(ValueError, match="tokens must be distinct"):
+        Vocab(["<pad>", "a", "a"])

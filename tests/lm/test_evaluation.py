@@ -2,13 +2,14 @@
 
 import math
 import types
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 
 from lm.data import IGNORE_INDEX
-from lm.evaluation import evaluate, evaluate_split
+from lm.evaluation import autocast, evaluate, evaluate_split
 
 CPU = torch.device("cpu")
 V = 5
@@ -131,3 +132,50 @@ def test_an_unknown_kind_is_refused_before_the_batches_run(kind):
 
     with pytest.raises(ValueError, match="kind must be 'lm' or 'task'"):
         evaluate_split(NextTokenTable(), batches(), kind, CPU)
+
+
+def test_err_is_one_minus_seq_acc():
+    """A single row with every answer right: seq_acc 1, err 0 (at seq_acc 1/2 the two agree)."""
+    I = IGNORE_INDEX
+    x, y = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[I, 2, 3, 4]])
+    metrics = evaluate_split(NextTokenTable(), [(x, y)], "task", CPU)
+    assert metrics["seq_acc"] == 1.0 and metrics["err"] == 0.0
+
+
+class Bf16Table(NextTokenTable):
+    """bf16 logits, as the model gives under CUDA's autocast."""
+
+    def forward(self, x):
+        return super().forward(x).bfloat16()
+
+
+def test_bf16_logits_are_scored_in_fp32():
+    """The cross-entropy of bf16 logits (CUDA autocast) is computed in fp32, not bf16."""
+    model = Bf16Table()
+    model.table.copy_(model.table.bfloat16().float())  # the logits the loss sees, exactly
+    x = torch.tensor([[0, 1, 2, 3], [3, 3, 1, 0]])
+    y = torch.tensor([[1, 2, 3, 4], [4, 0, 2, 1]])
+    metrics = evaluate_split(model, [(x, y)], "lm", CPU)
+    pairs = [(int(t), int(u)) for t, u in zip(x.flatten(), y.flatten(), strict=True)]
+    assert metrics["loss"] == pytest.approx(expected_loss(model, pairs), rel=1e-6)
+
+
+def test_the_loss_sums_in_fp64_over_batches():
+    """A first batch of loss 2^24 (one token) then one of log 2: in fp32 the second would
+    vanish from the sum (its spacing at 2^24 is 2); the mean over the 2 tokens keeps it."""
+    model = NextTokenTable()
+    model.table.zero_()
+    model.table[0, 1] = 2.0**24  # input 0, target 0: loss 2^24 exactly; input 1: log V
+    x = torch.tensor([[0]]), torch.tensor([[1]])
+    batches = [(x[0], torch.tensor([[0]])), (x[1], torch.tensor([[0]]))]
+    metrics = evaluate_split(model, batches, "lm", CPU)
+    assert metrics["loss"] == pytest.approx((2.0**24 + math.log(V)) / 2, rel=1e-12)
+
+
+def test_autocast_is_bf16_on_cuda_and_nothing_on_the_cpu():
+
+    with warnings.catch_warnings():  # CPU-only torch warns that it disables autocast
+        warnings.simplefilter("ignore")
+        cuda = autocast(torch.device("cuda"))
+    assert isinstance(cuda, torch.autocast) and cuda.fast_dtype == torch.bfloat16
+    assert not isinstance(autocast(CPU), torch.autocast)

@@ -5,6 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lm.config import ATTENTION_SCHEMAS, ModelConfig
+from lm.generation import KVCache
 from lm.model import GPT, sinusoidal_table
 from tests.helpers import DEVICE, assert_close
 
@@ -222,3 +223,16 @@ def test_dropout_covers_the_input_and_both_branches_of_every_block():
     calls.clear()
     model.eval()(x)
     assert calls == [False] * (1 + 2 * model.cfg.n_layer)
+
+
+def test_activation_checkpointing_leaves_a_cached_forward_alone():
+    """Checkpointing recomputes blocks without the cache, so a cached call, even with autograd
+    on (frozen weights: the cache takes no grad), runs them with it: its chunk continues the
+    cached tokens as the full forward computes it."""
+    model = make_model("rope").requires_grad_(False)
+    model.activation_checkpointing = True
+    x = torch.randint(0, 11, (2, 9), device=DEVICE)
+    full = model(x)
+    cache = KVCache.for_model(model, 9)
+    model(x[:, :5], cache)
+    torch.testing.assert_close(model(x[:, 5:], cache), full[:, 5:], atol=1e-5, rtol=1e-5)
