@@ -1092,3 +1092,33 @@ def test_causal_pairs_are_the_pairs_a_window_mask_keeps(N, window):
     i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
     assert causal_pairs(N, window) == int(((j <= i) & (j > i - window)).sum())
     assert causal_pairs(N) == N * (N + 1) // 2
+
+
+def test_bench_hf_paths_set_up_and_put_back_the_model():
+    """bench_hf.py's paths: "no RoPE" leaves the rotation out, "auto" takes fused_rope.hf's
+    forward and gives the stock logits, and the stock model comes back after each."""
+    transformers = pytest.importorskip("transformers", reason="bench_hf.py times its models")
+    from experiments.bench_hf import path
+
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = model.to(DEVICE)
+    attention = model.model.layers[0].self_attn
+    x = torch.randint(0, 50, (1, 12), device=DEVICE)
+
+    def logits():
+        return model(x, use_cache=False).logits
+
+    stock = logits()
+    with path(model, "no RoPE"):
+        no_rope = logits()
+    with path(model, "auto"):
+        assert "forward" in attention.__dict__
+        auto = logits()
+    assert (no_rope - stock).abs().max() > 1e-3  # positions change the logits
+    torch.testing.assert_close(auto, stock, atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits(), stock) and "forward" not in attention.__dict__

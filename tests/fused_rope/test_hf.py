@@ -72,7 +72,7 @@ def logits_and_grads(model, x, cotangent):
     return logits, embeddings.grad, k_proj.grad
 
 
-def check_against_transformers(model, x, calls, impl="auto", **rope):
+def check_against_transformers(model, x, calls, impl="auto"):
     """The patched model's logits and gradients against the stock model's in float64, with
     the stock model's in fp32 as the baseline; ``rope_attention`` called once a layer."""
     cotangent = torch.randn(*x.shape, VOCAB, device=DEVICE)
@@ -219,3 +219,13 @@ def test_bad_models_and_arguments_are_refused():
         fuse_rope_attention(old)
     # nothing was patched by the refused calls
     assert all("forward" not in m.__dict__ for m in old.modules())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+def test_bf16_models_at_a_longer_sequence(family, impl, calls):
+    """On the GPU, in bf16 (the stock baseline rounds its cos and sin to bf16), 1000 tokens."""
+    model = make_model(family).to(torch.bfloat16)
+    x = torch.randint(0, VOCAB, (2, 1000), device=DEVICE)
+    check_against_transformers(model, x, calls, impl)
