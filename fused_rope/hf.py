@@ -1,7 +1,8 @@
 """A Hugging Face transformers model's RoPE and attention through ``rope_attention``.
 
 ``fuse_rope_attention(model)`` replaces the forward of each attention module of a supported
-class (Llama, Mistral, Qwen2, Qwen3, OLMo 2 and the checkpoints built on them) with one that
+class (``FAMILIES``: Llama, Arcee, Gemma, Granite, Mistral, Mixtral, Ministral, Qwen2,
+Qwen2-MoE, Qwen3, Qwen3-MoE, OLMo 2, and the checkpoints built on them) with one that
 takes the projections, unrotated, to ``rope_attention``: the rotation happens in its kernels
 (the fused FlashAttention kernel or the Triton RoPE kernel before SDPA, by ``impl``), with the
 model's own frequencies (its rotary embedding's ``inv_freq``, dynamic NTK's and LongRoPE's as
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -62,25 +64,51 @@ def _project_flat_norm(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.T
     return q, k, _heads(module, module.v_proj(hidden))
 
 
-# The attention classes whose stock forward is "project, rotate by position_embeddings, update
-# the cache, attend causally (with the layer's sliding window), o_proj", by class name.
-PROJECTIONS: dict[str, Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, ...]]] = {
-    "LlamaAttention": _project,
-    "MistralAttention": _project,
-    "Qwen2Attention": _project,
-    "Qwen3Attention": _project_head_norm,
-    "Olmo2Attention": _project_flat_norm,
+def _no_window(module: nn.Module) -> None:
+    """Llama's forward passes no window (a model's sliding layers, Qwen2-MoE's, get it from
+    their mask alone)."""
+    return None
+
+
+def _config_window(module: nn.Module) -> int | None:
+    """Mistral's and Mixtral's forward passes the config's window to every layer."""
+    return module.config.sliding_window or None
+
+
+def _layer_window(module: nn.Module) -> int | None:
+    """Qwen2's, Qwen3's and Ministral's forward passes the layer's (None on full layers)."""
+    return module.sliding_window or None
+
+
+class Family(NamedTuple):
+    """How a class's stock forward forms q, k, v ``[B, H, N, D]`` before the rotation, and the
+    sliding window it passes to the attention."""
+
+    project: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, ...]]
+    window: Callable[[nn.Module], int | None]
+
+
+# The attention classes whose stock forward is "project, rotate by position_embeddings (the
+# half layout over the whole head), update the cache, attend causally, o_proj", by class name.
+# Each is tested against its model (tests/fused_rope/test_hf.py): a class of the same forward
+# may still rotate otherwise (GLM's interleaved partial rotation, Cohere's), so none is taken
+# by its shape alone.
+FAMILIES: dict[str, Family] = {
+    "LlamaAttention": Family(_project, _no_window),
+    "ArceeAttention": Family(_project, _no_window),
+    "GemmaAttention": Family(_project, _no_window),
+    "GraniteAttention": Family(_project, _no_window),  # scaling: config.attention_multiplier
+    "Qwen2MoeAttention": Family(_project, _no_window),
+    "MistralAttention": Family(_project, _config_window),
+    "MixtralAttention": Family(_project, _config_window),
+    "MinistralAttention": Family(_project, _layer_window),
+    "Qwen2Attention": Family(_project, _layer_window),
+    "Qwen3Attention": Family(_project_head_norm, _layer_window),
+    "Qwen3MoeAttention": Family(_project_head_norm, _layer_window),
+    "Olmo2Attention": Family(_project_flat_norm, _no_window),
 }
 # transformers 5's attention forward; older ones named the cache past_key_value(s)
 _SIGNATURE = ("hidden_states", "position_embeddings", "attention_mask", "cache")
-
-
-def _window(module: nn.Module) -> int | None:
-    """The layer's sliding window: Qwen2/Qwen3 set it per layer (None on full layers),
-    Mistral's forward reads its config's."""
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    return getattr(module.config, "sliding_window", None)
 
 
 class RopeAttentionForward:
@@ -90,7 +118,7 @@ class RopeAttentionForward:
 
     def __init__(self, module: nn.Module, rotary: nn.Module, impl: str):
         self.module, self.rotary, self.impl = module, rotary, impl
-        self.project = PROJECTIONS[type(module).__name__]
+        self.family = FAMILIES[type(module).__name__]
         self.stock = type(module).forward.__get__(module)
         self.signature = inspect.signature(self.stock)
 
@@ -110,7 +138,7 @@ class RopeAttentionForward:
         if not fusable:
             return self.stock(*args, **kwargs)
         hidden = arguments["hidden_states"]
-        q, k, v = self.project(module, hidden)
+        q, k, v = self.family.project(module, hidden)
         positions = extra.get("position_ids")
         if positions is None:  # no cache at the layer: the sequence starts at 0
             positions = torch.arange(hidden.shape[1], device=hidden.device)
@@ -122,7 +150,7 @@ class RopeAttentionForward:
             cache.update(k_rotated, v, module.layer_idx, kwargs=extra)
         o = rope_attention(
             q, k, v, inv_freq=inv_freq, positions=positions, softmax_scale=module.scaling,
-            attention_factor=factor, window=_window(module), impl=self.impl,
+            attention_factor=factor, window=self.family.window(module), impl=self.impl,
         )  # fmt: skip
         return module.o_proj(o.transpose(1, 2).reshape(*hidden.shape[:-1], -1)), None
 
@@ -143,7 +171,7 @@ def _rotary_embedding(model: nn.Module) -> nn.Module:
 
 def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
     """Routes the attention modules of ``model`` (a transformers model of a class in
-    ``PROJECTIONS``) through ``rope_attention``; see the module's docstring for which calls.
+    ``FAMILIES``) through ``rope_attention``; see the module's docstring for which calls.
 
     Args:
         model: a transformers model (``LlamaForCausalLM``, ``Qwen3Model``, ...).
@@ -162,13 +190,13 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    modules = [(n, m) for n, m in model.named_modules() if type(m).__name__ in PROJECTIONS]
+    modules = [(n, m) for n, m in model.named_modules() if type(m).__name__ in FAMILIES]
     if not modules:
         classes = sorted(
             {type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__}
         )
         raise ValueError(
-            f"model has no attention module of a supported class {sorted(PROJECTIONS)}, "
+            f"model has no attention module of a supported class {sorted(FAMILIES)}, "
             f"got attention classes {classes}"
         )
     rotary = _rotary_embedding(model)
@@ -202,4 +230,10 @@ def unfuse_rope_attention(model: nn.Module) -> list[str]:
     return restored
 
 
-__all__ = ["PROJECTIONS", "RopeAttentionForward", "fuse_rope_attention", "unfuse_rope_attention"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "RopeAttentionForward",
+    "fuse_rope_attention",
+    "unfuse_rope_attention",
+]

@@ -21,9 +21,33 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"attention_bias": True}),
+    "qwen2_sliding": (
+        "Qwen2Config", "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-}
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "granite": (
+        "GraniteConfig", "GraniteForCausalLM",
+        {"attention_multiplier": 0.3, "embedding_multiplier": 2.0, "residual_multiplier": 0.5},
+    ),
+    "mixtral": (
+        "MixtralConfig", "MixtralForCausalLM",
+        {"sliding_window": 64, "num_local_experts": 2, "num_experts_per_tok": 1},
+    ),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", {}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 32},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32},
+    ),
+}  # fmt: skip
 
 
 def make_model(family="llama", attn_implementation="sdpa", **config):
@@ -38,8 +62,9 @@ def make_model(family="llama", attn_implementation="sdpa", **config):
         } | keys | config,
     )  # fmt: skip
     torch.manual_seed(0)
+    # the MoE experts' eager loop: their grouped matmul refuses float64, the reference's dtype
     model = getattr(transformers, model_class)._from_config(
-        config, attn_implementation=attn_implementation
+        config, attn_implementation=attn_implementation, experts_implementation="eager"
     )
     for p in model.parameters():  # norms start at 1, biases at 0: random, so that they count
         if p.ndim == 1:
@@ -49,11 +74,11 @@ def make_model(family="llama", attn_implementation="sdpa", **config):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How many times the patched forwards called ``rope_attention``."""
+    """The ``(impl, window)`` of each call the patched forwards made to ``rope_attention``."""
     count = []
 
     def counted(*args, **kwargs):
-        count.append(kwargs["impl"])
+        count.append((kwargs["impl"], kwargs["window"]))
         return rope_attention(*args, **kwargs)
 
     rope_attention = fused_rope.hf.rope_attention
@@ -82,11 +107,21 @@ def check_against_transformers(model, x, calls, impl="auto"):
         "model.layers.0.self_attn", "model.layers.1.self_attn"
     ]  # fmt: skip
     fused = logits_and_grads(model, x, cotangent)
-    assert calls == [impl] * 2
+    assert [impl_called for impl_called, _ in calls] == [impl] * 2
     for name, out, ref, base in zip(
         ("logits", "d embeddings", "d k_proj"), fused, reference, baseline, strict=True
     ):
         assert_close_to_baseline(name, out, ref, base)
+
+
+# the sliding window each family's stock forward passes, layer by layer (it binds nowhere at
+# 21 tokens: the mask would be made, and the stock forward taken)
+WINDOWS = {
+    "mistral": [64, 64],
+    "mixtral": [64, 64],
+    "ministral": [4096, 4096],
+    "qwen2_sliding": [None, 64],
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -94,6 +129,7 @@ def test_each_family_matches_its_stock_forward(family, calls):
     check_against_transformers(
         make_model(family), torch.randint(0, VOCAB, (2, 21), device=DEVICE), calls
     )
+    assert [window for _, window in calls] == WINDOWS.get(family, [None, None])
 
 
 @pytest.mark.parametrize("impl", ["fused", "separate"])
@@ -185,7 +221,7 @@ def test_unfuse_puts_back_the_stock_forward(calls):
     fuse_rope_attention(model, impl="separate")
     names = fuse_rope_attention(model)  # patching again replaces the patch
     model(x, use_cache=False)
-    assert calls == ["auto"] * 2
+    assert calls == [("auto", None)] * 2
     assert unfuse_rope_attention(model) == names and unfuse_rope_attention(model) == []
     assert torch.equal(model(x, use_cache=False).logits, stock) and len(calls) == 2
 
