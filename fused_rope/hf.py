@@ -2,7 +2,7 @@
 
 ``fuse_rope_attention(model)`` replaces the forward of each attention module of a supported
 class (``FAMILIES``: Llama, Arcee, Gemma, Granite, Mistral, Mixtral, Ministral, Qwen2,
-Qwen2-MoE, Qwen3, Qwen3-MoE, OLMo 2, and the checkpoints built on them) with one that
+Qwen2-MoE, Qwen3, Qwen3-MoE, OLMo 2, Phi-3, and the checkpoints built on them) with one that
 takes the projections, unrotated, to ``rope_attention``: the rotation happens in its kernels
 (the fused FlashAttention kernel or the Triton RoPE kernel before SDPA, by ``impl``), with the
 model's own frequencies (its rotary embedding's ``inv_freq``, dynamic NTK's and LongRoPE's as
@@ -64,6 +64,14 @@ def _project_flat_norm(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.T
     return q, k, _heads(module, module.v_proj(hidden))
 
 
+def _project_fused_qkv(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Phi-3: one projection for q, k and v."""
+    q_size = module.config.num_attention_heads * module.head_dim
+    kv_size = module.num_key_value_heads * module.head_dim
+    qkv = module.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+    return tuple(_heads(module, x) for x in qkv)
+
+
 def _no_window(module: nn.Module) -> None:
     """Llama's forward passes no window (a model's sliding layers, Qwen2-MoE's, get it from
     their mask alone)."""
@@ -71,7 +79,7 @@ def _no_window(module: nn.Module) -> None:
 
 
 def _config_window(module: nn.Module) -> int | None:
-    """Mistral's and Mixtral's forward passes the config's window to every layer."""
+    """Mistral's, Mixtral's and Phi-3's forward passes the config's window to every layer."""
     return module.config.sliding_window or None
 
 
@@ -81,11 +89,14 @@ def _layer_window(module: nn.Module) -> int | None:
 
 
 class Family(NamedTuple):
-    """How a class's stock forward forms q, k, v ``[B, H, N, D]`` before the rotation, and the
-    sliding window it passes to the attention."""
+    """How a class's stock forward forms q, k, v ``[B, H, N, D]`` before the rotation, the
+    sliding window it passes to the attention, and whether it rotates the first ``2 *
+    len(inv_freq)`` channels alone (``partial``: Phi-3's ``partial_rotary_factor``) or
+    requires them to be the whole head."""
 
     project: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, ...]]
     window: Callable[[nn.Module], int | None]
+    partial: bool = False
 
 
 # The attention classes whose stock forward is "project, rotate by position_embeddings (the
@@ -106,6 +117,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen3Attention": Family(_project_head_norm, _layer_window),
     "Qwen3MoeAttention": Family(_project_head_norm, _layer_window),
     "Olmo2Attention": Family(_project_flat_norm, _no_window),
+    # Phi-3, Phi-3.5, Phi-4-mini (LongRoPE, and 3/4 of the head rotated)
+    "Phi3Attention": Family(_project_fused_qkv, _config_window, partial=True),
 }
 # transformers 5's attention forward; older ones named the cache past_key_value(s)
 _SIGNATURE = ("hidden_states", "position_embeddings", "attention_mask", "cache")
@@ -145,12 +158,15 @@ class RopeAttentionForward:
         # transformers computes cos and sin from the fp32 frequencies whatever the model's dtype
         inv_freq = self.rotary.inv_freq.float()
         factor = float(self.rotary.attention_scaling)
+        rope_dim = 2 * inv_freq.numel()  # the first rope_dim channels rotate, as transformers'
         if cache is not None:  # what the stock forward stores: the keys rotated
-            k_rotated = apply_rope(k, rope_angles(positions, inv_freq), attention_factor=factor)
+            angles = rope_angles(positions, inv_freq)
+            k_rotated = apply_rope(k, angles, rope_dim=rope_dim, attention_factor=factor)
             cache.update(k_rotated, v, module.layer_idx, kwargs=extra)
         o = rope_attention(
             q, k, v, inv_freq=inv_freq, positions=positions, softmax_scale=module.scaling,
-            attention_factor=factor, window=self.family.window(module), impl=self.impl,
+            attention_factor=factor, rope_dim=rope_dim, window=self.family.window(module),
+            impl=self.impl,
         )  # fmt: skip
         return module.o_proj(o.transpose(1, 2).reshape(*hidden.shape[:-1], -1)), None
 
@@ -207,10 +223,13 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
                 f"{name}: {type(module).__name__}.forward takes {parameters}, not transformers "
                 f"5's {_SIGNATURE}"
             )
-        if 2 * rotary.inv_freq.numel() != module.head_dim:
+        rope_dim = 2 * rotary.inv_freq.numel()
+        partial = FAMILIES[type(module).__name__].partial
+        if rope_dim > module.head_dim or (rope_dim != module.head_dim and not partial):
             raise ValueError(
                 f"{name}: the rotary embedding's {rotary.inv_freq.numel()} frequencies rotate "
-                f"{2 * rotary.inv_freq.numel()} channels, not the head's {module.head_dim}"
+                f"{rope_dim} channels, not the head's {module.head_dim}"
+                + ("" if partial else f" ({type(module).__name__} rotates the whole head)")
             )
     for _, module in modules:
         module.forward = RopeAttentionForward(module, rotary, impl)

@@ -43,6 +43,11 @@ FAMILIES = {
         {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 32},
     ),
+    # a quarter of the head passes through unrotated (Phi-4-mini rotates 3/4 of it)
+    "phi3": (
+        "Phi3Config", "Phi3ForCausalLM",
+        {"partial_rotary_factor": 0.75, "sliding_window": 64, "pad_token_id": 0},
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
         {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32},
@@ -88,13 +93,15 @@ def calls(monkeypatch):
 
 def logits_and_grads(model, x, cotangent):
     """The logits ``[B, N, V]`` of ``x`` and the gradients of ``<logits, cotangent>`` with
-    respect to the input embeddings and the first layer's key projection."""
+    respect to the input embeddings and the first layer's key projection (Phi-3's q, k, v
+    one)."""
     model.zero_grad()
     embeddings = model.get_input_embeddings()(x).detach().requires_grad_()
     logits = model(inputs_embeds=embeddings, use_cache=False).logits
     (logits * cotangent.to(logits.dtype)).sum().backward()
-    k_proj = model.model.layers[0].self_attn.k_proj.weight
-    return logits, embeddings.grad, k_proj.grad
+    attention = model.model.layers[0].self_attn
+    k_proj = attention.k_proj if hasattr(attention, "k_proj") else attention.qkv_proj  # Phi-3
+    return logits, embeddings.grad, k_proj.weight.grad
 
 
 def check_against_transformers(model, x, calls, impl="auto"):
@@ -119,6 +126,7 @@ def check_against_transformers(model, x, calls, impl="auto"):
 WINDOWS = {
     "mistral": [64, 64],
     "mixtral": [64, 64],
+    "phi3": [64, 64],
     "ministral": [4096, 4096],
     "qwen2_sliding": [None, 64],
 }
@@ -166,6 +174,21 @@ def test_scaled_schedules_take_the_models_frequencies_and_attention_factor(rope_
     )  # fmt: skip
     if rope_parameters["rope_type"] == "yarn":
         assert model.model.rotary_emb.attention_scaling != 1.0
+    check_against_transformers(model, torch.randint(0, VOCAB, (2, 40), device=DEVICE), calls)
+
+
+def test_phi3s_longrope_past_its_original_context(calls):
+    """Phi-3.5 / Phi-4-mini: LongRoPE's long factors past the original context (16 here),
+    its attention factor, on 12 of the 16 channels of each head."""
+    factors = torch.linspace(1.0, 6.0, 6).tolist()
+    model = make_model(
+        "phi3", max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 6,
+            "long_factor": factors, "original_max_position_embeddings": 16,
+        },
+    )  # fmt: skip
+    assert model.model.rotary_emb.attention_scaling != 1.0
     check_against_transformers(model, torch.randint(0, VOCAB, (2, 40), device=DEVICE), calls)
 
 
