@@ -9,20 +9,25 @@ model's own frequencies (its rotary embedding's ``inv_freq``, dynamic NTK's and 
 they follow the length) and attention factor (YaRN's, LongRoPE's). ``unfuse_rope_attention``
 puts the stock forwards back.
 
-Which calls take the new path: those of a model loaded with ``attn_implementation="sdpa"``
-(transformers' default where SDPA exists) that build no attention mask (no padding, no
-packed sequences, a sliding window that does not bind), with no attention dropout in
+Which calls take the new path: causal ones (not ``is_causal=False``, in the call, the layer
+or the config) of a model whose attention is SDPA (``attn_implementation="sdpa"``,
+transformers' default where SDPA exists; a model of another attention is patched, but none
+of its calls takes the path) that build no attention mask (no padding, no packed sequences
+without a cache, a sliding window that does not bind; under ``torch.compile`` transformers
+builds the mask, so compiled calls take the stock forward), with no attention dropout in
 training, no attention weights asked for, and a cache that is empty at the layer or none
 (training, scoring, and a generation's prefill). A prefill stores its keys rotated, as the
 stock forward does (one RoPE kernel over k), so the decoding steps after it, which take the
 stock forward, see the cache they expect. Every other call takes the stock forward: its
 result is transformers' own. Pass ``use_cache=False`` where nothing decodes after the
-forward (scoring, training: transformers' models make a cache by default in eval mode), so
-that no keys are rotated for a cache.
+forward (scoring, training: transformers' models make a cache by default, in training mode
+too), so that no keys are rotated for a cache.
 
 This module imports nothing from transformers: it knows the supported forwards by their
-classes' names and the signature of transformers 5 (``hidden_states, position_embeddings,
-attention_mask, cache``), and refuses other versions' modules by name.
+classes' names and modules (``transformers.models.*``: a namesake defined elsewhere is
+refused) and the signatures of transformers 5 (``hidden_states, position_embeddings,
+attention_mask``, then ``cache`` from 5.24 on, ``past_key_values`` before: tested with 5.24
+and 5.17), and refuses other versions' modules by name.
 """
 
 from __future__ import annotations
@@ -120,8 +125,12 @@ FAMILIES: dict[str, Family] = {
     # Phi-3, Phi-3.5, Phi-4-mini (LongRoPE, and 3/4 of the head rotated)
     "Phi3Attention": Family(_project_fused_qkv, _config_window, partial=True),
 }
-# transformers 5's attention forward; older ones named the cache past_key_value(s)
-_SIGNATURE = ("hidden_states", "position_embeddings", "attention_mask", "cache")
+# transformers 5's attention forward, its cache named as from 5.24 on or before (5.17's);
+# 4.x's named it past_key_value and updated it otherwise
+_SIGNATURES = {
+    ("hidden_states", "position_embeddings", "attention_mask", name): name
+    for name in ("cache", "past_key_values")
+}
 
 
 class RopeAttentionForward:
@@ -134,16 +143,21 @@ class RopeAttentionForward:
         self.family = FAMILIES[type(module).__name__]
         self.stock = type(module).forward.__get__(module)
         self.signature = inspect.signature(self.stock)
+        self.cache_name = _SIGNATURES[tuple(self.signature.parameters)[:4]]
 
     def __call__(self, *args, **kwargs):
         arguments = self.signature.bind(*args, **kwargs).arguments
         extra = arguments.get("kwargs", {})
-        module, cache = self.module, arguments.get("cache")
-        if cache is None:  # the name transformers 5 deprecates, still taken
+        module, cache = self.module, arguments.get(self.cache_name)
+        if cache is None:  # the name transformers 5.24 deprecates, still taken
             cache = extra.get("past_key_values")
         fusable = (
             getattr(module.config, "_attn_implementation", None) == "sdpa"
             and arguments.get("attention_mask") is None
+            # SDPA runs bidirectionally without a mask where the call, the layer or the
+            # config says so (embedding models, LLM2Vec's encoders)
+            and extra.get("is_causal", getattr(module, "is_causal", True)) is not False
+            and getattr(module.config, "is_causal", True) is not False
             and not (module.training and module.attention_dropout > 0)
             and not extra.get("output_attentions", False)
             and (cache is None or cache.get_seq_length(module.layer_idx) == 0)
@@ -155,14 +169,18 @@ class RopeAttentionForward:
         positions = extra.get("position_ids")
         if positions is None:  # no cache at the layer: the sequence starts at 0
             positions = torch.arange(hidden.shape[1], device=hidden.device)
-        # transformers computes cos and sin from the fp32 frequencies whatever the model's dtype
-        inv_freq = self.rotary.inv_freq.float()
+        # transformers computes cos and sin from the fp32 frequencies whatever the model's
+        # dtype (the rotary embedding may sit on another device of a split model)
+        inv_freq = self.rotary.inv_freq.to(q.device, torch.float32)
         factor = float(self.rotary.attention_scaling)
         rope_dim = 2 * inv_freq.numel()  # the first rope_dim channels rotate, as transformers'
         if cache is not None:  # what the stock forward stores: the keys rotated
             angles = rope_angles(positions, inv_freq)
             k_rotated = apply_rope(k, angles, rope_dim=rope_dim, attention_factor=factor)
-            cache.update(k_rotated, v, module.layer_idx, kwargs=extra)
+            if self.cache_name == "cache":  # as the stock forward calls it
+                cache.update(k_rotated, v, module.layer_idx, kwargs=extra)
+            else:
+                cache.update(k_rotated, v, module.layer_idx)
         o = rope_attention(
             q, k, v, inv_freq=inv_freq, positions=positions, softmax_scale=module.scaling,
             attention_factor=factor, rope_dim=rope_dim, window=self.family.window(module),
@@ -200,7 +218,8 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
     Raises ``TypeError`` for a model that is not an ``nn.Module``, ``ValueError`` for a bad
     ``impl``, a model with no attention module of a supported class, with several rotary
     embeddings (Gemma 3's local and global ones), whose frequencies do not rotate the whole
-    head, or whose attention forward is not transformers 5's.
+    head (outside Phi-3), whose attention forward is not transformers 5's, or whose
+    attention class only shares a supported one's name (defined outside transformers).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -217,11 +236,17 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
         )
     rotary = _rotary_embedding(model)
     for name, module in modules:
-        parameters = tuple(inspect.signature(type(module).forward).parameters)[1:5]
-        if parameters != _SIGNATURE:
+        cls = type(module)
+        if not cls.__module__.startswith("transformers.models."):  # a namesake's own forward
             raise ValueError(
-                f"{name}: {type(module).__name__}.forward takes {parameters}, not transformers "
-                f"5's {_SIGNATURE}"
+                f"{name}: {cls.__name__} is defined in {cls.__module__}, not in transformers' "
+                "models, so its forward may not be the one this module replaces"
+            )
+        parameters = tuple(inspect.signature(cls.forward).parameters)[1:5]
+        if parameters not in _SIGNATURES:
+            raise ValueError(
+                f"{name}: {cls.__name__}.forward takes {parameters}, not one of transformers "
+                f"5's {sorted(_SIGNATURES)}"
             )
         rope_dim = 2 * rotary.inv_freq.numel()
         partial = FAMILIES[type(module).__name__].partial

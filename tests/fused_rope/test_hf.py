@@ -5,6 +5,7 @@ reference and in fp32 for the baseline of flash-attention's rule."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -106,14 +107,18 @@ def logits_and_grads(model, x, cotangent):
 
 def check_against_transformers(model, x, calls, impl="auto"):
     """The patched model's logits and gradients against the stock model's in float64, with
-    the stock model's in fp32 as the baseline; ``rope_attention`` called once a layer."""
+    the stock model's in fp32 as the baseline; ``rope_attention`` called once a layer. The
+    patched model runs first, on a copy no forward has run: dynamic NTK's stock forward
+    changes the rotary embedding's frequencies, so a patch that kept those it was given would
+    pass after one."""
     cotangent = torch.randn(*x.shape, VOCAB, device=DEVICE)
-    reference = logits_and_grads(copy.deepcopy(model).double(), x, cotangent)
-    baseline = logits_and_grads(model, x, cotangent)
-    assert fuse_rope_attention(model, impl=impl) == [
+    patched = copy.deepcopy(model)
+    assert fuse_rope_attention(patched, impl=impl) == [
         "model.layers.0.self_attn", "model.layers.1.self_attn"
     ]  # fmt: skip
-    fused = logits_and_grads(model, x, cotangent)
+    fused = logits_and_grads(patched, x, cotangent)
+    reference = logits_and_grads(copy.deepcopy(model).double(), x, cotangent)
+    baseline = logits_and_grads(model, x, cotangent)
     assert [impl_called for impl_called, _ in calls] == [impl] * 2
     for name, out, ref, base in zip(
         ("logits", "d embeddings", "d k_proj"), fused, reference, baseline, strict=True
@@ -192,22 +197,33 @@ def test_phi3s_longrope_past_its_original_context(calls):
     check_against_transformers(model, torch.randint(0, VOCAB, (2, 40), device=DEVICE), calls)
 
 
+def cache_of(output):
+    """A forward's cache: ``cache`` from transformers 5.24 on, ``past_key_values`` before."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
+def step(model, x, cache):
+    """A forward continuing ``cache`` (its argument's name as ``cache_of``'s)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(x, **{name: cache})
+
+
 def test_a_prefill_fills_the_cache_the_decoding_steps_expect(calls):
     """A prefill takes ``rope_attention`` and stores its keys rotated, as the stock forward
     does; the decoding steps after it take the stock forward and give the stock logits."""
     model = make_model("qwen2")
     x = torch.randint(0, VOCAB, (2, 12), device=DEVICE)
     stock = model(x[:, :9], use_cache=True)
-    stock_step = model(x[:, 9:], cache=stock.cache).logits
+    stock_step = step(model, x[:, 9:], cache_of(stock)).logits
     stock_tokens = model.generate(x, max_new_tokens=5, do_sample=False)
     fuse_rope_attention(model)
     fused = model(x[:, :9], use_cache=True)
     assert len(calls) == 2
-    fused_step = model(x[:, 9:], cache=fused.cache).logits
+    fused_step = step(model, x[:, 9:], cache_of(fused)).logits
     assert len(calls) == 2  # the step saw a cache with keys: the stock forward
     assert_close("prefill", fused.logits, stock.logits, atol=1e-5, rtol=1e-6)
     for layer, (ours, theirs) in enumerate(
-        zip(fused.cache.layers, stock.cache.layers, strict=True)
+        zip(cache_of(fused).layers, cache_of(stock).layers, strict=True)
     ):
         assert_close(f"keys {layer}", ours.keys, theirs.keys, atol=1e-5, rtol=1e-6)
         assert_close(f"values {layer}", ours.values, theirs.values, atol=1e-5, rtol=1e-6)
@@ -216,17 +232,43 @@ def test_a_prefill_fills_the_cache_the_decoding_steps_expect(calls):
     assert len(calls) == 4  # generate's prefill
 
 
-def test_calls_with_a_mask_dropout_or_another_attention_take_the_stock_forward(calls):
-    """Padding, a sliding window that binds, attention dropout in training and the eager
-    implementation (which always makes a mask) give transformers' own result."""
+@pytest.fixture
+def counting_attention():
+    """An attention implementation of one's own, registered with transformers: SDPA's, counted
+    (its mask is SDPA's, so only the implementation's name tells it from SDPA)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    count = []
+
+    def counted(*args, **kwargs):
+        count.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    transformers.AttentionInterface.register("counting_sdpa", counted)
+    return count
+
+
+def test_calls_with_a_mask_dropout_or_another_attention_take_the_stock_forward(
+    calls, counting_attention
+):
+    """Padding, a sliding window that binds, attention dropout in training, bidirectional
+    attention (asked for by the call, the layers or the config), the eager implementation
+    (which always makes a mask) and one's own attention give transformers' own result."""
     x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
     padding = torch.ones_like(x)
     padding[0, :4] = 0
+    encoder = make_model()
+    for layer in encoder.model.layers:
+        layer.self_attn.is_causal = False  # LLM2Vec's conversion of a decoder
     cases = [
         (make_model(), {"attention_mask": padding}),
         (make_model("mistral", sliding_window=8), {}),
         (make_model("llama", attn_implementation="eager"), {}),
         (make_model("llama", attention_dropout=0.5).train(), {}),
+        (make_model(), {"is_causal": False}),
+        (make_model("qwen2", is_causal=False), {}),
+        (encoder, {}),
+        (make_model("llama", attn_implementation="counting_sdpa"), {}),
     ]
     for model, kwargs in cases:
         torch.manual_seed(1)
@@ -234,7 +276,7 @@ def test_calls_with_a_mask_dropout_or_another_attention_take_the_stock_forward(c
         fuse_rope_attention(model)
         torch.manual_seed(1)
         assert torch.equal(model(x, use_cache=False, **kwargs).logits, stock)
-    assert calls == []
+    assert calls == [] and counting_attention == [1] * 4  # its two layers, stock then patched
 
 
 def test_unfuse_puts_back_the_stock_forward(calls):
@@ -268,12 +310,15 @@ def test_bad_models_and_arguments_are_refused():
     with pytest.raises(ValueError, match="4 frequencies rotate 8 channels, not the head's 16"):
         fuse_rope_attention(partial)
 
-    class LlamaAttention(torch.nn.Module):  # an older transformers' forward
+    class LlamaAttention(torch.nn.Module):  # transformers 4's forward
         def forward(self, hidden_states, position_embeddings, attention_mask, past_key_value=None):
             pass
 
     old = make_model()
     old.model.layers[0].self_attn = LlamaAttention()
+    with pytest.raises(ValueError, match="LlamaAttention is defined in tests.fused_rope.test_hf"):
+        fuse_rope_attention(old)  # a namesake's forward may be anything
+    LlamaAttention.__module__ = "transformers.models.llama.modeling_llama"
     with pytest.raises(ValueError, match="model.layers.0.self_attn: LlamaAttention.forward takes"):
         fuse_rope_attention(old)
     # nothing was patched by the refused calls
