@@ -17,40 +17,41 @@ from tests.helpers import DEVICE, assert_close, assert_close_to_baseline
 transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
 
 VOCAB = 50
-# config class, model class, and the keys that make its attention differ from Llama's
+# the transformers classes' prefix (LlamaConfig, LlamaForCausalLM) and the keys that make the
+# model differ from Llama's
 FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"attention_bias": True}),
+    "llama": ("Llama", {}),
+    "mistral": ("Mistral", {"sliding_window": 64}),
+    "qwen2": ("Qwen2", {"attention_bias": True}),
     "qwen2_sliding": (
-        "Qwen2Config", "Qwen2ForCausalLM",
+        "Qwen2",
         {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
     ),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "qwen3": ("Qwen3", {}),
+    "olmo2": ("Olmo2", {}),
+    "arcee": ("Arcee", {}),
+    "gemma": ("Gemma", {}),
     "granite": (
-        "GraniteConfig", "GraniteForCausalLM",
+        "Granite",
         {"attention_multiplier": 0.3, "embedding_multiplier": 2.0, "residual_multiplier": 0.5},
     ),
     "mixtral": (
-        "MixtralConfig", "MixtralForCausalLM",
+        "Mixtral",
         {"sliding_window": 64, "num_local_experts": 2, "num_experts_per_tok": 1},
     ),
-    "ministral": ("MinistralConfig", "MinistralForCausalLM", {}),
+    "ministral": ("Ministral", {}),
     "qwen2_moe": (
-        "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        "Qwen2Moe",
         {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 32},
     ),
     # a quarter of the head passes through unrotated (Phi-4-mini rotates 3/4 of it)
     "phi3": (
-        "Phi3Config", "Phi3ForCausalLM",
+        "Phi3",
         {"partial_rotary_factor": 0.75, "sliding_window": 64, "pad_token_id": 0},
     ),
     "qwen3_moe": (
-        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        "Qwen3Moe",
         {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32},
     ),
 }  # fmt: skip
@@ -59,8 +60,8 @@ FAMILIES = {
 def make_model(family="llama", attn_implementation="sdpa", **config):
     """A 2-layer model of ``family`` with random weights: 4 query heads, 2 key-value heads
     of 16 channels, fp32, eval mode."""
-    config_class, model_class, keys = FAMILIES[family]
-    config = getattr(transformers, config_class)(
+    prefix, keys = FAMILIES[family]
+    config = getattr(transformers, f"{prefix}Config")(
         **{
             "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -69,7 +70,7 @@ def make_model(family="llama", attn_implementation="sdpa", **config):
     )  # fmt: skip
     torch.manual_seed(0)
     # the MoE experts' eager loop: their grouped matmul refuses float64, the reference's dtype
-    model = getattr(transformers, model_class)._from_config(
+    model = getattr(transformers, f"{prefix}ForCausalLM")._from_config(
         config, attn_implementation=attn_implementation, experts_implementation="eager"
     )
     for p in model.parameters():  # norms start at 1, biases at 0: random, so that they count
