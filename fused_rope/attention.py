@@ -51,7 +51,12 @@ from fused_rope.attention_backward import (
     _rope_attn_bwd_dq_kernel,
     rope_attention_bwd,
 )
-from fused_rope.attention_forward import _FWD_CONFIGS, _rope_attn_fwd_kernel, rope_attention_fwd
+from fused_rope.attention_forward import (
+    _FWD_CONFIGS,
+    _rope_attn_fwd_kernel,
+    hopper_forward_takes,
+    rope_attention_fwd,
+)
 from fused_rope.frequencies import default_inv_freq, rope_angles
 from fused_rope.sdpa import _lower_right_backend, sdpa_attention, window_hides_keys
 
@@ -332,6 +337,26 @@ def _sdpa_is_slowed_by_determinism(q: torch.Tensor) -> bool:
     )
 
 
+def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rotation) -> bool:
+    """Whether a call with nothing to differentiate runs faster through the fused path's Gluon
+    forward on Hopper (``attention_forward_hopper.py``) than through RoPE then cuDNN: square
+    causal attention from 4K keys on, default positions (an H200: 0.88-0.99x the separate
+    path's time at 4K, GQA-4K and 16K, a tie at 2K, slower at 1K; ``README.md``, sessions
+    55-56). With a gradient to take, the separate path stays: cuDNN's backward beats the
+    fused one (1.35-1.48x forward+backward)."""
+    tensors = (q, k, v, *rotation.values())
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    NQ, D = q.shape[2:]
+    return (
+        not needs_grad
+        and causal
+        and NQ >= 4096
+        and all(rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles"))
+        and hopper_forward_takes(q, k, rope_dim, layout == "interleaved", 0,
+                                 check_softmax_scale(softmax_scale, D))
+    )  # fmt: skip
+
+
 def _rope_then_sdpa(
     q, k, v, inv_freq, positions, q_positions, angles, q_angles, causal, scale, layout, rope_dim,
     factor, window,
@@ -450,6 +475,7 @@ def _check_inputs(
             )
             or (causal and NQ == NK and _sdpa_is_slowed_by_determinism(q))
             or window > 0
+            or _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rotation)
         )
         # Where the fused kernel cannot run, SDPA (for a prefill, with its bottom-right mask,
         # which may be a materialized one) beats an error; not under compile, which cannot

@@ -5,6 +5,8 @@ and the shared helpers).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,7 @@ from fused_rope._attention_common import (
     _visible,
     query_fold,
 )
+from fused_rope._device import compute_capability
 from fused_rope._intmath import cdiv
 
 _FWD_CONFIGS = _configs(
@@ -221,6 +224,46 @@ def _rope_attn_fwd_kernel(
     )
 
 
+# The Triton release whose Gluon the Hopper forward was written and tested against: Gluon is
+# experimental and its API moves between releases, so other versions take the Triton forward.
+GLUON_TRITON_VERSION = "3.6."
+# "0" turns the Hopper forward off (A/B runs, or a Triton build it fails on).
+GLUON_ENV = "FUSED_ROPE_GLUON"
+HOPPER_CTA_ROWS = 128  # query rows a CTA of the Gluon forward (two warpgroups of 64)
+
+
+def gluon_forward_available(device: torch.device) -> bool:
+    """Whether the Gluon forward (``attention_forward_hopper.py``) can run on ``device``: a
+    Hopper GPU (sm_90), the Triton release it was tested with, and not turned off through
+    ``FUSED_ROPE_GLUON=0``."""
+    return (
+        device.type == "cuda"
+        and os.environ.get(GLUON_ENV, "1") != "0"
+        and triton.__version__.startswith(GLUON_TRITON_VERSION)
+        and compute_capability(device) == (9, 0)
+    )
+
+
+def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, window: int,
+                         softmax_scale: float) -> bool:  # fmt: skip
+    """Whether the Gluon forward takes ``q [B, HQ, NQ, D]``, ``k [B, HKV, NK, D]`` with these
+    options (the tables' indexing aside, which ``rope_attention_fwd`` checks): fp16/bf16,
+    D in {64, 128} all rotated, the "half" layout, NQ = NK a multiple of 128, no window, the
+    whole softmax scale folded into Q, and a GPU that has it (``gluon_forward_available``)."""
+    NQ, D = q.shape[2:]
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and D in (64, 128)
+        and rope_dim == D
+        and not interleaved
+        and NQ == k.shape[2]
+        and NQ % HOPPER_CTA_ROWS == 0
+        and window == 0
+        and query_fold(softmax_scale, q.dtype)[1] == 1.0
+        and gluon_forward_available(q.device)
+    )
+
+
 def rope_attention_fwd(
     q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim,
     attention_factor=1.0, window=0,
@@ -228,7 +271,9 @@ def rope_attention_fwd(
     """Launches the forward. ``q_pos``, ``k_pos``: fp32 positions ``[1 | B, N]`` or angles
     ``[1 | B, N, R/2]``, contiguous, or both None for the default positions (``_rope_tables``);
     ``attention_factor`` scales the rotated channels (the tables' cos and sin); ``window``: a
-    causal sliding window of that many keys (0: none).
+    causal sliding window of that many keys (0: none). On Hopper the calls that
+    ``hopper_forward_takes`` run the Gluon forward (``attention_forward_hopper.py``) after the
+    same tables and k pass.
     Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
@@ -241,6 +286,14 @@ def rope_attention_fwd(
     )
     # k rotated once: the key loop would rotate every key tile once per query tile
     k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
+    if (
+        hopper_forward_takes(q, k, rope_dim, interleaved, window, softmax_scale)
+        and q_row_off == 0
+        and stride_qtb == 0  # query i's angles in row i of one table
+    ):
+        from fused_rope.attention_forward_hopper import rope_attention_fwd_hopper
+
+        return rope_attention_fwd_hopper(q, k_rot, v, q_cos, q_sin, q_fold, causal)
     grid = lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)
     _rope_attn_fwd_kernel[grid](
         q,

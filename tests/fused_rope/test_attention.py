@@ -25,6 +25,7 @@ from triton.runtime.errors import OutOfResources
 
 import fused_rope.sdpa
 from fused_rope import attention as attention_module
+from fused_rope import attention_forward
 from fused_rope.attention import max_head_dim, rope_attention
 from fused_rope.frequencies import mrope_angles, rope_angles, rope_frequencies
 from fused_rope.naive import rope_attention_ref
@@ -1187,6 +1188,155 @@ def test_gpu_attention_factor_of_a_partial_rotation(dtype, impl):
         2, 24, 8, 700, 700, 128, dtype=dtype, rope_dim=96, inv_freq=inv_freq.to(DEVICE),
         attention_factor=1.1902, impl=impl,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------- the Gluon forward (Hopper)
+
+
+def _hopper_calls(monkeypatch) -> list:
+    """A list that records each call of the Gluon forward (``attention_forward_hopper``)."""
+    from fused_rope import attention_forward_hopper
+
+    calls, real = [], attention_forward_hopper.rope_attention_fwd_hopper
+
+    def spy(q, *args):
+        calls.append(q.shape)
+        return real(q, *args)
+
+    monkeypatch.setattr(attention_forward_hopper, "rope_attention_fwd_hopper", spy)
+    return calls
+
+
+def test_gluon_forward_needs_hopper_and_the_tested_triton(monkeypatch):
+    """``gluon_forward_available``: sm_90 only, Triton 3.6 only (Gluon's API moves between
+    releases), off with ``FUSED_ROPE_GLUON=0``, never on the CPU."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention_forward, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(attention_forward.triton, "__version__", "3.6.0")
+    monkeypatch.delenv(attention_forward.GLUON_ENV, raising=False)
+    assert attention_forward.gluon_forward_available(cuda)
+    assert not attention_forward.gluon_forward_available(torch.device("cpu"))
+    monkeypatch.setenv(attention_forward.GLUON_ENV, "0")
+    assert not attention_forward.gluon_forward_available(cuda)
+    monkeypatch.delenv(attention_forward.GLUON_ENV)
+    monkeypatch.setattr(attention_forward.triton, "__version__", "3.7.0")
+    assert not attention_forward.gluon_forward_available(cuda)
+    monkeypatch.setattr(attention_forward.triton, "__version__", "3.6.0")
+    for capability in [(8, 0), (9, 1), (10, 0)]:
+        monkeypatch.setattr(attention_forward, "compute_capability", lambda d, c=capability: c)
+        assert not attention_forward.gluon_forward_available(cuda)
+
+
+def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
+    """``hopper_forward_takes`` on a Hopper GPU (assumed): each option the Gluon kernel does not
+    have sends the call to the Triton forward, as does a scale fp16 cannot fold whole."""
+    monkeypatch.setattr(attention_forward, "gluon_forward_available", lambda device: True)
+    q, k = torch.empty(1, 4, 256, 128, dtype=torch.float16), torch.empty(1, 2, 256, 128)
+    k = k.half()
+
+    def takes(q=q, k=k, rope_dim=128, interleaved=False, window=0, scale=128**-0.5):
+        return attention_forward.hopper_forward_takes(q, k, rope_dim, interleaved, window, scale)
+
+    assert takes()
+    assert takes(q=q.bfloat16(), k=k.bfloat16())
+    assert takes(q=q[..., :64], k=k[..., :64], rope_dim=64)
+    assert not takes(q=q.float(), k=k.float())
+    assert not takes(q=q[..., :96], k=k[..., :96], rope_dim=96)  # D
+    assert not takes(rope_dim=64)  # partial rotation
+    assert not takes(interleaved=True)
+    assert not takes(window=64)
+    assert not takes(k=k[:, :, :128])  # NQ != NK
+    assert not takes(q=q[:, :, :200], k=k[:, :, :200])  # N not a multiple of 128
+    assert not takes(scale=1.0)  # fp16: the scores would take a power of two
+    assert takes(q=q.bfloat16(), k=k.bfloat16(), scale=1.0)
+    monkeypatch.setattr(attention_forward, "gluon_forward_available", lambda device: False)
+    assert not takes()
+
+
+def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch):
+    """``rope_attention``'s "auto" on a Hopper GPU (assumed): the fused path (Gluon forward)
+    for square causal attention from 4K keys on when nothing is differentiated; RoPE then
+    SDPA when a gradient may follow, for shorter or non-causal attention, or positions."""
+    monkeypatch.setattr(attention_forward, "gluon_forward_available", lambda device: True)
+    q, k = torch.empty(1, 4, 4096, 64, dtype=torch.float16), torch.empty(1, 2, 4096, 64)
+    k = k.half()
+    none = dict(inv_freq=None, positions=None, q_positions=None, angles=None, q_angles=None)
+
+    def wins(q=q, k=k, causal=True, rotation=none):
+        return attention_module._hopper_inference_wins(q, k, k, causal, 64, "half", None, rotation)
+
+    assert wins()
+    assert not wins(q=q.requires_grad_())
+    with torch.no_grad():
+        assert wins(q=q.requires_grad_())
+    q.requires_grad_(False)
+    assert not wins(rotation={**none, "inv_freq": torch.ones(32, requires_grad=True)})
+    assert not wins(causal=False)
+    assert not wins(q=q[:, :, :2048], k=k[:, :, :2048])
+    assert not wins(rotation={**none, "positions": torch.arange(4096)})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
+    reason="the Gluon forward runs on Hopper with Triton 3.6",
+)
+@pytest.mark.parametrize(
+    "B, HQ, HKV, N, D, dtype, opts",
+    [
+        (2, 8, 2, 1024, 128, torch.float16, dict()),
+        (2, 8, 8, 384, 64, torch.bfloat16, dict(causal=False)),
+        (1, 8, 1, 512, 128, torch.bfloat16, dict(positions="shared")),
+        (2, 4, 4, 256, 64, torch.float16, dict(attention_factor=1.19, transposed=True)),
+        (1, 4, 2, 640, 128, torch.bfloat16, dict(causal=False, softmax_scale=0.3)),
+    ],
+    ids=["GQA4-fp16-D128", "nomask-bf16-D64", "MQA-shared-positions", "factor-strided", "scale"],
+)
+def test_gpu_hopper_forward(B, HQ, HKV, N, D, dtype, opts, monkeypatch):
+    """The fused path with the Gluon forward (and the Triton backward on its LSE): o, lse and
+    every gradient by the flash-attention rule; the spy proves the Gluon kernel ran."""
+    calls = _hopper_calls(monkeypatch)
+    _check_case(B, HQ, HKV, N, N, D, dtype=dtype, **opts)
+    assert calls, "the Gluon forward did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
+    reason="the Gluon forward runs on Hopper with Triton 3.6",
+)
+def test_gpu_hopper_forward_leaves_what_it_lacks_to_triton(monkeypatch):
+    """Positions per batch (one table row per batch row) and N not a multiple of 128 take the
+    Triton forward, still correct."""
+    calls = _hopper_calls(monkeypatch)
+    _check_case(2, 4, 2, 256, 256, 64, dtype=torch.bfloat16, positions="batch")
+    _check_case(1, 4, 2, 300, 300, 128, dtype=torch.float16)
+    assert not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
+    reason="the Gluon forward runs on Hopper with Triton 3.6",
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_auto_inference_at_4k_runs_the_gluon_forward(dtype, monkeypatch):
+    """Under no_grad, "auto" at 4K causal takes the Gluon forward: o by the flash-attention
+    rule against float64."""
+    calls = _hopper_calls(monkeypatch)
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    q, k, v = (torch.randn(1, h, 4096, 128, device=DEVICE, dtype=dtype, generator=gen)
+               for h in (4, 1, 1))  # fmt: skip
+    with torch.no_grad():
+        o = rope_attention(q, k, v)
+    assert calls, "auto did not take the Gluon forward"
+    o64, _ = rope_attention_ref(q.double(), k.double(), v.double())
+    angles = rope_angles(torch.arange(4096, device=DEVICE), rope_frequencies(128)[0].to(DEVICE))
+    o_b, _, _ = rope_attention_in_dtype(
+        q, k, v, q_angles=angles, k_angles=angles, causal=True, scale=128**-0.5, layout="half",
+        rope_dim=128,
+    )  # fmt: skip
+    assert_close_to_baseline("o", o, o64, o_b)
 
 
 @pytest.fixture

@@ -1,0 +1,313 @@
+"""The fused RoPE attention forward on Hopper (sm_90), written in Gluon: warp-specialized, as
+FlashAttention-3 splits the work, where Triton's ``tl.dot`` FlashAttention-2
+(``attention_forward.py``) takes 1.14-1.19x cuDNN's time at 2K-4K tokens without any RoPE
+(``README.md``, "Measured", sessions 36 and 55-56).
+
+A CTA owns 128 query rows of one head:
+
+* a loader partition (1 warp): TMA loads of K and V tiles of 128 keys into a ring of
+  ``STAGES`` buffers, each guarded by a ready and an empty mbarrier (K and V have separate
+  ready barriers, so the scores start before V lands); without RoPE, the CTA's Q tiles too;
+* two consumer partitions (a warpgroup each, 64 query rows each): ``S = Q K^T`` on wgmma from
+  shared memory, the online softmax on exp2 in registers, ``O += P V`` with P from registers;
+  each releases a K/V slot after its P V product (the empty barrier counts both). With RoPE
+  each consumer first rotates its Q tile from ``q`` and the cos/sin tables, the softmax scale
+  and log2(e) folded in (``query_fold``), into shared memory; K comes rotated by the fused
+  path's pass (``_rotated_segments``).
+
+The two consumers run unsynchronized, so one's products use the tensor cores while the other
+is in its softmax (FlashAttention-3's ping-pong, left to the warp schedulers); ``OVERLAP``
+issues the next tile's ``Q K^T`` before this tile's softmax (FlashAttention-3's
+intra-warpgroup pipelining). The kernel writes the natural-log LSE that the Triton backward
+(``attention_backward.py``) takes, so training pairs this forward with that backward.
+
+Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128}, the "half"
+layout over every channel, NQ = NK a multiple of 128 (the tiles are not masked at the end),
+one table row per position shared by the batch, no sliding window. Gluon has no interpreter:
+this module is imported only on a Hopper GPU, and its tests are GPU-only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from fused_rope.attention_forward import HOPPER_CTA_ROWS as CTA_ROWS
+
+ROWS = CTA_ROWS // 2  # query rows a consumer warpgroup (wgmma's M per warpgroup)
+BLOCK_N = 128  # keys a K/V tile (64 was slower: session 55)
+STAGES = 3  # 3 x 2 x 32 KB of K/V at D = 128 fits beside Q's 32 KB in 227 KB of shared memory
+LN2 = gl.constexpr(math.log(2.0))
+CONSUMER_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+MAXNREG = 168  # 12 warps (3 warpgroups) in one CTA an SM: 65536 / 384 registers a thread
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+            kv_empty, q_row, kv_row, n_tiles, ROPE: gl.constexpr):  # fmt: skip
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    if not ROPE:  # with RoPE each consumer rotates its own Q tile into shared memory
+        for c in gl.static_range(2):
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_row + c * ROWS, 0], q_ready.index(c), q_smem.index(c)
+            )
+    for j in range(n_tiles):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        # a fresh mbarrier counts as having completed the phase before 0: the first pass
+        # through the ring does not wait
+        mbarrier.wait(kv_empty.index(s), phase ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s)
+        )
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s)
+        )
+
+
+@gluon.jit
+def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, CAUSAL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):  # fmt: skip
+    """Masks the scores of key tile ``j``; returns P = exp2(qk_scale (S - max)) (fp32, S_L), the
+    updated running max (of the unscaled scores) and sum, and the factor (O_L's rows) that
+    rescales the accumulator. ``qk_scale`` enters each score through one FFMA, as FlashAttention-3
+    folds it (with RoPE, Q carries the fold and ``qk_scale`` is 1)."""
+    if CAUSAL:
+        if j * BLOCK_N + BLOCK_N - 1 > first_row:  # the tile reaches past the first row's key
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_L))
+            sc = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(row_pos, 1), sc, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    alpha = gl.exp2((m_i - m_new) * qk_scale)
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+
+
+@gluon.jit
+def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
+    """Rows ``row .. row + ROWS`` of ``Q [B * HQ * N, D]`` rotated ("half" layout, every channel)
+    by the tables ``COS, SIN [N, D / 2]`` at positions ``first_pos ..``, times ``q_fold``, into
+    ``q_smem [ROWS, D]``: the fused forward's Q, made once per CTA."""
+    ROWS: gl.constexpr = q_smem.type.shape[0]
+    HALF: gl.constexpr = q_smem.type.shape[1] // 2
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r = gl.expand_dims(gl.arange(0, ROWS, gl.SliceLayout(1, L)), 1)
+    c = gl.expand_dims(gl.arange(0, HALF, gl.SliceLayout(0, L)), 0)
+    x = Q + (row + r).to(gl.int64) * (2 * HALF) + c
+    x1 = gl.load(x).to(gl.float32)
+    x2 = gl.load(x + HALF).to(gl.float32)
+    t = (first_pos + r) * HALF + c
+    cos = gl.load(COS + t).to(gl.float32) * q_fold
+    sin = gl.load(SIN + t).to(gl.float32) * q_fold
+    q_smem.slice(0, HALF, dim=1).store((x1 * cos - x2 * sin).to(q_smem.dtype))
+    q_smem.slice(HALF, HALF, dim=1).store((x2 * cos + x1 * sin).to(q_smem.dtype))
+    fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
+
+
+@gluon.jit
+def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
+              q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, CONSUMER: gl.constexpr,
+              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    dtype: gl.constexpr = q_smem.dtype
+    K_WIDTH: gl.constexpr = 256 // dtype.primitive_bitwidth
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, K_WIDTH]
+    )
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, K_WIDTH]
+    )
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+
+    q = q_smem.index(CONSUMER)
+    first_row = q_pos + CONSUMER * ROWS
+    row_pos = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, S_L))
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, S_L))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_L)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, S_L)
+    if ROPE:
+        _rotate_q_tile(q, Q, COS, SIN, q_row + CONSUMER * ROWS, first_row, q_fold)
+    else:
+        mbarrier.wait(q_ready.index(CONSUMER), 0)
+
+    if OVERLAP:
+        # FlashAttention-3's intra-warpgroup pipelining: the softmax of tile j + 1 runs while
+        # the tensor cores do tile j's P V product
+        mbarrier.wait(k_ready.index(0), 0)
+        sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)  # fmt: skip
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, 0, qk_scale, CAUSAL,
+                                           BLOCK_N, S_L, O_L)  # fmt: skip
+        for j in range(n_tiles):
+            s = j % STAGES
+            # the last iteration's scores repeat its own tile (unused): one wgmma a CTA, and no
+            # branch around an asynchronous product
+            jn = gl.minimum(j + 1, n_tiles - 1)
+            mbarrier.wait(k_ready.index(jn % STAGES), (jn // STAGES) & 1)
+            sc = warpgroup_mma(q, k_smem.index(jn % STAGES).permute((1, 0)), s_zero,
+                               use_acc=False, is_async=True)  # fmt: skip
+            p16 = gl.convert_layout(p.to(dtype), P_L)
+            mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+            acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
+            sc = warpgroup_mma_wait(1, deps=[sc])
+            if j + 1 < n_tiles:
+                p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j + 1,
+                                                   qk_scale, CAUSAL, BLOCK_N, S_L, O_L)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            if j + 1 < n_tiles:
+                acc = acc * alpha
+    else:
+        for j in range(n_tiles):
+            s = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(s), phase)
+            sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)  # fmt: skip
+            sc = warpgroup_mma_wait(0, deps=[sc])
+            p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale,
+                                               CAUSAL, BLOCK_N, S_L, O_L)  # fmt: skip
+            acc = acc * alpha
+            p16 = gl.convert_layout(p.to(dtype), P_L)
+            mbarrier.wait(v_ready.index(s), phase)
+            acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(kv_empty.index(s), count=1)
+
+    if ROPE:  # the natural-log LSE the Triton backward takes: Q carried log2(e)
+        gl.store(LSE + q_row + CONSUMER * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, S_L)),
+                 (m_i * qk_scale + gl.log2(l_i)) * LN2)  # fmt: skip
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, O_L)), 1)
+    q.store(acc.to(dtype))  # Q's buffer is free: the output leaves through it
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row + CONSUMER * ROWS, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, N,
+                         HQ, HKV, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         OVERLAP: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
+    """q_desc, o_desc: [B * HQ * N, D] in tiles of [64, D]; k_desc, v_desc: [B * HKV * N, D] in
+    tiles of [BLOCK_N, D]. Grid (N / 128, B * HQ). Without ROPE: qk_scale = softmax_scale *
+    log2(e), Q, COS, SIN, LSE unused. With ROPE: the keys come rotated, Q (the pointer of
+    q_desc's tensor) is rotated in the kernel by COS, SIN [N, D / 2] times q_fold = softmax_scale
+    * log2(e), qk_scale = 1, and LSE [B * HQ * N] fp32 takes the natural-log LSE."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    n_blocks = N // (2 * ROWS)
+    block = n_blocks - 1 - gl.program_id(0)  # the longest key sweeps first
+    bh = gl.program_id(1)
+    kv_bh = (bh // HQ) * HKV + (bh % HQ) // (HQ // HKV)
+    q_pos = block * 2 * ROWS
+    q_row = bh * N + q_pos
+    kv_row = kv_bh * N
+    if CAUSAL:
+        n_tiles = gl.cdiv(q_pos + 2 * ROWS, BLOCK_N)
+    else:
+        n_tiles = N // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_ready.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2)  # both consumers release a slot
+
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                         q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 0, CAUSAL,
+                         OVERLAP, ROPE)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                         q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 1, CAUSAL,
+                         OVERLAP, ROPE)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                       kv_empty, q_row, kv_row, n_tiles, ROPE)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+    # fmt: on
+
+
+def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
+    """TMA descriptors of ``q, o [B, HQ, N, D]`` (tiles of ``[ROWS, D]``) and ``k, v
+    [B, HKV, N, D]`` (tiles of ``[block_n, D]``), contiguous, seen as ``[B * H * N, D]``."""
+    d = q.shape[-1]
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS, d], gl_dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype)
+    flat = [t.reshape(-1, d) for t in (q, k, v, o)]
+    return (
+        TensorDescriptor.from_tensor(flat[0], [ROWS, d], q_layout),
+        TensorDescriptor.from_tensor(flat[1], [block_n, d], kv_layout),
+        TensorDescriptor.from_tensor(flat[2], [block_n, d], kv_layout),
+        TensorDescriptor.from_tensor(flat[3], [ROWS, d], q_layout),
+    )
+
+
+def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAGES,
+           overlap: bool = True) -> torch.Tensor:  # fmt: skip
+    """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]``
+    (``N`` a multiple of ``CTA_ROWS``); returns ``o`` like q. ``rope``: None, or ``(cos, sin,
+    lse, q_fold)`` for the RoPE variant (``attention_fwd_kernel``'s arguments)."""
+    B, HQ, N, _ = q.shape
+    o = torch.empty_like(q)
+    cos, sin, lse, q_fold = rope if rope is not None else (q, q, q, 1.0)
+    attention_fwd_kernel[(N // CTA_ROWS, B * HQ)](
+        *descriptors(q, k, v, o), q, cos, sin, lse, qk_scale, q_fold, N, HQ, k.shape[1], causal,
+        stages, overlap, rope is not None, num_warps=4, maxnreg=MAXNREG,
+    )  # fmt: skip
+    return o
+
+
+def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool) -> tuple:
+    """The fused forward of ``rope_attention_fwd`` where ``hopper_forward_takes`` holds:
+    ``q [B, HQ, N, D]``, ``k_rot`` (k rotated, ``_rotated_segments``) and ``v [B, HKV, N, D]``,
+    ``cos, sin`` the tables of ``_rope_tables`` (row ``i`` holds query ``i``'s angles, one
+    batch row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other scale).
+    Returns ``o [B, HQ, N, D]`` in q's dtype and ``lse [B, HQ, N]`` fp32 (natural log)."""
+    B, HQ, N, _ = q.shape
+    # TMA takes 16-byte aligned rows; a contiguous view at an odd storage offset is copied
+    q, v = (
+        t
+        if t.is_contiguous() and t.data_ptr() % 16 == 0
+        else t.clone(memory_format=torch.contiguous_format)
+        for t in (q, v)
+    )
+    lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
+    o = launch(q, k_rot, v, causal, 1.0, (cos, sin, lse, q_fold))
+    return o, lse
