@@ -591,7 +591,9 @@ def rope_attention(
         rope_dim: rotated channels (even, default D); the rest pass through.
         return_lse: also return the natural-log log-sum-exp ``[B, HQ, NQ]`` fp32
             (``-inf`` for a query that sees no key); it is differentiable.
-        impl: ``"fused"``: the fused kernel. ``"separate"``: the Triton RoPE kernel over q and k
+        impl: ``"fused"``: the fused kernel (on Hopper with Triton 3.6, its forward in Gluon
+            where ``attention_forward.hopper_forward_takes``: 0.79-0.85x the Triton forward's
+            time from 2K tokens on, H200). ``"separate"``: the Triton RoPE kernel over q and k
             (``fused_rope.rope``) then PyTorch's SDPA, with a bottom-right causal mask
             (``causal_lower_right``) when ``NQ < NK``; needs ``return_lse=False`` and, when
             causal, ``NQ <= NK``; under ``torch.compile``, which cannot trace SDPA's bottom-right
@@ -604,7 +606,9 @@ def rope_attention(
             GPU under strict ``torch.use_deterministic_algorithms(True)``, outside
             ``torch.func`` (the switch keeps SDPA from cuDNN:
             there the fused kernel took 0.50-0.87x the separate path's forward+backward time
-            on an H200); "separate" elsewhere (square causal attention: 1.10-1.50x faster
+            on an H200), and square causal attention from 4K tokens on a Hopper GPU when
+            nothing is differentiated (no grad mode, or no input requiring grad) and the Gluon
+            forward takes it (0.88-0.99x the separate path's time, H200); "separate" elsewhere (square causal attention: 1.10-1.50x faster
             than the fused kernel on an H100 and an H200), and where the fused kernel
             cannot run (``D > 256``, fp32 ``D > 128``, ``B * HQ > 65535``, a head of q, k or v
             spanning ``2**31`` elements or more), except for a prefill under compile. Where

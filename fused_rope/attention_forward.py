@@ -230,6 +230,9 @@ GLUON_TRITON_VERSION = "3.6."
 # "0" turns the Hopper forward off (A/B runs, or a Triton build it fails on).
 GLUON_ENV = "FUSED_ROPE_GLUON"
 HOPPER_CTA_ROWS = 128  # query rows a CTA of the Gluon forward (two warpgroups of 64)
+# Below 2K tokens the Triton forward is the faster (an H200, Small-1K: the Gluon one takes
+# 1.03x its time; 0.79-0.85x from 2K on: README, sessions 55-56).
+HOPPER_MIN_N = 2048
 
 
 def gluon_forward_available(device: torch.device) -> bool:
@@ -248,8 +251,9 @@ def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, window: int,
                          softmax_scale: float) -> bool:  # fmt: skip
     """Whether the Gluon forward takes ``q [B, HQ, NQ, D]``, ``k [B, HKV, NK, D]`` with these
     options (the tables' indexing aside, which ``rope_attention_fwd`` checks): fp16/bf16,
-    D in {64, 128} all rotated, the "half" layout, NQ = NK a multiple of 128, no window, the
-    whole softmax scale folded into Q, and a GPU that has it (``gluon_forward_available``)."""
+    D in {64, 128} all rotated, the "half" layout, NQ = NK a multiple of 128 and at least
+    ``HOPPER_MIN_N``, no window, the whole softmax scale folded into Q, and a GPU that has it
+    (``gluon_forward_available``)."""
     NQ, D = q.shape[2:]
     return (
         q.dtype in (torch.float16, torch.bfloat16)
@@ -258,6 +262,7 @@ def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, window: int,
         and not interleaved
         and NQ == k.shape[2]
         and NQ % HOPPER_CTA_ROWS == 0
+        and NQ >= HOPPER_MIN_N
         and window == 0
         and query_fold(softmax_scale, q.dtype)[1] == 1.0
         and gluon_forward_available(q.device)

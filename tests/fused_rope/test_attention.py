@@ -1194,8 +1194,11 @@ def test_gpu_attention_factor_of_a_partial_rotation(dtype, impl):
 
 
 def _hopper_calls(monkeypatch) -> list:
-    """A list that records each call of the Gluon forward (``attention_forward_hopper``)."""
+    """A list that records each call of the Gluon forward (``attention_forward_hopper``), which
+    takes the tests' short sequences too (production: from ``HOPPER_MIN_N`` tokens on)."""
     from fused_rope import attention_forward_hopper
+
+    monkeypatch.setattr(attention_forward, "HOPPER_MIN_N", attention_forward.HOPPER_CTA_ROWS)
 
     calls, real = [], attention_forward_hopper.rope_attention_fwd_hopper
 
@@ -1231,7 +1234,7 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
     """``hopper_forward_takes`` on a Hopper GPU (assumed): each option the Gluon kernel does not
     have sends the call to the Triton forward, as does a scale fp16 cannot fold whole."""
     monkeypatch.setattr(attention_forward, "gluon_forward_available", lambda device: True)
-    q, k = torch.empty(1, 4, 256, 128, dtype=torch.float16), torch.empty(1, 2, 256, 128)
+    q, k = torch.empty(1, 4, 2048, 128, dtype=torch.float16), torch.empty(1, 2, 2048, 128)
     k = k.half()
 
     def takes(q=q, k=k, rope_dim=128, interleaved=False, window=0, scale=128**-0.5):
@@ -1246,6 +1249,9 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
     assert not takes(interleaved=True)
     assert not takes(window=64)
     assert not takes(k=k[:, :, :128])  # NQ != NK
+    assert not takes(q=q[:, :, :1024], k=k[:, :, :1024])  # short: the Triton forward is faster
+    monkeypatch.setattr(attention_forward, "HOPPER_MIN_N", 128)
+    assert takes(q=q[:, :, :1024], k=k[:, :, :1024])
     assert not takes(q=q[:, :, :200], k=k[:, :, :200])  # N not a multiple of 128
     assert not takes(scale=1.0)  # fp16: the scores would take a power of two
     assert takes(q=q.bfloat16(), k=k.bfloat16(), scale=1.0)
