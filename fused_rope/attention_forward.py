@@ -282,8 +282,6 @@ def rope_attention_fwd(
     Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     q_fold, score_scale = query_fold(softmax_scale, q.dtype)
     meta = _meta(D, rope_dim, interleaved, causal, q.dtype, score_scale, window)
     q_cos, q_sin, k_cos, k_sin, stride_qtb, stride_ktb, q_row_off, k_row_off = _rope_tables(
@@ -299,6 +297,8 @@ def rope_attention_fwd(
         from fused_rope.attention_forward_hopper import rope_attention_fwd_hopper
 
         return rope_attention_fwd_hopper(q, k_rot, v, q_cos, q_sin, q_fold, causal)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     grid = lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)
     _rope_attn_fwd_kernel[grid](
         q,
