@@ -72,18 +72,13 @@ def gluon_rope_attention(q, k, v, inv_freq, *, causal=True):
 
 def triton_rope_attention(q, k, v, inv_freq):
     """``rope_attention(impl="fused")`` with the Gluon forward turned off: Triton's forward."""
-    from fused_rope import rope_attention
-    from fused_rope.attention_forward import GLUON_ENV
+    from fused_rope import attention_forward, rope_attention
 
-    old = os.environ.get(GLUON_ENV)
-    os.environ[GLUON_ENV] = "0"
+    enabled, attention_forward.GLUON_ENABLED = attention_forward.GLUON_ENABLED, False
     try:
         return rope_attention(q, k, v, inv_freq=inv_freq, impl="fused")
     finally:
-        if old is None:
-            del os.environ[GLUON_ENV]
-        else:
-            os.environ[GLUON_ENV] = old
+        attention_forward.GLUON_ENABLED = enabled
 
 
 def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16):

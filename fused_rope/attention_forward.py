@@ -227,8 +227,10 @@ def _rope_attn_fwd_kernel(
 # The Triton release whose Gluon the Hopper forward was written and tested against: Gluon is
 # experimental and its API moves between releases, so other versions take the Triton forward.
 GLUON_TRITON_VERSION = "3.6."
-# "0" turns the Hopper forward off (A/B runs, or a Triton build it fails on).
-GLUON_ENV = "FUSED_ROPE_GLUON"
+# FUSED_ROPE_GLUON=0 at import, or GLUON_ENABLED = False at run time, turns the Hopper forward
+# off (A/B runs, or a Triton build it fails on). A module constant, not an environment read
+# per call: torch.compile traces "auto"'s dispatch, which reads it.
+GLUON_ENABLED = os.environ.get("FUSED_ROPE_GLUON", "1") != "0"
 HOPPER_CTA_ROWS = 128  # query rows a CTA of the Gluon forward (two warpgroups of 64)
 # Below 2K tokens the Triton forward is the faster (an H200, Small-1K: the Gluon one takes
 # 1.03x its time; 0.79-0.85x from 2K on: README, sessions 55-56).
@@ -237,11 +239,10 @@ HOPPER_MIN_N = 2048
 
 def gluon_forward_available(device: torch.device) -> bool:
     """Whether the Gluon forward (``attention_forward_hopper.py``) can run on ``device``: a
-    Hopper GPU (sm_90), the Triton release it was tested with, and not turned off through
-    ``FUSED_ROPE_GLUON=0``."""
+    Hopper GPU (sm_90), the Triton release it was tested with, and ``GLUON_ENABLED``."""
     return (
         device.type == "cuda"
-        and os.environ.get(GLUON_ENV, "1") != "0"
+        and GLUON_ENABLED
         and triton.__version__.startswith(GLUON_TRITON_VERSION)
         and compute_capability(device) == (9, 0)
     )

@@ -1212,16 +1212,16 @@ def _hopper_calls(monkeypatch) -> list:
 
 def test_gluon_forward_needs_hopper_and_the_tested_triton(monkeypatch):
     """``gluon_forward_available``: sm_90 only, Triton 3.6 only (Gluon's API moves between
-    releases), off with ``FUSED_ROPE_GLUON=0``, never on the CPU."""
+    releases), off with ``GLUON_ENABLED = False``, never on the CPU."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(attention_forward, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(attention_forward.triton, "__version__", "3.6.0")
-    monkeypatch.delenv(attention_forward.GLUON_ENV, raising=False)
+    monkeypatch.setattr(attention_forward, "GLUON_ENABLED", True)
     assert attention_forward.gluon_forward_available(cuda)
     assert not attention_forward.gluon_forward_available(torch.device("cpu"))
-    monkeypatch.setenv(attention_forward.GLUON_ENV, "0")
+    monkeypatch.setattr(attention_forward, "GLUON_ENABLED", False)
     assert not attention_forward.gluon_forward_available(cuda)
-    monkeypatch.delenv(attention_forward.GLUON_ENV)
+    monkeypatch.setattr(attention_forward, "GLUON_ENABLED", True)
     monkeypatch.setattr(attention_forward.triton, "__version__", "3.7.0")
     assert not attention_forward.gluon_forward_available(cuda)
     monkeypatch.setattr(attention_forward.triton, "__version__", "3.6.0")
