@@ -341,9 +341,11 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
     """Whether a call with nothing to differentiate runs faster through the fused path's Gluon
     forward on Hopper (``attention_forward_hopper.py``) than through RoPE then cuDNN: square
     causal attention from 4K keys on, default positions (an H200: 0.88-0.99x the separate
-    path's time at 4K, GQA-4K and 16K, a tie at 2K, slower at 1K; ``README.md``, sessions
-    55-56). With a gradient to take, the separate path stays: cuDNN's backward beats the
-    fused one (1.35-1.48x forward+backward)."""
+    path's time at 4K, GQA-4K and 16K, 1.02-1.05x at 2K, slower at 1K; ``README.md``,
+    sessions 55-56). With a gradient to take, the separate path stays: cuDNN's backward beats
+    the fused one (1.35-1.48x forward+backward). So the path depends on grad mode: under a
+    reentrant ``torch.utils.checkpoint`` the forward (no grad) takes this one and its
+    recomputation the separate path, whose outputs differ by rounding."""
     tensors = (q, k, v, *rotation.values())
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     NQ, D = q.shape[2:]
@@ -606,9 +608,10 @@ def rope_attention(
             GPU under strict ``torch.use_deterministic_algorithms(True)``, outside
             ``torch.func`` (the switch keeps SDPA from cuDNN:
             there the fused kernel took 0.50-0.87x the separate path's forward+backward time
-            on an H200), and square causal attention from 4K tokens on a Hopper GPU when
-            nothing is differentiated (no grad mode, or no input requiring grad) and the Gluon
-            forward takes it (0.88-0.99x the separate path's time, H200); "separate" elsewhere (square causal attention: 1.10-1.50x faster
+            on an H200), and square causal attention from 4K tokens with default positions on
+            a Hopper GPU when nothing is differentiated (no grad mode, or no input requiring
+            grad) and the Gluon forward takes it (0.88-0.99x the separate path's time, H200);
+            "separate" elsewhere (square causal attention: 1.10-1.50x faster
             than the fused kernel on an H100 and an H200), and where the fused kernel
             cannot run (``D > 256``, fp32 ``D > 128``, ``B * HQ > 65535``, a head of q, k or v
             spanning ``2**31`` elements or more), except for a prefill under compile. Where

@@ -239,9 +239,11 @@ HOPPER_MIN_N = 2048
 
 def gluon_forward_available(device: torch.device) -> bool:
     """Whether the Gluon forward (``attention_forward_hopper.py``) can run on ``device``: a
-    Hopper GPU (sm_90), the Triton release it was tested with, and ``GLUON_ENABLED``."""
+    Hopper GPU (sm_90; not ROCm, whose "cuda" devices can report 9.0 too), the Triton release
+    it was tested with, and ``GLUON_ENABLED``."""
     return (
         device.type == "cuda"
+        and torch.version.hip is None
         and GLUON_ENABLED
         and triton.__version__.startswith(GLUON_TRITON_VERSION)
         and compute_capability(device) == (9, 0)
@@ -257,7 +259,8 @@ def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, window: int,
     (``gluon_forward_available``)."""
     NQ, D = q.shape[2:]
     return (
-        q.dtype in (torch.float16, torch.bfloat16)
+        q.numel() > 0  # TMA descriptors of an empty tensor fail before an empty grid is skipped
+        and q.dtype in (torch.float16, torch.bfloat16)
         and D in (64, 128)
         and rope_dim == D
         and not interleaved

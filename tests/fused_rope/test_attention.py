@@ -1224,6 +1224,9 @@ def test_gluon_forward_needs_hopper_and_the_tested_triton(monkeypatch):
     monkeypatch.setattr(attention_forward, "GLUON_ENABLED", True)
     monkeypatch.setattr(attention_forward.triton, "__version__", "3.7.0")
     assert not attention_forward.gluon_forward_available(cuda)
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm's "cuda" devices: not Hopper
+    assert not attention_forward.gluon_forward_available(cuda)
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(attention_forward.triton, "__version__", "3.6.0")
     for capability in [(8, 0), (9, 1), (10, 0)]:
         monkeypatch.setattr(attention_forward, "compute_capability", lambda d, c=capability: c)
@@ -1253,6 +1256,7 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
     monkeypatch.setattr(attention_forward, "HOPPER_MIN_N", 128)
     assert takes(q=q[:, :, :1024], k=k[:, :, :1024])
     assert not takes(q=q[:, :, :200], k=k[:, :, :200])  # N not a multiple of 128
+    assert not takes(q=q[:0], k=k[:0])  # an empty batch: the Triton forward launches nothing
     assert not takes(scale=1.0)  # fp16: the scores would take a power of two
     assert takes(q=q.bfloat16(), k=k.bfloat16(), scale=1.0)
     monkeypatch.setattr(attention_forward, "gluon_forward_available", lambda device: False)
@@ -1276,6 +1280,7 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
     with torch.no_grad():
         assert wins(q=q.requires_grad_())
     q.requires_grad_(False)
+    assert not wins(k=k.clone().requires_grad_())
     assert not wins(rotation={**none, "inv_freq": torch.ones(32, requires_grad=True)})
     assert not wins(causal=False)
     assert not wins(q=q[:, :, :2048], k=k[:, :, :2048])
