@@ -1350,6 +1350,67 @@ def test_gpu_auto_inference_at_4k_runs_the_gluon_forward(dtype, monkeypatch):
     assert_close_to_baseline("o", o, o64, o_b)
 
 
+def test_auto_inference_rule_traces_under_compile(monkeypatch):
+    """``_hopper_inference_wins`` (the Gluon check stubbed true: no Hopper here) traces under
+    torch.compile(fullgraph=True), grad mode and requires_grad included, to the eager answer."""
+    monkeypatch.setattr(attention_forward, "gluon_forward_available", lambda device: True)
+    none = dict(inv_freq=None, positions=None, q_positions=None, angles=None, q_angles=None)
+
+    def f(q, k):
+        wins = attention_module._hopper_inference_wins(q, k, k, True, 64, "half", None, none)
+        return q * 2 if wins else q
+
+    q, k = torch.ones(1, 2, 4096, 64, dtype=torch.bfloat16), torch.ones(1, 1, 4096, 64)
+    k = k.bfloat16()
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(q.requires_grad_(), k), 2 * q)
+    assert torch.equal(compiled(q, k), q)  # q requires grad: the separate path's answer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
+    reason="the Gluon forward runs on Hopper with Triton 3.6",
+)
+def test_gpu_hopper_forward_copies_a_misaligned_input(monkeypatch):
+    """A contiguous q and v at an odd storage offset (TMA needs 16-byte aligned rows) give the
+    aligned inputs' o and lse bitwise, through the Gluon forward."""
+    calls = _hopper_calls(monkeypatch)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    shapes = [(1, 4, 256, 64), (1, 2, 256, 64), (1, 2, 256, 64)]
+    aligned = [torch.randn(s, device=DEVICE, dtype=torch.bfloat16, generator=gen) for s in shapes]
+    misaligned = []
+    for x in aligned:
+        buffer = torch.empty(x.numel() + 1, device=DEVICE, dtype=x.dtype)
+        misaligned.append(buffer[1:].view(x.shape).copy_(x))
+    assert misaligned[0].data_ptr() % 16 and misaligned[0].is_contiguous()
+    o, lse = rope_attention(*aligned, impl="fused", return_lse=True)
+    o_m, lse_m = rope_attention(*misaligned, impl="fused", return_lse=True)
+    assert len(calls) == 2
+    assert torch.equal(o, o_m) and torch.equal(lse, lse_m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
+    reason="the Gluon forward runs on Hopper with Triton 3.6",
+)
+def test_gpu_auto_inference_at_4k_under_compile(monkeypatch):
+    """torch.compile(fullgraph=True) of "auto" at 4K causal under no_grad: the Gluon forward
+    runs (its rule traced), bitwise the eager call's output."""
+    calls = _hopper_calls(monkeypatch)
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    q, k, v = (torch.randn(1, h, 4096, 64, device=DEVICE, dtype=torch.float16, generator=gen)
+               for h in (2, 1, 1))  # fmt: skip
+    compiled = torch.compile(lambda q, k, v: rope_attention(q, k, v), fullgraph=True)
+    with torch.no_grad():
+        eager = rope_attention(q, k, v)
+        traced = compiled(q, k, v)
+    assert len(calls) == 2
+    assert torch.equal(eager, traced)
+
+
 @pytest.fixture
 def separate_calls(monkeypatch):
     """A list that records each call of the separate path (Triton RoPE, then SDPA)."""
