@@ -296,6 +296,17 @@ def eager_function(name: str, launch, setup_context, backward) -> type[torch.aut
     return type(name, (torch.autograd.Function,), methods)
 
 
+def needs_autograd(*xs: torch.Tensor | None) -> bool:
+    """Whether a call on ``xs`` (None: an input not given) may be differentiated: autograd
+    records it (grad mode, an input requiring grad) or a torch.func transform wraps the inputs.
+    The RoPE launchers then go through their autograd.Function (otherwise they run directly,
+    without its bookkeeping: host time a decoding step does not need), and ``rope_attention``'s
+    "auto" keeps the path whose backward is faster. (Forward-mode tangents are refused before:
+    ``check_no_tangent``.)"""
+    differentiable = any(x is not None and x.requires_grad for x in xs)
+    return (torch.is_grad_enabled() and differentiable) or under_functorch()
+
+
 def backward_launches_directly(*tensors: torch.Tensor | None) -> bool:
     """Whether a kernel's backward may run its launcher directly, rather than through its
     custom op or autograd.Function: the backward runs eagerly (``runs_eagerly`` over every

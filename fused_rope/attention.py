@@ -40,6 +40,7 @@ from fused_rope._validation import (
     check_window,
     eager_function,
     element_span,
+    needs_autograd,
     refuse_double_backward,
     runs_eagerly,
     under_functorch,
@@ -346,11 +347,9 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
     the fused one (1.35-1.48x forward+backward). So the path depends on grad mode: under a
     reentrant ``torch.utils.checkpoint`` the forward (no grad) takes this one and its
     recomputation the separate path, whose outputs differ by rounding."""
-    tensors = (q, k, v, *rotation.values())
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     NQ, D = q.shape[2:]
     return (
-        not needs_grad
+        not needs_autograd(q, k, v, *rotation.values())
         and causal
         and NQ >= 4096
         and all(rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles"))

@@ -37,8 +37,8 @@ from fused_rope._validation import (
     check_scale,
     interpreting,
     may_overlap,
+    needs_autograd,
     runs_eagerly,
-    under_functorch,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -759,16 +759,6 @@ def _check_position_offset(position_offset, angles, seq_len: int):
     return position_offset
 
 
-def _needs_autograd(*xs: torch.Tensor) -> bool:
-    """Whether the call goes through the autograd.Function: autograd records it, or a
-    torch.func transform wraps the inputs (grad and vjp run it; vmap, for which it has no
-    rule, is refused by PyTorch). Otherwise the launcher runs directly,
-    without the Function's bookkeeping, host time a decoding step does not need. (Forward-mode
-    tangents are refused before: ``check_no_tangent``, on the inputs here and on the
-    cotangents in the backward, ``_backward_rotation``.)"""
-    return (torch.is_grad_enabled() and any(x.requires_grad for x in xs)) or under_functorch()
-
-
 def _dispatch_rotation(q, k, angles, layout: str, R: int, scales: tuple[float, float, float],
                        offset):  # fmt: skip
     """The checked out-of-place rotation of q (and k, unless None) with ``scales = (q_scale,
@@ -781,7 +771,7 @@ def _dispatch_rotation(q, k, angles, layout: str, R: int, scales: tuple[float, f
         if k is None:
             return _rope_op(q, angles, layout, R, q_scale, rotary_scale, False, offset), None
         return _rope_qk_op(q, k, angles, layout, R, *scales, False, offset)
-    if _needs_autograd(*xs, angles):
+    if needs_autograd(*xs, angles):
         return _RopeFunction.apply(q, k, angles, layout, R, *scales, False, offset)
     return rope_fwd(
         q, k, angles, layout, R, q_scale, k_scale, rotary_scale=rotary_scale,
