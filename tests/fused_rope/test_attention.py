@@ -1193,6 +1193,12 @@ def test_gpu_attention_factor_of_a_partial_rotation(dtype, impl):
 # ------------------------------------------------------------- the Gluon forward (Hopper)
 
 
+NEEDS_GLUON = pytest.mark.skipif(
+    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
+    reason="the Gluon forward runs on Hopper with Triton 3.6",
+)
+
+
 def _hopper_calls(monkeypatch) -> list:
     """A list that records each call of the Gluon forward (``attention_forward_hopper``), which
     takes the tests' short sequences too (production: from ``HOPPER_MIN_N`` tokens on)."""
@@ -1288,10 +1294,7 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
-    reason="the Gluon forward runs on Hopper with Triton 3.6",
-)
+@NEEDS_GLUON
 @pytest.mark.parametrize(
     "B, HQ, HKV, N, D, dtype, opts",
     [
@@ -1312,10 +1315,7 @@ def test_gpu_hopper_forward(B, HQ, HKV, N, D, dtype, opts, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
-    reason="the Gluon forward runs on Hopper with Triton 3.6",
-)
+@NEEDS_GLUON
 def test_gpu_hopper_forward_leaves_what_it_lacks_to_triton(monkeypatch):
     """Positions per batch (one table row per batch row) and N not a multiple of 128 take the
     Triton forward, still correct."""
@@ -1326,10 +1326,7 @@ def test_gpu_hopper_forward_leaves_what_it_lacks_to_triton(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
-    reason="the Gluon forward runs on Hopper with Triton 3.6",
-)
+@NEEDS_GLUON
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_auto_inference_at_4k_runs_the_gluon_forward(dtype, monkeypatch):
     """Under no_grad, "auto" at 4K causal takes the Gluon forward: o by the flash-attention
@@ -1369,10 +1366,7 @@ def test_auto_inference_rule_traces_under_compile(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
-    reason="the Gluon forward runs on Hopper with Triton 3.6",
-)
+@NEEDS_GLUON
 def test_gpu_hopper_forward_copies_a_misaligned_input(monkeypatch):
     """A contiguous q and v at an odd storage offset (TMA needs 16-byte aligned rows) give the
     aligned inputs' o and lse bitwise, through the Gluon forward."""
@@ -1392,10 +1386,7 @@ def test_gpu_hopper_forward_copies_a_misaligned_input(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (ON_GPU and attention_forward.gluon_forward_available(torch.device(DEVICE))),
-    reason="the Gluon forward runs on Hopper with Triton 3.6",
-)
+@NEEDS_GLUON
 def test_gpu_auto_inference_at_4k_under_compile(monkeypatch):
     """torch.compile(fullgraph=True) of "auto" at 4K causal under no_grad: the Gluon forward
     runs (its rule traced), bitwise the eager call's output."""
