@@ -49,14 +49,45 @@ ROWS = CTA_ROWS // 2  # query rows a consumer warpgroup (wgmma's M per warpgroup
 BLOCK_N = 128  # keys a K/V tile (64 was slower: session 55)
 STAGES = 3  # 3 x 2 x 32 KB of K/V at D = 128 fits beside Q's 32 KB in 227 KB of shared memory
 LN2 = gl.constexpr(math.log(2.0))
+# setmaxnreg's split of an SM's 65536 registers over the 3 warpgroups (2 consumers + the loader's,
+# which Triton pads to a warpgroup), as FlashAttention-3 splits it. The loader that rotates K
+# takes 32 (4 channels a thread a pass; ptxas: 36 B of spills at D = 128, where the consumers
+# spill more at 232 or fewer)
 CONSUMER_REGS = gl.constexpr(240)
 LOADER_REGS = gl.constexpr(24)
+ROTATING_LOADER_REGS = gl.constexpr(32)
 MAXNREG = 168  # 12 warps (3 warpgroups) in one CTA an SM: 65536 / 384 registers a thread
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-            kv_empty, q_row, kv_row, n_tiles, ROPE: gl.constexpr):  # fmt: skip
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row, j):
+    """TMA loads of key tile ``j`` (into ring slot ``j % STAGES``, once both consumers freed it):
+    K signals ``k_loaded``, V ``v_ready``."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    s = j % STAGES
+    # a fresh mbarrier counts as having completed the phase before 0: the first pass through
+    # the ring does not wait
+    mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_loaded.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(
+        k_desc, [kv_row + j * BLOCK_N, 0], k_loaded.index(s), k_smem.index(s)
+    )
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(
+        v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s)
+    )
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded, k_ready, v_ready,
+            kv_empty, q_row, kv_row, n_tiles, KCOS, KSIN, ROPE: gl.constexpr,
+            ROTATE_K: gl.constexpr):  # fmt: skip
+    """Without ROTATE_K (1 warp) the K tiles' TMA signals ``k_ready`` itself (``k_loaded`` is
+    ``k_ready``). With it (a warpgroup) tile ``j + 1``'s loads are issued, then tile ``j`` is
+    rotated in shared memory by the tables ``KCOS, KSIN`` at key positions ``j * BLOCK_N ..``
+    and handed to the consumers through ``k_ready``: each key tile rotated once per CTA, and no
+    pass over k in global memory."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -66,20 +97,20 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_
             tma.async_copy_global_to_shared(
                 q_desc, [q_row + c * ROWS, 0], q_ready.index(c), q_smem.index(c)
             )
-    for j in range(n_tiles):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
-        # a fresh mbarrier counts as having completed the phase before 0: the first pass
-        # through the ring does not wait
-        mbarrier.wait(kv_empty.index(s), phase ^ 1)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s)
-        )
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s)
-        )
+    if ROTATE_K:
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row, 0)
+        for j in range(n_tiles):
+            if j + 1 < n_tiles:
+                _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row,
+                          j + 1)  # fmt: skip
+            s = j % STAGES
+            mbarrier.wait(k_loaded.index(s), (j // STAGES) & 1)
+            _rotate_k_tile(k_smem.index(s), KCOS, KSIN, j * BLOCK_N)
+            gl.thread_barrier()  # every thread's rotated (and fenced) chunk before the arrive
+            mbarrier.arrive(k_ready.index(s), count=1)
+    else:
+        for j in range(n_tiles):
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, j)
 
 
 @gluon.jit
@@ -100,6 +131,13 @@ def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, CAUSAL: gl.cons
     return p, m_new, l_i, gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
 
 
+@gluon.constexpr_function
+def _half_layout(HALF, VEC=8):
+    """A blocked layout of ``[rows, HALF]`` over a warpgroup, ``VEC`` channels a thread: one
+    channel half of ``128 * VEC / HALF`` rows a pass."""
+    return gl.BlockedLayout([1, VEC], [32 * VEC // HALF, HALF // VEC], [4, 1], [1, 0])
+
+
 @gluon.jit
 def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
     """Rows ``row .. row + ROWS`` of ``Q [B * HQ * N, D]`` rotated ("half" layout, every channel)
@@ -107,7 +145,7 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
     ``q_smem [ROWS, D]``: the fused forward's Q, made once per CTA."""
     ROWS: gl.constexpr = q_smem.type.shape[0]
     HALF: gl.constexpr = q_smem.type.shape[1] // 2
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    L: gl.constexpr = _half_layout(HALF)
     r = gl.expand_dims(gl.arange(0, ROWS, gl.SliceLayout(1, L)), 1)
     c = gl.expand_dims(gl.arange(0, HALF, gl.SliceLayout(0, L)), 0)
     x = Q + (row + r).to(gl.int64) * (2 * HALF) + c
@@ -118,6 +156,31 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
     sin = gl.load(SIN + t).to(gl.float32) * q_fold
     q_smem.slice(0, HALF, dim=1).store((x1 * cos - x2 * sin).to(q_smem.dtype))
     q_smem.slice(HALF, HALF, dim=1).store((x2 * cos + x1 * sin).to(q_smem.dtype))
+    fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
+
+
+@gluon.jit
+def _rotate_k_tile(k_smem, COS, SIN, first_pos):
+    """``k_smem [BLOCK_N, D]`` (keys at positions ``first_pos ..``) rotated in place ("half"
+    layout, every channel) by the tables ``COS, SIN [N, D / 2]``, rounded to k's dtype as the
+    pass ``_rotated_segments`` rounds it; a pass of rows at a time, to bound the registers."""
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HALF: gl.constexpr = k_smem.type.shape[1] // 2
+    VEC: gl.constexpr = 4  # 4 channels a thread (2 would split the 8-row swizzle pattern)
+    L: gl.constexpr = _half_layout(HALF, VEC)
+    CHUNK: gl.constexpr = 128 * VEC // HALF  # the layout's rows
+    r = gl.expand_dims(gl.arange(0, CHUNK, gl.SliceLayout(1, L)), 1)
+    c = gl.expand_dims(gl.arange(0, HALF, gl.SliceLayout(0, L)), 0)
+    for r0 in gl.static_range(0, BLOCK_N, CHUNK):
+        lo = k_smem.slice(r0, CHUNK, dim=0).slice(0, HALF, dim=1)
+        hi = k_smem.slice(r0, CHUNK, dim=0).slice(HALF, HALF, dim=1)
+        x1 = lo.load(L).to(gl.float32)
+        x2 = hi.load(L).to(gl.float32)
+        t = (first_pos + r0 + r) * HALF + c
+        cos = gl.load(COS + t).to(gl.float32)
+        sin = gl.load(SIN + t).to(gl.float32)
+        lo.store((x1 * cos - x2 * sin).to(k_smem.dtype))
+        hi.store((x2 * cos + x1 * sin).to(k_smem.dtype))
     fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
 
 
@@ -207,14 +270,16 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 
 
 @gluon.jit
-def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, N,
-                         HQ, HKV, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         OVERLAP: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
+def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, KCOS, KSIN, LSE, qk_scale,
+                         q_fold, N, HQ, HKV, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         OVERLAP: gl.constexpr, ROPE: gl.constexpr,
+                         ROTATE_K: gl.constexpr):  # fmt: skip
     """q_desc, o_desc: [B * HQ * N, D] in tiles of [64, D]; k_desc, v_desc: [B * HKV * N, D] in
     tiles of [BLOCK_N, D]. Grid (N / 128, B * HQ). Without ROPE: qk_scale = softmax_scale *
-    log2(e), Q, COS, SIN, LSE unused. With ROPE: the keys come rotated, Q (the pointer of
-    q_desc's tensor) is rotated in the kernel by COS, SIN [N, D / 2] times q_fold = softmax_scale
-    * log2(e), qk_scale = 1, and LSE [B * HQ * N] fp32 takes the natural-log LSE."""
+    log2(e), Q, COS, SIN, KCOS, KSIN, LSE unused. With ROPE: Q (the pointer of q_desc's tensor)
+    is rotated in the kernel by COS, SIN [N, D / 2] times q_fold = softmax_scale * log2(e),
+    qk_scale = 1, and LSE [B * HQ * N] fp32 takes the natural-log LSE; the keys are rotated in
+    the kernel by KCOS, KSIN [N, D / 2] with ROTATE_K, or come rotated without it."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -236,14 +301,18 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_ready.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(k_loaded.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=2)  # both consumers release a slot
+    if not ROTATE_K:
+        k_loaded = k_ready
 
     # fmt: off
     gl.warp_specialize(
@@ -254,11 +323,12 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 1, CAUSAL,
                          OVERLAP, ROPE)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                       kv_empty, q_row, kv_row, n_tiles, ROPE)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded,
+                       k_ready, v_ready, kv_empty, q_row, kv_row, n_tiles, KCOS, KSIN, ROPE,
+                       ROTATE_K)),
         ],
-        [4, 1],
-        [CONSUMER_REGS, LOADER_REGS],
+        [4, 4] if ROTATE_K else [4, 1],
+        [CONSUMER_REGS, ROTATING_LOADER_REGS if ROTATE_K else LOADER_REGS],
     )
     # fmt: on
 
@@ -283,31 +353,38 @@ def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAG
            overlap: bool = True) -> torch.Tensor:  # fmt: skip
     """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]``
     (``N`` a multiple of ``CTA_ROWS``); returns ``o`` like q. ``rope``: None, or ``(cos, sin,
-    lse, q_fold)`` for the RoPE variant (``attention_fwd_kernel``'s arguments)."""
+    k_cos, k_sin, lse, q_fold)`` for the RoPE variant (``attention_fwd_kernel``'s arguments;
+    ``k_cos = k_sin = None``: k comes rotated)."""
     B, HQ, N, _ = q.shape
     o = torch.empty_like(q)
-    cos, sin, lse, q_fold = rope if rope is not None else (q, q, q, 1.0)
+    cos, sin, k_cos, k_sin, lse, q_fold = rope if rope is not None else (q,) * 5 + (1.0,)
+    rotate_k = k_cos is not None
+    if not rotate_k:
+        k_cos, k_sin = cos, sin
     attention_fwd_kernel[(N // CTA_ROWS, B * HQ)](
-        *descriptors(q, k, v, o), q, cos, sin, lse, qk_scale, q_fold, N, HQ, k.shape[1], causal,
-        stages, overlap, rope is not None, num_warps=4, maxnreg=MAXNREG,
+        *descriptors(q, k, v, o), q, cos, sin, k_cos, k_sin, lse, qk_scale, q_fold, N, HQ,
+        k.shape[1], causal, stages, overlap, rope is not None, rotate_k, num_warps=4,
+        maxnreg=MAXNREG,
     )  # fmt: skip
     return o
 
 
-def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool) -> tuple:
+def rope_attention_fwd_hopper(q, k, v, cos, sin, k_cos, k_sin, q_fold: float,
+                              causal: bool) -> tuple:  # fmt: skip
     """The fused forward of ``rope_attention_fwd`` where ``hopper_forward_takes`` holds:
-    ``q [B, HQ, N, D]``, ``k_rot`` (k rotated, ``_rotated_segments``) and ``v [B, HKV, N, D]``,
-    ``cos, sin`` the tables of ``_rope_tables`` (row ``i`` holds query ``i``'s angles, one
-    batch row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other scale).
-    Returns ``o [B, HQ, N, D]`` in q's dtype and ``lse [B, HQ, N]`` fp32 (natural log)."""
+    ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]``, ``cos, sin`` and ``k_cos, k_sin`` the query
+    and key tables of ``_rope_tables`` (row ``i`` holds position ``i``'s angles, one batch row),
+    ``q_fold`` Q's whole fold (``query_fold``: the scores take no other scale). Q and K are
+    both rotated in the kernel. Returns ``o [B, HQ, N, D]`` in q's dtype and ``lse [B, HQ, N]``
+    fp32 (natural log)."""
     B, HQ, N, _ = q.shape
     # TMA takes 16-byte aligned rows; a contiguous view at an odd storage offset is copied
-    q, v = (
+    q, k, v = (
         t
         if t.is_contiguous() and t.data_ptr() % 16 == 0
         else t.clone(memory_format=torch.contiguous_format)
-        for t in (q, v)
+        for t in (q, k, v)
     )
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
-    o = launch(q, k_rot, v, causal, 1.0, (cos, sin, lse, q_fold))
+    o = launch(q, k, v, causal, 1.0, (cos, sin, k_cos, k_sin, lse, q_fold))
     return o, lse

@@ -1303,12 +1303,15 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         (1, 8, 1, 512, 128, torch.bfloat16, dict(positions="shared")),
         (2, 4, 4, 256, 64, torch.float16, dict(attention_factor=1.19, transposed=True)),
         (1, 4, 2, 640, 128, torch.bfloat16, dict(causal=False, softmax_scale=0.3)),
+        (1, 4, 2, 384, 128, torch.float16, dict(positions="shared", q_positions=True)),
     ],
-    ids=["GQA4-fp16-D128", "nomask-bf16-D64", "MQA-shared-positions", "factor-strided", "scale"],
+    ids=["GQA4-fp16-D128", "nomask-bf16-D64", "MQA-shared-positions", "factor-strided", "scale",
+         "query-positions"],  # fmt: skip
 )
 def test_gpu_hopper_forward(B, HQ, HKV, N, D, dtype, opts, monkeypatch):
     """The fused path with the Gluon forward (and the Triton backward on its LSE): o, lse and
-    every gradient by the flash-attention rule; the spy proves the Gluon kernel ran."""
+    every gradient by the flash-attention rule; the spy proves the Gluon kernel ran. The
+    query positions of the last case give q and k different tables (the kernel rotates both)."""
     calls = _hopper_calls(monkeypatch)
     _check_case(B, HQ, HKV, N, N, D, dtype=dtype, **opts)
     assert calls, "the Gluon forward did not run"
@@ -1368,8 +1371,8 @@ def test_auto_inference_rule_traces_under_compile(monkeypatch):
 @pytest.mark.gpu
 @NEEDS_GLUON
 def test_gpu_hopper_forward_copies_a_misaligned_input(monkeypatch):
-    """A contiguous q and v at an odd storage offset (TMA needs 16-byte aligned rows) give the
-    aligned inputs' o and lse bitwise, through the Gluon forward."""
+    """A contiguous q, k and v at an odd storage offset (TMA needs 16-byte aligned rows) give
+    the aligned inputs' o and lse bitwise, through the Gluon forward."""
     calls = _hopper_calls(monkeypatch)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     shapes = [(1, 4, 256, 64), (1, 2, 256, 64), (1, 2, 256, 64)]
