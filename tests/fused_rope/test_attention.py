@@ -1305,8 +1305,14 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         (1, 4, 2, 640, 128, torch.bfloat16, dict(causal=False, softmax_scale=0.3)),
         (1, 4, 2, 384, 128, torch.float16, dict(positions="shared", q_positions=True)),
     ],
-    ids=["GQA4-fp16-D128", "nomask-bf16-D64", "MQA-shared-positions", "factor-strided", "scale",
-         "query-positions"],  # fmt: skip
+    ids=[
+        "GQA4-fp16-D128",
+        "nomask-bf16-D64",
+        "MQA-shared-positions",
+        "factor-strided",
+        "scale",
+        "query-positions",
+    ],  # fmt: skip
 )
 def test_gpu_hopper_forward(B, HQ, HKV, N, D, dtype, opts, monkeypatch):
     """The fused path with the Gluon forward (and the Triton backward on its LSE): o, lse and
