@@ -59,15 +59,19 @@ def gluon_attention(q, k, v, *, causal=True, softmax_scale=None, stages=2, overl
 
 def gluon_rope_attention(q, k, v, inv_freq, *, causal=True):
     """``rope_attention(impl="fused", return_lse=True)``, which runs the Gluon forward on Hopper
-    (checked: the call must qualify)."""
-    from fused_rope import rope_attention
-    from fused_rope.attention_forward import hopper_forward_takes
+    (checked: the call must qualify), at the check's short sequences too (production takes it
+    from ``HOPPER_MIN_N`` tokens on)."""
+    from fused_rope import attention_forward, rope_attention
 
     d = q.shape[-1]
-    if not hopper_forward_takes(q, k, d, False, 0, d**-0.5):
-        raise ValueError(f"the Gluon forward does not take {tuple(q.shape)} {q.dtype} here")
-    return rope_attention(q, k, v, inv_freq=inv_freq, causal=causal, impl="fused",
-                          return_lse=True)  # fmt: skip
+    min_n, attention_forward.HOPPER_MIN_N = attention_forward.HOPPER_MIN_N, CTA_ROWS
+    try:
+        if not attention_forward.hopper_forward_takes(q, k, d, False, 0, d**-0.5):
+            raise ValueError(f"the Gluon forward does not take {tuple(q.shape)} {q.dtype} here")
+        return rope_attention(q, k, v, inv_freq=inv_freq, causal=causal, impl="fused",
+                              return_lse=True)  # fmt: skip
+    finally:
+        attention_forward.HOPPER_MIN_N = min_n
 
 
 def gluon_rope_attention_k_pass(q, k, v, inv_freq):
