@@ -40,6 +40,7 @@ from fused_rope.attention_forward_hopper import (  # noqa: E402 - after the path
     attention_fwd_kernel,
     descriptors,
     launch,
+    table_descriptors,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -108,19 +109,19 @@ def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(CTA_ROWS * 2, d, dtype=dtype)
-    descs = descriptors(t[None], t[None], t[None], t[None])
-    names = ["q_desc", "k_desc", "v_desc", "o_desc"]
+    table = torch.empty(1, CTA_ROWS * 2, d // 2, dtype=torch.float32)
+    descs = descriptors(t[None], t[None], t[None], t[None]) + table_descriptors(table, table)
+    names = ["q_desc", "k_desc", "v_desc", "o_desc", "cos_desc", "sin_desc"]
     sig = {name: mangle_type(desc) for name, desc in zip(names, descs, strict=True)}
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    sig.update(Q=ptr, COS="*fp16", SIN="*fp16", KCOS="*fp16", KSIN="*fp16", LSE="*fp32",
-               qk_scale="fp32", q_fold="fp32", N="i32", HQ="i32", HKV="i32", CAUSAL="constexpr",
-               STAGES="constexpr", OVERLAP="constexpr", ROPE="constexpr",
-               ROTATE_K="constexpr")  # fmt: skip
+    sig.update(Q=ptr, COS="*fp32", SIN="*fp32", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
+               N="i32", HQ="i32", HKV="i32", CAUSAL="constexpr", STAGES="constexpr",
+               OVERLAP="constexpr", ROPE="constexpr", ROTATE_K="constexpr")  # fmt: skip
     consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope,
               ("ROTATE_K",): rope and rotate_k}  # fmt: skip
     consts = {(list(sig).index(k[0]),): v for k, v in consts.items()}
     attrs = {(list(sig).index(name),): [["tt.divisibility", 16]]
-             for name in ("Q", "COS", "SIN", "KCOS", "KSIN", "LSE", "N", "HQ", "HKV")}  # fmt: skip
+             for name in ("Q", "COS", "SIN", "LSE", "N", "HQ", "HKV")}  # fmt: skip
     return triton.compile(
         GluonASTSource(attention_fwd_kernel, sig, consts, attrs),
         target=GPUTarget("cuda", 90, 32),

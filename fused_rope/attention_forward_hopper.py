@@ -80,16 +80,27 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_ro
 
 
 @gluon.jit
+def _issue_tables(cos_desc, sin_desc, cos_smem, sin_smem, tab_ready, j, h):
+    """TMA loads of the key tables' rows for half ``h`` of key tile ``j`` into table stage
+    ``h``, signalling ``tab_ready[h]``."""
+    TAB: gl.constexpr = cos_desc.block_type.shape[0]
+    row = j * (2 * TAB) + h * TAB
+    mbarrier.expect(tab_ready.index(h), 2 * cos_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(cos_desc, [row, 0], tab_ready.index(h), cos_smem.index(h))
+    tma.async_copy_global_to_shared(sin_desc, [row, 0], tab_ready.index(h), sin_smem.index(h))
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded, k_ready, v_ready,
-            kv_empty, q_row, kv_row, n_tiles, KCOS, KSIN, ROPE: gl.constexpr,
-            ROTATE_K: gl.constexpr):  # fmt: skip
+            kv_empty, q_row, kv_row, n_tiles, cos_desc, sin_desc, cos_smem, sin_smem, tab_ready,
+            ROPE: gl.constexpr, ROTATE_K: gl.constexpr):  # fmt: skip
     """Without ROTATE_K (1 warp) the K tiles' TMA signals ``k_ready`` itself (``k_loaded`` is
     ``k_ready``). With it (a warpgroup) tile ``j + 1``'s loads are issued, then tile ``j`` is
-    rotated in shared memory by the tables ``KCOS, KSIN`` at key positions ``j * BLOCK_N ..``
-    and handed to the consumers through ``k_ready``: each key tile rotated once per CTA, and no
-    pass over k in global memory."""
+    rotated in shared memory, a half at a time, by the key tables' rows that TMA brought into
+    ``cos_smem, sin_smem`` (a stage a half: a half's rows are reloaded for tile ``j + 1`` as soon
+    as it is rotated), and handed to the consumers through ``k_ready``. Each key tile is rotated
+    once per CTA, and there is no pass over k in global memory."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     if not ROPE:  # with RoPE each consumer rotates its own Q tile into shared memory
         for c in gl.static_range(2):
@@ -98,16 +109,24 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded, k
                 q_desc, [q_row + c * ROWS, 0], q_ready.index(c), q_smem.index(c)
             )
     if ROTATE_K:
+        TAB: gl.constexpr = cos_smem.type.shape[1]  # BLOCK_N / 2 rows a table stage
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row, 0)
+        for h in gl.static_range(2):
+            _issue_tables(cos_desc, sin_desc, cos_smem, sin_smem, tab_ready, 0, h)
         for j in range(n_tiles):
             if j + 1 < n_tiles:
                 _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row,
                           j + 1)  # fmt: skip
             s = j % STAGES
             mbarrier.wait(k_loaded.index(s), (j // STAGES) & 1)
-            _rotate_k_tile(k_smem.index(s), KCOS, KSIN, j * BLOCK_N)
-            gl.thread_barrier()  # every thread's rotated (and fenced) chunk before the arrive
-            mbarrier.arrive(k_ready.index(s), count=1)
+            for h in gl.static_range(2):
+                mbarrier.wait(tab_ready.index(h), j & 1)
+                _rotate_k_rows(k_smem.index(s).slice(h * TAB, TAB, dim=0), cos_smem.index(h),
+                               sin_smem.index(h))  # fmt: skip
+                gl.thread_barrier()  # every thread done with table stage h before its reload
+                if j + 1 < n_tiles:
+                    _issue_tables(cos_desc, sin_desc, cos_smem, sin_smem, tab_ready, j + 1, h)
+            mbarrier.arrive(k_ready.index(s), count=1)  # after every thread's fenced stores
     else:
         for j in range(n_tiles):
             _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, j)
@@ -160,25 +179,22 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
 
 
 @gluon.jit
-def _rotate_k_tile(k_smem, COS, SIN, first_pos):
-    """``k_smem [BLOCK_N, D]`` (keys at positions ``first_pos ..``) rotated in place ("half"
-    layout, every channel) by the tables ``COS, SIN [N, D / 2]``, rounded to k's dtype as the
-    pass ``_rotated_segments`` rounds it; a pass of rows at a time, to bound the registers."""
-    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+def _rotate_k_rows(k_smem, cos_smem, sin_smem):
+    """``k_smem [rows, D]`` rotated in place ("half" layout, every channel) by its keys' table
+    rows ``cos_smem, sin_smem [rows, D / 2]``, rounded to k's dtype as the pass
+    ``_rotated_segments`` rounds it; a few rows at a time, to bound the registers."""
+    ROWS: gl.constexpr = k_smem.type.shape[0]
     HALF: gl.constexpr = k_smem.type.shape[1] // 2
     VEC: gl.constexpr = 4  # 4 channels a thread (2 would split the 8-row swizzle pattern)
     L: gl.constexpr = _half_layout(HALF, VEC)
     CHUNK: gl.constexpr = 128 * VEC // HALF  # the layout's rows
-    r = gl.expand_dims(gl.arange(0, CHUNK, gl.SliceLayout(1, L)), 1)
-    c = gl.expand_dims(gl.arange(0, HALF, gl.SliceLayout(0, L)), 0)
-    for r0 in gl.static_range(0, BLOCK_N, CHUNK):
+    for r0 in gl.static_range(0, ROWS, CHUNK):
         lo = k_smem.slice(r0, CHUNK, dim=0).slice(0, HALF, dim=1)
         hi = k_smem.slice(r0, CHUNK, dim=0).slice(HALF, HALF, dim=1)
         x1 = lo.load(L).to(gl.float32)
         x2 = hi.load(L).to(gl.float32)
-        t = (first_pos + r0 + r) * HALF + c
-        cos = gl.load(COS + t).to(gl.float32)
-        sin = gl.load(SIN + t).to(gl.float32)
+        cos = cos_smem.slice(r0, CHUNK, dim=0).load(L).to(gl.float32)
+        sin = sin_smem.slice(r0, CHUNK, dim=0).load(L).to(gl.float32)
         lo.store((x1 * cos - x2 * sin).to(k_smem.dtype))
         hi.store((x2 * cos + x1 * sin).to(k_smem.dtype))
     fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
@@ -270,16 +286,17 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 
 
 @gluon.jit
-def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, KCOS, KSIN, LSE, qk_scale,
+def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, cos_desc, sin_desc, Q, COS, SIN, LSE, qk_scale,
                          q_fold, N, HQ, HKV, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                          OVERLAP: gl.constexpr, ROPE: gl.constexpr,
                          ROTATE_K: gl.constexpr):  # fmt: skip
     """q_desc, o_desc: [B * HQ * N, D] in tiles of [64, D]; k_desc, v_desc: [B * HKV * N, D] in
     tiles of [BLOCK_N, D]. Grid (N / 128, B * HQ). Without ROPE: qk_scale = softmax_scale *
-    log2(e), Q, COS, SIN, KCOS, KSIN, LSE unused. With ROPE: Q (the pointer of q_desc's tensor)
-    is rotated in the kernel by COS, SIN [N, D / 2] times q_fold = softmax_scale * log2(e),
-    qk_scale = 1, and LSE [B * HQ * N] fp32 takes the natural-log LSE; the keys are rotated in
-    the kernel by KCOS, KSIN [N, D / 2] with ROTATE_K, or come rotated without it."""
+    log2(e), Q, COS, SIN, LSE unused. With ROPE: Q (the pointer of q_desc's tensor) is rotated
+    in the kernel by COS, SIN [N, D / 2] times q_fold = softmax_scale * log2(e), qk_scale = 1,
+    and LSE [B * HQ * N] fp32 takes the natural-log LSE; with ROTATE_K the keys are rotated in
+    the kernel by the key tables [N, D / 2] of cos_desc, sin_desc (tiles of [BLOCK_N / 2,
+    D / 2]), without it they come rotated (the descriptors unused)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -311,8 +328,18 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, KCOS, KSIN
         mbarrier.init(k_loaded.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=2)  # both consumers release a slot
-    if not ROTATE_K:
+    if ROTATE_K:
+        TAB: gl.constexpr = cos_desc.block_type.shape[0]
+        cos_smem = gl.allocate_shared_memory(cos_desc.dtype, [2, TAB, HEAD_DIM // 2],
+                                             cos_desc.layout)  # fmt: skip
+        sin_smem = gl.allocate_shared_memory(cos_desc.dtype, [2, TAB, HEAD_DIM // 2],
+                                             cos_desc.layout)  # fmt: skip
+        tab_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for h in gl.static_range(2):
+            mbarrier.init(tab_ready.index(h), count=1)
+    else:
         k_loaded = k_ready
+        cos_smem, sin_smem, tab_ready = k_smem, k_smem, q_ready  # unused
 
     # fmt: off
     gl.warp_specialize(
@@ -324,8 +351,8 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, KCOS, KSIN
                          q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 1, CAUSAL,
                          OVERLAP, ROPE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded,
-                       k_ready, v_ready, kv_empty, q_row, kv_row, n_tiles, KCOS, KSIN, ROPE,
-                       ROTATE_K)),
+                       k_ready, v_ready, kv_empty, q_row, kv_row, n_tiles, cos_desc, sin_desc,
+                       cos_smem, sin_smem, tab_ready, ROPE, ROTATE_K)),
         ],
         [4, 4] if ROTATE_K else [4, 1],
         [CONSUMER_REGS, ROTATING_LOADER_REGS if ROTATE_K else LOADER_REGS],
@@ -337,9 +364,8 @@ def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
     """TMA descriptors of ``q, o [B, HQ, N, D]`` (tiles of ``[ROWS, D]``) and ``k, v
     [B, HKV, N, D]`` (tiles of ``[block_n, D]``), contiguous, seen as ``[B * H * N, D]``."""
     d = q.shape[-1]
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS, d], gl_dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype)
+    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS, d], _gl_dtype(q))
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], _gl_dtype(q))
     flat = [t.reshape(-1, d) for t in (q, k, v, o)]
     return (
         TensorDescriptor.from_tensor(flat[0], [ROWS, d], q_layout),
@@ -347,6 +373,23 @@ def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
         TensorDescriptor.from_tensor(flat[2], [block_n, d], kv_layout),
         TensorDescriptor.from_tensor(flat[3], [ROWS, d], q_layout),
     )
+
+
+def table_descriptors(cos, sin, block_n: int = BLOCK_N) -> tuple:
+    """TMA descriptors of the key tables ``cos, sin [1, N, D / 2]`` (fp32 or fp16) in tiles of
+    ``[block_n / 2, D / 2]``, unswizzled (the rotation reads them row by row)."""
+    half = cos.shape[-1]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=cos.element_size() * 8)
+    return tuple(
+        TensorDescriptor.from_tensor(t.reshape(-1, half), [block_n // 2, half], layout)
+        for t in (cos, sin)
+    )
+
+
+def _gl_dtype(t: torch.Tensor):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[
+        t.dtype
+    ]
 
 
 def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAGES,
@@ -357,14 +400,13 @@ def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAG
     ``k_cos = k_sin = None``: k comes rotated)."""
     B, HQ, N, _ = q.shape
     o = torch.empty_like(q)
-    cos, sin, k_cos, k_sin, lse, q_fold = rope if rope is not None else (q,) * 5 + (1.0,)
+    cos, sin, k_cos, k_sin, lse, q_fold = rope if rope is not None else (q, q, None, None, q, 1.0)
+    descs = descriptors(q, k, v, o)
     rotate_k = k_cos is not None
-    if not rotate_k:
-        k_cos, k_sin = cos, sin
+    tables = table_descriptors(k_cos, k_sin) if rotate_k else descs[:2]  # unused without
     attention_fwd_kernel[(N // CTA_ROWS, B * HQ)](
-        *descriptors(q, k, v, o), q, cos, sin, k_cos, k_sin, lse, qk_scale, q_fold, N, HQ,
-        k.shape[1], causal, stages, overlap, rope is not None, rotate_k, num_warps=4,
-        maxnreg=MAXNREG,
+        *descs, *tables, q, cos, sin, lse, qk_scale, q_fold, N, HQ, k.shape[1], causal, stages,
+        overlap, rope is not None, rotate_k, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return o
 
@@ -386,5 +428,7 @@ def rope_attention_fwd_hopper(q, k, v, cos, sin, k_cos, k_sin, q_fold: float,
         for t in (q, k, v)
     )
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
-    o = launch(q, k, v, causal, 1.0, (cos, sin, k_cos, k_sin, lse, q_fold))
+    # 2 K/V stages at D = 128: the key tables' 2 stages of [64, 64] fp32 take the third's room
+    stages = 2 if q.shape[-1] == 128 else STAGES
+    o = launch(q, k, v, causal, 1.0, (cos, sin, k_cos, k_sin, lse, q_fold), stages)
     return o, lse
