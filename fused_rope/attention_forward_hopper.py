@@ -95,8 +95,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded, k
             kv_empty, q_row, kv_row, n_tiles, cos_desc, sin_desc, cos_smem, sin_smem, tab_ready,
             ROPE: gl.constexpr, ROTATE_K: gl.constexpr):  # fmt: skip
     """Without ROTATE_K (1 warp) the K tiles' TMA signals ``k_ready`` itself (``k_loaded`` is
-    ``k_ready``). With it (a warpgroup) tile ``j + 1``'s loads are issued, then tile ``j`` is
-    rotated in shared memory, a half at a time, by the key tables' rows that TMA brought into
+    ``k_ready``). With it (a warpgroup) tile ``j + STAGES - 2``'s loads are issued, then tile
+    ``j`` is rotated in shared memory, a half at a time, by the key tables' rows that TMA brought into
     ``cos_smem, sin_smem`` (a stage a half: a half's rows are reloaded for tile ``j + 1`` as soon
     as it is rotated), and handed to the consumers through ``k_ready``. Each key tile is rotated
     once per CTA, and there is no pass over k in global memory."""
@@ -110,13 +110,20 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded, k
             )
     if ROTATE_K:
         TAB: gl.constexpr = cos_smem.type.shape[1]  # BLOCK_N / 2 rows a table stage
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row, 0)
+        # Tile j + AHEAD's loads go out before tile j is rotated. Its slot is tile
+        # j + AHEAD - STAGES's, which the consumers free after their P V product of it, and with
+        # OVERLAP only once they have tile j + AHEAD - STAGES + 1's scores: AHEAD = STAGES - 1
+        # would wait on the very tile this loop is about to rotate (a deadlock at 2 stages).
+        AHEAD: gl.constexpr = STAGES - 2
+        for t in gl.static_range(AHEAD + 1):
+            if t < n_tiles:
+                _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row, t)
         for h in gl.static_range(2):
             _issue_tables(cos_desc, sin_desc, cos_smem, sin_smem, tab_ready, 0, h)
         for j in range(n_tiles):
-            if j + 1 < n_tiles:
+            if (j > 0) & (j + AHEAD < n_tiles):
                 _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row,
-                          j + 1)  # fmt: skip
+                          j + AHEAD)  # fmt: skip
             s = j % STAGES
             mbarrier.wait(k_loaded.index(s), (j // STAGES) & 1)
             for h in gl.static_range(2):
