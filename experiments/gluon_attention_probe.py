@@ -40,7 +40,6 @@ from fused_rope.attention_forward_hopper import (  # noqa: E402 - after the path
     attention_fwd_kernel,
     descriptors,
     launch,
-    table_descriptors,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -75,21 +74,6 @@ def gluon_rope_attention(q, k, v, inv_freq, *, causal=True):
         attention_forward.HOPPER_MIN_N = min_n
 
 
-def gluon_rope_attention_k_pass(q, k, v, inv_freq):
-    """The Gluon RoPE forward with k rotated by ``apply_rope`` first, as the package ran it
-    before session 57: the A/B of the rotation in the kernel's loader (causal; o only)."""
-    from fused_rope import apply_rope
-    from fused_rope._attention_common import _rope_tables, query_fold
-    from fused_rope.attention_forward_hopper import launch
-
-    b, hq, n, d = q.shape
-    cos, sin, *_ = _rope_tables(inv_freq, None, None, n, n, d // 2, q.dtype)
-    lse = torch.empty((b, hq, n), device=q.device, dtype=torch.float32)
-    k_rot = apply_rope(k, inv_freq=inv_freq)
-    return launch(q, k_rot, v, True, 1.0, (cos, sin, None, None, lse,
-                                           query_fold(d**-0.5, q.dtype)[0]))  # fmt: skip
-
-
 def triton_rope_attention(q, k, v, inv_freq):
     """``rope_attention(impl="fused")`` with the Gluon forward turned off: Triton's forward."""
     from fused_rope import attention_forward, rope_attention
@@ -101,24 +85,21 @@ def triton_rope_attention(q, k, v, inv_freq):
         attention_forward.GLUON_ENABLED = enabled
 
 
-def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16,
-                    rotate_k=True):  # fmt: skip
+def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16):
     """The kernel compiled for sm_90a without a GPU: registers, spills, shared memory."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(CTA_ROWS * 2, d, dtype=dtype)
-    table = torch.empty(1, CTA_ROWS * 2, d // 2, dtype=torch.float32)
-    descs = descriptors(t[None], t[None], t[None], t[None]) + table_descriptors(table, table)
-    names = ["q_desc", "k_desc", "v_desc", "o_desc", "cos_desc", "sin_desc"]
+    descs = descriptors(t[None], t[None], t[None], t[None])
+    names = ["q_desc", "k_desc", "v_desc", "o_desc"]
     sig = {name: mangle_type(desc) for name, desc in zip(names, descs, strict=True)}
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    sig.update(Q=ptr, COS="*fp32", SIN="*fp32", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
+    sig.update(Q=ptr, COS="*fp16", SIN="*fp16", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
                N="i32", HQ="i32", HKV="i32", CAUSAL="constexpr", STAGES="constexpr",
-               OVERLAP="constexpr", ROPE="constexpr", ROTATE_K="constexpr")  # fmt: skip
-    consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope,
-              ("ROTATE_K",): rope and rotate_k}  # fmt: skip
+               OVERLAP="constexpr", ROPE="constexpr")  # fmt: skip
+    consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope}
     consts = {(list(sig).index(k[0]),): v for k, v in consts.items()}
     attrs = {(list(sig).index(name),): [["tt.divisibility", 16]]
              for name in ("Q", "COS", "SIN", "LSE", "N", "HQ", "HKV")}  # fmt: skip
@@ -278,7 +259,6 @@ def bench_shape(name: str, dtype: torch.dtype) -> list[dict]:
         },  # fmt: skip
         "RoPE pass + gluon_overlap_3st": rope_then_gluon,
         "rope_attention fused, gluon forward (RoPE)": lambda: gluon_rope_attention(q, k, v, inv_freq)[0],
-        "gluon forward, k by a pass (RoPE)": lambda: gluon_rope_attention_k_pass(q, k, v, inv_freq),
         "rope_attention fused, Triton forward (RoPE)": lambda: triton_rope_attention(q, k, v, inv_freq),
         "rope_attention auto (RoPE)": lambda: rope_attention(q, k, v, inv_freq=inv_freq),
     }  # fmt: skip

@@ -281,8 +281,8 @@ def rope_attention_fwd(
     ``[1 | B, N, R/2]``, contiguous, or both None for the default positions (``_rope_tables``);
     ``attention_factor`` scales the rotated channels (the tables' cos and sin); ``window``: a
     causal sliding window of that many keys (0: none). On Hopper the calls that
-    ``hopper_forward_takes`` run the Gluon forward (``attention_forward_hopper.py``) on the
-    same tables, which rotates k in the kernel (no k pass).
+    ``hopper_forward_takes`` run the Gluon forward (``attention_forward_hopper.py``) after the
+    same tables and k pass.
     Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
     B, HQ, NQ, D = q.shape
     HKV, NK = k.shape[1], k.shape[2]
@@ -291,16 +291,16 @@ def rope_attention_fwd(
     q_cos, q_sin, k_cos, k_sin, stride_qtb, stride_ktb, q_row_off, k_row_off = _rope_tables(
         inv_freq, q_pos, k_pos, NQ, NK, meta["HALF"], q.dtype, attention_factor
     )
+    # k rotated once: the key loop would rotate every key tile once per query tile
+    k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
     if (
         hopper_forward_takes(q, k, rope_dim, interleaved, window, softmax_scale)
-        and q_row_off == k_row_off == 0
-        and stride_qtb == stride_ktb == 0  # position i's angles in row i of one table
+        and q_row_off == 0
+        and stride_qtb == 0  # query i's angles in row i of one table
     ):
         from fused_rope.attention_forward_hopper import rope_attention_fwd_hopper
 
-        return rope_attention_fwd_hopper(q, k, v, q_cos, q_sin, k_cos, k_sin, q_fold, causal)
-    # k rotated once: the key loop would rotate every key tile once per query tile
-    k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
+        return rope_attention_fwd_hopper(q, k_rot, v, q_cos, q_sin, q_fold, causal)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     grid = lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)

@@ -49,58 +49,16 @@ ROWS = CTA_ROWS // 2  # query rows a consumer warpgroup (wgmma's M per warpgroup
 BLOCK_N = 128  # keys a K/V tile (64 was slower: session 55)
 STAGES = 3  # 3 x 2 x 32 KB of K/V at D = 128 fits beside Q's 32 KB in 227 KB of shared memory
 LN2 = gl.constexpr(math.log(2.0))
-# setmaxnreg's split of an SM's 65536 registers over the 3 warpgroups (2 consumers + the loader's,
-# which Triton pads to a warpgroup), as FlashAttention-3 splits it. The loader that rotates K
-# takes 32 (4 channels a thread a pass; ptxas: 36 B of spills at D = 128, where the consumers
-# spill more at 232 or fewer)
 CONSUMER_REGS = gl.constexpr(240)
 LOADER_REGS = gl.constexpr(24)
-ROTATING_LOADER_REGS = gl.constexpr(32)
 MAXNREG = 168  # 12 warps (3 warpgroups) in one CTA an SM: 65536 / 384 registers a thread
 
 
 @gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row, j):
-    """TMA loads of key tile ``j`` (into ring slot ``j % STAGES``, once both consumers freed it):
-    K signals ``k_loaded``, V ``v_ready``."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    STAGES: gl.constexpr = k_smem.type.shape[0]
-    s = j % STAGES
-    # a fresh mbarrier counts as having completed the phase before 0: the first pass through
-    # the ring does not wait
-    mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-    mbarrier.expect(k_loaded.index(s), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(
-        k_desc, [kv_row + j * BLOCK_N, 0], k_loaded.index(s), k_smem.index(s)
-    )
-    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(
-        v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s)
-    )
-
-
-@gluon.jit
-def _issue_tables(cos_desc, sin_desc, cos_smem, sin_smem, tab_ready, j, h):
-    """TMA loads of the key tables' rows for half ``h`` of key tile ``j`` into table stage
-    ``h``, signalling ``tab_ready[h]``."""
-    TAB: gl.constexpr = cos_desc.block_type.shape[0]
-    row = j * (2 * TAB) + h * TAB
-    mbarrier.expect(tab_ready.index(h), 2 * cos_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(cos_desc, [row, 0], tab_ready.index(h), cos_smem.index(h))
-    tma.async_copy_global_to_shared(sin_desc, [row, 0], tab_ready.index(h), sin_smem.index(h))
-
-
-@gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded, k_ready, v_ready,
-            kv_empty, q_row, kv_row, n_tiles, cos_desc, sin_desc, cos_smem, sin_smem, tab_ready,
-            ROPE: gl.constexpr, ROTATE_K: gl.constexpr):  # fmt: skip
-    """Without ROTATE_K (1 warp) the K tiles' TMA signals ``k_ready`` itself (``k_loaded`` is
-    ``k_ready``). With it (a warpgroup) tile ``j + STAGES - 2``'s loads are issued, then tile
-    ``j`` is rotated in shared memory, a half at a time, by the key tables' rows that TMA brought into
-    ``cos_smem, sin_smem`` (a stage a half: a half's rows are reloaded for tile ``j + 1`` as soon
-    as it is rotated), and handed to the consumers through ``k_ready``. Each key tile is rotated
-    once per CTA, and there is no pass over k in global memory."""
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+            kv_empty, q_row, kv_row, n_tiles, ROPE: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     if not ROPE:  # with RoPE each consumer rotates its own Q tile into shared memory
         for c in gl.static_range(2):
@@ -108,35 +66,20 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded, k
             tma.async_copy_global_to_shared(
                 q_desc, [q_row + c * ROWS, 0], q_ready.index(c), q_smem.index(c)
             )
-    if ROTATE_K:
-        TAB: gl.constexpr = cos_smem.type.shape[1]  # BLOCK_N / 2 rows a table stage
-        # Tile j + AHEAD's loads go out before tile j is rotated. Its slot is tile
-        # j + AHEAD - STAGES's, which the consumers free after their P V product of it, and with
-        # OVERLAP only once they have tile j + AHEAD - STAGES + 1's scores: AHEAD = STAGES - 1
-        # would wait on the very tile this loop is about to rotate (a deadlock at 2 stages).
-        AHEAD: gl.constexpr = STAGES - 2
-        for t in gl.static_range(AHEAD + 1):
-            if t < n_tiles:
-                _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row, t)
-        for h in gl.static_range(2):
-            _issue_tables(cos_desc, sin_desc, cos_smem, sin_smem, tab_ready, 0, h)
-        for j in range(n_tiles):
-            if (j > 0) & (j + AHEAD < n_tiles):
-                _issue_kv(k_desc, v_desc, k_smem, v_smem, k_loaded, v_ready, kv_empty, kv_row,
-                          j + AHEAD)  # fmt: skip
-            s = j % STAGES
-            mbarrier.wait(k_loaded.index(s), (j // STAGES) & 1)
-            for h in gl.static_range(2):
-                mbarrier.wait(tab_ready.index(h), j & 1)
-                _rotate_k_rows(k_smem.index(s).slice(h * TAB, TAB, dim=0), cos_smem.index(h),
-                               sin_smem.index(h))  # fmt: skip
-                gl.thread_barrier()  # every thread done with table stage h before its reload
-                if j + 1 < n_tiles:
-                    _issue_tables(cos_desc, sin_desc, cos_smem, sin_smem, tab_ready, j + 1, h)
-            mbarrier.arrive(k_ready.index(s), count=1)  # after every thread's fenced stores
-    else:
-        for j in range(n_tiles):
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, j)
+    for j in range(n_tiles):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        # a fresh mbarrier counts as having completed the phase before 0: the first pass
+        # through the ring does not wait
+        mbarrier.wait(kv_empty.index(s), phase ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s)
+        )
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s)
+        )
 
 
 @gluon.jit
@@ -157,13 +100,6 @@ def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, CAUSAL: gl.cons
     return p, m_new, l_i, gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
 
 
-@gluon.constexpr_function
-def _half_layout(HALF, VEC=8):
-    """A blocked layout of ``[rows, HALF]`` over a warpgroup, ``VEC`` channels a thread: one
-    channel half of ``128 * VEC / HALF`` rows a pass."""
-    return gl.BlockedLayout([1, VEC], [32 * VEC // HALF, HALF // VEC], [4, 1], [1, 0])
-
-
 @gluon.jit
 def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
     """Rows ``row .. row + ROWS`` of ``Q [B * HQ * N, D]`` rotated ("half" layout, every channel)
@@ -171,7 +107,7 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
     ``q_smem [ROWS, D]``: the fused forward's Q, made once per CTA."""
     ROWS: gl.constexpr = q_smem.type.shape[0]
     HALF: gl.constexpr = q_smem.type.shape[1] // 2
-    L: gl.constexpr = _half_layout(HALF)
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.expand_dims(gl.arange(0, ROWS, gl.SliceLayout(1, L)), 1)
     c = gl.expand_dims(gl.arange(0, HALF, gl.SliceLayout(0, L)), 0)
     x = Q + (row + r).to(gl.int64) * (2 * HALF) + c
@@ -182,28 +118,6 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
     sin = gl.load(SIN + t).to(gl.float32) * q_fold
     q_smem.slice(0, HALF, dim=1).store((x1 * cos - x2 * sin).to(q_smem.dtype))
     q_smem.slice(HALF, HALF, dim=1).store((x2 * cos + x1 * sin).to(q_smem.dtype))
-    fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
-
-
-@gluon.jit
-def _rotate_k_rows(k_smem, cos_smem, sin_smem):
-    """``k_smem [rows, D]`` rotated in place ("half" layout, every channel) by its keys' table
-    rows ``cos_smem, sin_smem [rows, D / 2]``, rounded to k's dtype as the pass
-    ``_rotated_segments`` rounds it; a few rows at a time, to bound the registers."""
-    ROWS: gl.constexpr = k_smem.type.shape[0]
-    HALF: gl.constexpr = k_smem.type.shape[1] // 2
-    VEC: gl.constexpr = 4  # 4 channels a thread (2 would split the 8-row swizzle pattern)
-    L: gl.constexpr = _half_layout(HALF, VEC)
-    CHUNK: gl.constexpr = 128 * VEC // HALF  # the layout's rows
-    for r0 in gl.static_range(0, ROWS, CHUNK):
-        lo = k_smem.slice(r0, CHUNK, dim=0).slice(0, HALF, dim=1)
-        hi = k_smem.slice(r0, CHUNK, dim=0).slice(HALF, HALF, dim=1)
-        x1 = lo.load(L).to(gl.float32)
-        x2 = hi.load(L).to(gl.float32)
-        cos = cos_smem.slice(r0, CHUNK, dim=0).load(L).to(gl.float32)
-        sin = sin_smem.slice(r0, CHUNK, dim=0).load(L).to(gl.float32)
-        lo.store((x1 * cos - x2 * sin).to(k_smem.dtype))
-        hi.store((x2 * cos + x1 * sin).to(k_smem.dtype))
     fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
 
 
@@ -293,17 +207,14 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 
 
 @gluon.jit
-def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, cos_desc, sin_desc, Q, COS, SIN, LSE, qk_scale,
-                         q_fold, N, HQ, HKV, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         OVERLAP: gl.constexpr, ROPE: gl.constexpr,
-                         ROTATE_K: gl.constexpr):  # fmt: skip
+def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, N,
+                         HQ, HKV, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         OVERLAP: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
     """q_desc, o_desc: [B * HQ * N, D] in tiles of [64, D]; k_desc, v_desc: [B * HKV * N, D] in
     tiles of [BLOCK_N, D]. Grid (N / 128, B * HQ). Without ROPE: qk_scale = softmax_scale *
-    log2(e), Q, COS, SIN, LSE unused. With ROPE: Q (the pointer of q_desc's tensor) is rotated
-    in the kernel by COS, SIN [N, D / 2] times q_fold = softmax_scale * log2(e), qk_scale = 1,
-    and LSE [B * HQ * N] fp32 takes the natural-log LSE; with ROTATE_K the keys are rotated in
-    the kernel by the key tables [N, D / 2] of cos_desc, sin_desc (tiles of [BLOCK_N / 2,
-    D / 2]), without it they come rotated (the descriptors unused)."""
+    log2(e), Q, COS, SIN, LSE unused. With ROPE: the keys come rotated, Q (the pointer of
+    q_desc's tensor) is rotated in the kernel by COS, SIN [N, D / 2] times q_fold = softmax_scale
+    * log2(e), qk_scale = 1, and LSE [B * HQ * N] fp32 takes the natural-log LSE."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -325,28 +236,14 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, cos_desc, sin_desc, Q, 
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_ready.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(k_loaded.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=2)  # both consumers release a slot
-    if ROTATE_K:
-        TAB: gl.constexpr = cos_desc.block_type.shape[0]
-        cos_smem = gl.allocate_shared_memory(cos_desc.dtype, [2, TAB, HEAD_DIM // 2],
-                                             cos_desc.layout)  # fmt: skip
-        sin_smem = gl.allocate_shared_memory(cos_desc.dtype, [2, TAB, HEAD_DIM // 2],
-                                             cos_desc.layout)  # fmt: skip
-        tab_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for h in gl.static_range(2):
-            mbarrier.init(tab_ready.index(h), count=1)
-    else:
-        k_loaded = k_ready
-        cos_smem, sin_smem, tab_ready = k_smem, k_smem, q_ready  # unused
 
     # fmt: off
     gl.warp_specialize(
@@ -357,12 +254,11 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, cos_desc, sin_desc, Q, 
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 1, CAUSAL,
                          OVERLAP, ROPE)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_loaded,
-                       k_ready, v_ready, kv_empty, q_row, kv_row, n_tiles, cos_desc, sin_desc,
-                       cos_smem, sin_smem, tab_ready, ROPE, ROTATE_K)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                       kv_empty, q_row, kv_row, n_tiles, ROPE)),
         ],
-        [4, 4] if ROTATE_K else [4, 1],
-        [CONSUMER_REGS, ROTATING_LOADER_REGS if ROTATE_K else LOADER_REGS],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
     )
     # fmt: on
 
@@ -371,8 +267,9 @@ def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
     """TMA descriptors of ``q, o [B, HQ, N, D]`` (tiles of ``[ROWS, D]``) and ``k, v
     [B, HKV, N, D]`` (tiles of ``[block_n, D]``), contiguous, seen as ``[B * H * N, D]``."""
     d = q.shape[-1]
-    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS, d], _gl_dtype(q))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], _gl_dtype(q))
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS, d], gl_dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype)
     flat = [t.reshape(-1, d) for t in (q, k, v, o)]
     return (
         TensorDescriptor.from_tensor(flat[0], [ROWS, d], q_layout),
@@ -382,60 +279,35 @@ def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
     )
 
 
-def table_descriptors(cos, sin, block_n: int = BLOCK_N) -> tuple:
-    """TMA descriptors of the key tables ``cos, sin [1, N, D / 2]`` (fp32 or fp16) in tiles of
-    ``[block_n / 2, D / 2]``, unswizzled (the rotation reads them row by row)."""
-    half = cos.shape[-1]
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=cos.element_size() * 8)
-    return tuple(
-        TensorDescriptor.from_tensor(t.reshape(-1, half), [block_n // 2, half], layout)
-        for t in (cos, sin)
-    )
-
-
-def _gl_dtype(t: torch.Tensor):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[
-        t.dtype
-    ]
-
-
 def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAGES,
            overlap: bool = True) -> torch.Tensor:  # fmt: skip
     """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]``
     (``N`` a multiple of ``CTA_ROWS``); returns ``o`` like q. ``rope``: None, or ``(cos, sin,
-    k_cos, k_sin, lse, q_fold)`` for the RoPE variant (``attention_fwd_kernel``'s arguments;
-    ``k_cos = k_sin = None``: k comes rotated)."""
+    lse, q_fold)`` for the RoPE variant (``attention_fwd_kernel``'s arguments)."""
     B, HQ, N, _ = q.shape
     o = torch.empty_like(q)
-    cos, sin, k_cos, k_sin, lse, q_fold = rope if rope is not None else (q, q, None, None, q, 1.0)
-    descs = descriptors(q, k, v, o)
-    rotate_k = k_cos is not None
-    tables = table_descriptors(k_cos, k_sin) if rotate_k else descs[:2]  # unused without
+    cos, sin, lse, q_fold = rope if rope is not None else (q, q, q, 1.0)
     attention_fwd_kernel[(N // CTA_ROWS, B * HQ)](
-        *descs, *tables, q, cos, sin, lse, qk_scale, q_fold, N, HQ, k.shape[1], causal, stages,
-        overlap, rope is not None, rotate_k, num_warps=4, maxnreg=MAXNREG,
+        *descriptors(q, k, v, o), q, cos, sin, lse, qk_scale, q_fold, N, HQ, k.shape[1], causal,
+        stages, overlap, rope is not None, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return o
 
 
-def rope_attention_fwd_hopper(q, k, v, cos, sin, k_cos, k_sin, q_fold: float,
-                              causal: bool) -> tuple:  # fmt: skip
+def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool) -> tuple:
     """The fused forward of ``rope_attention_fwd`` where ``hopper_forward_takes`` holds:
-    ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]``, ``cos, sin`` and ``k_cos, k_sin`` the query
-    and key tables of ``_rope_tables`` (row ``i`` holds position ``i``'s angles, one batch row),
-    ``q_fold`` Q's whole fold (``query_fold``: the scores take no other scale). Q and K are
-    both rotated in the kernel. Returns ``o [B, HQ, N, D]`` in q's dtype and ``lse [B, HQ, N]``
-    fp32 (natural log)."""
+    ``q [B, HQ, N, D]``, ``k_rot`` (k rotated, ``_rotated_segments``) and ``v [B, HKV, N, D]``,
+    ``cos, sin`` the tables of ``_rope_tables`` (row ``i`` holds query ``i``'s angles, one
+    batch row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other scale).
+    Returns ``o [B, HQ, N, D]`` in q's dtype and ``lse [B, HQ, N]`` fp32 (natural log)."""
     B, HQ, N, _ = q.shape
     # TMA takes 16-byte aligned rows; a contiguous view at an odd storage offset is copied
-    q, k, v = (
+    q, v = (
         t
         if t.is_contiguous() and t.data_ptr() % 16 == 0
         else t.clone(memory_format=torch.contiguous_format)
-        for t in (q, k, v)
+        for t in (q, v)
     )
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
-    # 2 K/V stages at D = 128: the key tables' 2 stages of [64, 64] fp32 take the third's room
-    stages = 2 if q.shape[-1] == 128 else STAGES
-    o = launch(q, k, v, causal, 1.0, (cos, sin, k_cos, k_sin, lse, q_fold), stages)
+    o = launch(q, k_rot, v, causal, 1.0, (cos, sin, lse, q_fold))
     return o, lse

@@ -1317,7 +1317,8 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
 def test_gpu_hopper_forward(B, HQ, HKV, N, D, dtype, opts, monkeypatch):
     """The fused path with the Gluon forward (and the Triton backward on its LSE): o, lse and
     every gradient by the flash-attention rule; the spy proves the Gluon kernel ran. The
-    query positions of the last case give q and k different tables (the kernel rotates both)."""
+    query positions of the last case give q and k different tables (q rotated in the
+    kernel by its own, k by the pass)."""
     calls = _hopper_calls(monkeypatch)
     _check_case(B, HQ, HKV, N, N, D, dtype=dtype, **opts)
     assert calls, "the Gluon forward did not run"
