@@ -28,6 +28,7 @@ from fused_rope._validation import (
     check_no_tangent,
     check_window,
     eager_function,
+    on_input_device,
     refuse_double_backward,
     runs_eagerly,
 )
@@ -160,6 +161,7 @@ _CoropeAttentionFunction = eager_function(
 )
 
 
+@on_input_device
 def corope_attention(
     q: torch.Tensor,
     k: torch.Tensor,

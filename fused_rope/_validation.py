@@ -7,6 +7,7 @@ interpreter cannot run the kernels at all (``interpreter_blocker``).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -294,6 +295,30 @@ def eager_function(name: str, launch, setup_context, backward) -> type[torch.aut
 
     methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
     return type(name, (torch.autograd.Function,), methods)
+
+
+def on_input_device(fn):
+    """``fn``, a public function whose first argument is a tensor, run with the current CUDA
+    device set to that tensor's. Triton launches a kernel on the current device whatever its
+    tensors' device: a call on ``cuda:1`` tensors while ``cuda:0`` is current would run on
+    ``cuda:0`` over the other GPU's memory (an illegal-address fault, or peer traffic), as
+    under Hugging Face's ``device_map``, which spreads a model's layers over GPUs. Eager calls
+    only: Inductor's compiled code sets its device itself, and the autograd engine runs a
+    device's backward on that device's thread."""
+
+    @functools.wraps(fn)
+    def on_device(x, *args, **kwargs):
+        if (
+            not torch.compiler.is_compiling()
+            and isinstance(x, torch.Tensor)
+            and x.is_cuda
+            and x.device.index != torch.cuda.current_device()
+        ):
+            with torch.cuda.device(x.device):
+                return fn(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+
+    return on_device
 
 
 def needs_autograd(*xs: torch.Tensor | None) -> bool:

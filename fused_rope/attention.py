@@ -41,6 +41,7 @@ from fused_rope._validation import (
     eager_function,
     element_span,
     needs_autograd,
+    on_input_device,
     refuse_double_backward,
     runs_eagerly,
     under_functorch,
@@ -527,6 +528,7 @@ def _check_inputs(
     return rope_dim, impl, window
 
 
+@on_input_device
 def rope_attention(
     q: torch.Tensor,
     k: torch.Tensor,

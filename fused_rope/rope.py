@@ -38,6 +38,7 @@ from fused_rope._validation import (
     interpreting,
     may_overlap,
     needs_autograd,
+    on_input_device,
     runs_eagerly,
 )
 
@@ -806,6 +807,7 @@ def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **
     return t
 
 
+@on_input_device
 def apply_rope(
     x: torch.Tensor,
     angles: torch.Tensor | None = None,
@@ -908,6 +910,7 @@ def apply_rope(
     return x
 
 
+@on_input_device
 def apply_rope_qk(
     q: torch.Tensor,
     k: torch.Tensor,
