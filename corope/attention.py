@@ -55,7 +55,9 @@ def _attention(
     return corope_fwd(q, k, v, inv_freq, softmax_scale, rope_dim, leader, window)
 
 
-_attention_op = torch.library.custom_op("corope::attention", mutates_args=())(_attention)
+_attention_op = torch.library.custom_op("corope::attention", mutates_args=())(
+    on_input_device(_attention)
+)
 
 
 @_attention_op.register_fake
@@ -66,6 +68,7 @@ def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, determ
 
 
 @torch.library.custom_op("corope::decode", mutates_args=())
+@on_input_device
 def _decode_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -84,6 +87,7 @@ def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader):
 
 
 @torch.library.custom_op("corope::attention_backward", mutates_args=())
+@on_input_device
 def _attention_backward_op(
     do: torch.Tensor,
     q: torch.Tensor,

@@ -8,6 +8,7 @@ interpreter cannot run the kernels at all (``interpreter_blocker``).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 import os
@@ -298,16 +299,20 @@ def eager_function(name: str, launch, setup_context, backward) -> type[torch.aut
 
 
 def on_input_device(fn):
-    """``fn``, a public function whose first argument is a tensor, run with the current CUDA
-    device set to that tensor's. Triton launches a kernel on the current device whatever its
-    tensors' device: a call on ``cuda:1`` tensors while ``cuda:0`` is current would run on
-    ``cuda:0`` over the other GPU's memory (an illegal-address fault, or peer traffic), as
-    under Hugging Face's ``device_map``, which spreads a model's layers over GPUs. Eager calls
-    only: Inductor's compiled code sets its device itself, and the autograd engine runs a
-    device's backward on that device's thread."""
+    """``fn``, whose first parameter is a tensor, run with the current CUDA device set to that
+    tensor's. Triton launches a kernel on the current device whatever its tensors' device: a
+    call on ``cuda:1`` tensors while ``cuda:0`` is current would run on ``cuda:0`` over the
+    other GPU's memory (an illegal-address fault, or peer traffic), as under Hugging Face's
+    ``device_map``, which spreads a model's layers over GPUs. On the public functions, for
+    eager calls (a traced call leaves the guard to the ops the graph calls), and on the custom
+    ops' bodies, which compiled graphs call whatever the backend (Inductor guards its device,
+    the eager backends do not). A backward needs none: the autograd engine runs a device's
+    backward on that device's thread."""
+    first = next(iter(inspect.signature(fn).parameters))
 
     @functools.wraps(fn)
-    def on_device(x, *args, **kwargs):
+    def on_device(*args, **kwargs):
+        x = args[0] if args else kwargs.get(first)
         if (
             not torch.compiler.is_compiling()
             and isinstance(x, torch.Tensor)
@@ -315,8 +320,8 @@ def on_input_device(fn):
             and x.device.index != torch.cuda.current_device()
         ):
             with torch.cuda.device(x.device):
-                return fn(x, *args, **kwargs)
-        return fn(x, *args, **kwargs)
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
 
     return on_device
 

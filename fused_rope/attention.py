@@ -106,6 +106,7 @@ def pinned_config(index: int):
 
 
 @torch.library.custom_op("fused_rope::rope_attention_fwd", mutates_args=())
+@on_input_device
 def _fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,6 +138,7 @@ def _(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_
 
 
 @torch.library.custom_op("fused_rope::rope_attention_bwd", mutates_args=())
+@on_input_device
 def _bwd_op(
     do: torch.Tensor,
     dlse: torch.Tensor,

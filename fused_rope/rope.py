@@ -607,6 +607,7 @@ TRACEABLE_KERNEL = not interpreting()
 
 
 @torch.library.custom_op("fused_rope::rope", mutates_args=())
+@on_input_device
 def _rope_op(
     x: torch.Tensor,
     angles: torch.Tensor,
@@ -652,6 +653,7 @@ _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
 @(torch.library.triton_op if TRACEABLE_KERNEL else torch.library.custom_op)(
     "fused_rope::rope_qk", mutates_args=()
 )
+@on_input_device
 def _rope_qk_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -702,6 +704,7 @@ _rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
 
 
 @torch.library.custom_op("fused_rope::rope_", mutates_args=("x",))
+@on_input_device
 def _rope_inplace_op(
     x: torch.Tensor,
     angles: torch.Tensor,
