@@ -18,6 +18,8 @@ LAUNCHERS = [apply_rope, apply_rope_qk, rope_attention, corope_attention]
 class _OnGpu(torch.Tensor):
     """A CPU tensor that reports itself on a GPU (the guard reads only these two)."""
 
+    # plain class attributes shadow Tensor's properties, so an instance's own "device" (set by
+    # _on_gpu) is read in turn; without the class one, Tensor's property would win
     is_cuda = True
     device = torch.device("cuda", 1)
 
