@@ -85,7 +85,7 @@ def triton_rope_attention(q, k, v, inv_freq):
         attention_forward.GLUON_ENABLED = enabled
 
 
-def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16):
+def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16, row_step=8):
     """The kernel compiled for sm_90a without a GPU: registers, spills, shared memory."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -98,8 +98,9 @@ def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig.update(Q=ptr, COS="*fp16", SIN="*fp16", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
                N="i32", HQ="i32", HKV="i32", CAUSAL="constexpr", STAGES="constexpr",
-               OVERLAP="constexpr", ROPE="constexpr")  # fmt: skip
-    consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope}
+               OVERLAP="constexpr", ROPE="constexpr", ROW_STEP="constexpr")  # fmt: skip
+    consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope,
+              ("ROW_STEP",): row_step if rope else 0}  # fmt: skip
     consts = {(list(sig).index(k[0]),): v for k, v in consts.items()}
     attrs = {(list(sig).index(name),): [["tt.divisibility", 16]]
              for name in ("Q", "COS", "SIN", "LSE", "N", "HQ", "HKV")}  # fmt: skip
@@ -193,9 +194,17 @@ def check(out: Path | None) -> list[str]:
         o_b, _, lse32_b = rope_attention_in_dtype(q, k, v, q_angles=angles, k_angles=angles,
                                                   causal=causal, scale=scale, layout="half",
                                                   rope_dim=d)  # fmt: skip
-        o, lse = gluon_rope_attention(q, k, v, inv_freq, causal=causal)
-        record("gluon fused RoPE: o", shape, causal, dtype, o, o64, o_b)
-        record("gluon fused RoPE: lse", shape, causal, dtype, lse, lse64, lse32_b)
+        from fused_rope import attention_forward_hopper as hopper
+
+        for row_step in (0, hopper.ROW_STEP):  # Q's cos and sin from every row, or fewer
+            hopper.ROW_STEP, old = row_step, hopper.ROW_STEP
+            try:
+                o, lse = gluon_rope_attention(q, k, v, inv_freq, causal=causal)
+            finally:
+                hopper.ROW_STEP = old
+            tag = f"gluon fused RoPE, row_step {row_step}"
+            record(f"{tag}: o", shape, causal, dtype, o, o64, o_b)
+            record(f"{tag}: lse", shape, causal, dtype, lse, lse64, lse32_b)
     print("\n".join(lines), flush=True)
     if out is not None:
         (out / "gluon_attention_probe_check.txt").write_text("\n".join(lines) + "\n")
@@ -285,6 +294,76 @@ def bench_shape(name: str, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+def components(shapes, dtypes) -> list[dict]:
+    """The fused RoPE forward's parts on the Gluon path, each timed alone, with the options this
+    file's variants leave fixed (``components_of_shape``), at every shape and dtype."""
+    return [row for dtype in dtypes for name in shapes for row in components_of_shape(name, dtype)]
+
+
+def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
+    """At one shape: the cos/sin table, the k pass with ``heads`` a program
+    (``_attention_common.ROTATE_HEADS``), the kernel with Q rotated inside from a table row per
+    row or every ``row_step`` rows; cuDNN and the kernel without RoPE for scale. Each kernel
+    variant's o is compared with ``row_step`` 0's."""
+    from experiments.timing import time_ms
+    from fused_rope import _attention_common as common
+    from fused_rope import rope_frequencies
+    from fused_rope.attention_forward import query_fold
+
+    b, hq, hkv, n, d = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen)
+               for h in (hq, hkv, hkv))  # fmt: skip
+    inv_freq = rope_frequencies(d, 10000.0)[0].to("cuda", torch.float32)
+    q_fold, _ = query_fold(d**-0.5, dtype)
+    meta = common._meta(d, d, False, True, dtype, 1.0)
+
+    def tables():
+        return common._rope_tables(inv_freq, None, None, n, n, d // 2, dtype)
+
+    cos, sin = tables()[:2]
+    k_rot = common._rotated_segments(k, cos, sin, 0, 0, 1.0, meta)
+    lse = torch.empty(b, hq, n, device="cuda")
+    ref = launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold), row_step=0)
+
+    def k_pass(heads):
+        common.ROTATE_HEADS, old = heads, common.ROTATE_HEADS
+        try:
+            return common._rotated_segments(k, cos, sin, 0, 0, 1.0, meta)
+        finally:
+            common.ROTATE_HEADS = old
+
+    def q_inside(row_step):
+        return launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold), row_step=row_step)
+
+    providers = {
+        "sdpa (cuDNN), no RoPE": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=hq != hkv),
+        "gluon, no RoPE": lambda: gluon_attention(q, k, v, stages=3, overlap=True),
+        "cos/sin table": tables,
+        **{f"k pass, {h} heads a program": (lambda h=h: k_pass(h)) for h in (1, 2, 4, 8)},
+        **{f"gluon, Q rotated inside, row_step {rs}": (lambda rs=rs: q_inside(rs))
+           for rs in (0, 8)},
+    }  # fmt: skip
+    rows, floor = [], None
+    for provider, fn in providers.items():
+        try:
+            out = fn()
+            torch.cuda.synchronize()
+            diff = ""
+            if "Q rotated" in provider:
+                diff = f"{(out.float() - ref.float()).abs().max().item():.1e}"
+            ms = time_ms(fn)[0]
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+            ms, diff = float("nan"), f"failed: {type(e).__name__}: {str(e)[-200:]}"
+        floor = ms if floor is None else floor
+        rows.append({"shape": f"{name} ({b},{hq}/{hkv},{n},{d})", "dtype": str(dtype)[6:],
+                     "part": provider, "ms": ms, "x_cudnn": ms / floor,
+                     "max_diff_vs_package": diff})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--offline", action="store_true", help="compile for sm_90a, no GPU")
@@ -292,6 +371,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--components", action="store_true",
+                        help="time the RoPE forward's parts and options alone")  # fmt: skip
     args = parser.parse_args()
     if args.offline:
         _offline_report()
@@ -302,7 +383,20 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
     if not args.skip_check:
         check(args.out)
-    rows = bench(args.shapes, [getattr(torch, name) for name in args.dtypes])
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    if args.components:
+        rows = components(args.shapes, dtypes)
+        env = environment()
+        text = (
+            "# The Gluon RoPE forward's parts, each alone (probe)\n\n"
+            f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}. "
+            "Causal; ms = median GPU time (CUDA graph); x_cudnn = ms / cuDNN's ms.\n\n"
+            + markdown_table(rows, list(rows[0]))
+        )
+        out = None if args.out is None else args.out / "gluon_rope_components.md"
+        print_report(text, out)
+        return
+    rows = bench(args.shapes, dtypes)
     env = environment()
     text = (
         "# A warp-specialized attention forward in Gluon against cuDNN (probe)\n\n"

@@ -246,28 +246,37 @@ def _rotate_kernel(
     PASS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
-    """Rows of one head of ``X [B, H, N, D]``, rotated and scaled by ``_load_rotated``, into
-    ``OUT [B, H, N, W]`` with the segments side by side (``_load_segments``)."""
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
+    """Rows of ``HEADS`` heads of one batch of ``X [B, H, N, D]``, rotated and scaled by
+    ``_load_rotated``, into ``OUT [B, H, N, W]`` with the segments side by side
+    (``_load_segments``). The heads share the rows' cos and sin, loaded once: the tables
+    (fp32 for fp16 inputs) hold twice the bytes of the rows they rotate."""
+    groups = tl.cdiv(H, HEADS)
+    b = (tl.program_id(1) // groups).to(tl.int64)
+    h0 = ((tl.program_id(1) % groups) * HEADS).to(tl.int64)  # int64: the pointer offsets
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < N
     COS += b * stride_tb + row_off * HALF
     SIN += b * stride_tb + row_off * HALF
     cos, sin = _load_cos_sin(COS, SIN, rows, mask, HALF)
-    x1, x2, xp = _load_rotated(
-        X + b * stride_xb + h * stride_xh, rows, mask, stride_xn, stride_xd, cos, sin, scale,
-        BLOCK, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED,
-    )  # fmt: skip
     width = 2 * HALF + (PASS if HEAD_DIM > ROPE_DIM else 0)
-    out = OUT + (pid_bh.to(tl.int64) * N + rows[:, None]) * width
     offs_h = tl.arange(0, HALF)[None, :]
-    tl.store(out + offs_h, x1, mask=mask[:, None])
-    tl.store(out + HALF + offs_h, x2, mask=mask[:, None])
-    if HEAD_DIM > ROPE_DIM:
-        tl.store(out + 2 * HALF + tl.arange(0, PASS)[None, :], xp, mask=mask[:, None])
+    for h in range(h0, tl.minimum(h0 + HEADS, H)):
+        x1, x2, xp = _load_rotated(
+            X + b * stride_xb + h * stride_xh, rows, mask, stride_xn, stride_xd,
+            cos, sin, scale, BLOCK, HEAD_DIM, ROPE_DIM, HALF, PASS, INTERLEAVED,
+        )  # fmt: skip
+        out = OUT + ((b * H + h) * N + rows[:, None]) * width
+        tl.store(out + offs_h, x1, mask=mask[:, None])
+        tl.store(out + HALF + offs_h, x2, mask=mask[:, None])
+        if HEAD_DIM > ROPE_DIM:
+            tl.store(out + 2 * HALF + tl.arange(0, PASS)[None, :], xp, mask=mask[:, None])
+
+
+# heads a program of ``_rotate_kernel`` rotates with one load of the tables (2: 0.3-1.5 us
+# faster than 1 at issue 5's shapes on an H200; 4 and 8 no better: README, session 58)
+ROTATE_HEADS = 2
 
 
 def _rotated_segments(x, cos, sin, stride_tb: int, row_off: int, scale: float, meta: dict):
@@ -280,9 +289,10 @@ def _rotated_segments(x, cos, sin, stride_tb: int, row_off: int, scale: float, m
     width = rotated_width(meta["HEAD_DIM"], meta["ROPE_DIM"])
     out = torch.empty((B, H, N, width), device=x.device, dtype=x.dtype)
     block = 16 if _INTERPRET else 64
-    _rotate_kernel[(cdiv(N, block), B * H)](
+    heads = min(ROTATE_HEADS, H)
+    _rotate_kernel[(cdiv(N, block), B * cdiv(H, heads))](
         x, out, cos, sin, scale, *x.stride(), stride_tb, row_off, H, N,
-        meta["HEAD_DIM"], meta["ROPE_DIM"], half, pas, meta["INTERLEAVED"], block,
+        meta["HEAD_DIM"], meta["ROPE_DIM"], half, pas, meta["INTERLEAVED"], block, heads,
     )  # fmt: skip
     return out
 
@@ -550,7 +560,9 @@ def _rope_tables(
         batch = 1 if pos is None else pos.shape[0]
         cos = torch.empty((batch, rows, half), device=inv_freq.device, dtype=dtype)
         sin = torch.empty_like(cos)
-        block = 16 if _INTERPRET else 64
+        # 16 rows a program: a 64-row program's accurate sin/cos took 7.7 us at 2K rows
+        # (32 programs; README, session 58)
+        block = 16
         source = FROM_RANGE if pos is None else FROM_POSITIONS if pos.dim() == 2 else FROM_ANGLES
         _rope_table_kernel[(cdiv(rows, block), batch)](
             inv_freq if pos is None else pos, inv_freq, cos, sin, rows, first, half_rope,

@@ -300,7 +300,9 @@ def rope_attention_fwd(
     ):
         from fused_rope.attention_forward_hopper import rope_attention_fwd_hopper
 
-        return rope_attention_fwd_hopper(q, k_rot, v, q_cos, q_sin, q_fold, causal)
+        # default positions: table row p holds position p (the Gluon path has NQ = NK)
+        range_factor = attention_factor if q_pos is None and attention_factor != 0 else None
+        return rope_attention_fwd_hopper(q, k_rot, v, q_cos, q_sin, q_fold, causal, range_factor)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     grid = lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)

@@ -51,6 +51,9 @@ STAGES = 3  # 3 x 2 x 32 KB of K/V at D = 128 fits beside Q's 32 KB in 227 KB of
 LN2 = gl.constexpr(math.log(2.0))
 CONSUMER_REGS = gl.constexpr(240)
 LOADER_REGS = gl.constexpr(24)
+# Q's cos and sin from a table row every ROW_STEP rows (``_rotate_q_tile``; 1-4% faster than
+# a row each from 2K tokens on, fp16: README, session 58)
+ROW_STEP = 8
 MAXNREG = 168  # 12 warps (3 warpgroups) in one CTA an SM: 65536 / 384 registers a thread
 
 
@@ -101,10 +104,18 @@ def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, CAUSAL: gl.cons
 
 
 @gluon.jit
-def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
+def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold, ROW_STEP: gl.constexpr):
     """Rows ``row .. row + ROWS`` of ``Q [B * HQ * N, D]`` rotated ("half" layout, every channel)
     by the tables ``COS, SIN [N, D / 2]`` at positions ``first_pos ..``, times ``q_fold``, into
-    ``q_smem [ROWS, D]``: the fused forward's Q, made once per CTA."""
+    ``q_smem [ROWS, D]``: the fused forward's Q, made once per CTA.
+
+    ``ROW_STEP = 0``: each row's cos and sin read from its own table row. ``ROW_STEP = s > 0``
+    (tables whose row ``p`` holds position ``p``'s angles times one factor, which ``q_fold``
+    then divides out): row ``p = b + t`` (``b`` a multiple of ``s``, ``t < s``) from rows ``b``
+    and ``t`` by the angle-addition formulas, in fp32. A CTA then reads ``ROWS / s`` rows of
+    the tables plus ``s`` rows every CTA shares (cached), not ``ROWS``: at the start of a CTA
+    the tables' bytes (fp32: twice Q's) wait in the same L2 queue as Q's and the first K and V
+    tiles, while the tensor cores idle."""
     ROWS: gl.constexpr = q_smem.type.shape[0]
     HALF: gl.constexpr = q_smem.type.shape[1] // 2
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -113,9 +124,21 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
     x = Q + (row + r).to(gl.int64) * (2 * HALF) + c
     x1 = gl.load(x).to(gl.float32)
     x2 = gl.load(x + HALF).to(gl.float32)
-    t = (first_pos + r) * HALF + c
-    cos = gl.load(COS + t).to(gl.float32) * q_fold
-    sin = gl.load(SIN + t).to(gl.float32) * q_fold
+    if ROW_STEP == 0:
+        t = (first_pos + r) * HALF + c
+        cos = gl.load(COS + t).to(gl.float32)
+        sin = gl.load(SIN + t).to(gl.float32)
+    else:
+        base = (first_pos + r - r % ROW_STEP) * HALF + c
+        step = (r % ROW_STEP) * HALF + c
+        cos_b = gl.load(COS + base).to(gl.float32)
+        sin_b = gl.load(SIN + base).to(gl.float32)
+        cos_t = gl.load(COS + step).to(gl.float32)
+        sin_t = gl.load(SIN + step).to(gl.float32)
+        cos = cos_b * cos_t - sin_b * sin_t
+        sin = sin_b * cos_t + cos_b * sin_t
+    cos = cos * q_fold
+    sin = sin * q_fold
     q_smem.slice(0, HALF, dim=1).store((x1 * cos - x2 * sin).to(q_smem.dtype))
     q_smem.slice(HALF, HALF, dim=1).store((x2 * cos + x1 * sin).to(q_smem.dtype))
     fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
@@ -124,7 +147,8 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold):
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
               q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, CONSUMER: gl.constexpr,
-              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
+              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, ROPE: gl.constexpr,
+              ROW_STEP: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -147,7 +171,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_L)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, S_L)
     if ROPE:
-        _rotate_q_tile(q, Q, COS, SIN, q_row + CONSUMER * ROWS, first_row, q_fold)
+        _rotate_q_tile(q, Q, COS, SIN, q_row + CONSUMER * ROWS, first_row, q_fold, ROW_STEP)
     else:
         mbarrier.wait(q_ready.index(CONSUMER), 0)
 
@@ -209,7 +233,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 @gluon.jit
 def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, N,
                          HQ, HKV, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         OVERLAP: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
+                         OVERLAP: gl.constexpr, ROPE: gl.constexpr,
+                         ROW_STEP: gl.constexpr):  # fmt: skip
     """q_desc, o_desc: [B * HQ * N, D] in tiles of [64, D]; k_desc, v_desc: [B * HKV * N, D] in
     tiles of [BLOCK_N, D]. Grid (N / 128, B * HQ). Without ROPE: qk_scale = softmax_scale *
     log2(e), Q, COS, SIN, LSE unused. With ROPE: the keys come rotated, Q (the pointer of
@@ -250,10 +275,10 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
         [
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 0, CAUSAL,
-                         OVERLAP, ROPE)),
+                         OVERLAP, ROPE, ROW_STEP)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 1, CAUSAL,
-                         OVERLAP, ROPE)),
+                         OVERLAP, ROPE, ROW_STEP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                        kv_empty, q_row, kv_row, n_tiles, ROPE)),
         ],
@@ -280,25 +305,32 @@ def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
 
 
 def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAGES,
-           overlap: bool = True) -> torch.Tensor:  # fmt: skip
+           overlap: bool = True, row_step: int = 0) -> torch.Tensor:  # fmt: skip
     """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]``
     (``N`` a multiple of ``CTA_ROWS``); returns ``o`` like q. ``rope``: None, or ``(cos, sin,
-    lse, q_fold)`` for the RoPE variant (``attention_fwd_kernel``'s arguments)."""
+    lse, q_fold)`` for the RoPE variant (``attention_fwd_kernel``'s arguments); ``row_step``:
+    ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only)."""
+    if row_step and (rope is None or ROWS % row_step):
+        raise ValueError(f"row_step must divide {ROWS} and comes with rope, got {row_step}")
     B, HQ, N, _ = q.shape
     o = torch.empty_like(q)
     cos, sin, lse, q_fold = rope if rope is not None else (q, q, q, 1.0)
     attention_fwd_kernel[(N // CTA_ROWS, B * HQ)](
         *descriptors(q, k, v, o), q, cos, sin, lse, qk_scale, q_fold, N, HQ, k.shape[1], causal,
-        stages, overlap, rope is not None, num_warps=4, maxnreg=MAXNREG,
+        stages, overlap, rope is not None, row_step, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return o
 
 
-def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool) -> tuple:
+def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool,
+                              range_factor: float | None = None) -> tuple:  # fmt: skip
     """The fused forward of ``rope_attention_fwd`` where ``hopper_forward_takes`` holds:
     ``q [B, HQ, N, D]``, ``k_rot`` (k rotated, ``_rotated_segments``) and ``v [B, HKV, N, D]``,
     ``cos, sin`` the tables of ``_rope_tables`` (row ``i`` holds query ``i``'s angles, one
-    batch row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other scale).
+    batch row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other scale);
+    ``range_factor``: the tables' attention factor where their row ``p`` holds position ``p``'s
+    angles (the default positions), which lets Q's cos and sin come from fewer rows
+    (``_rotate_q_tile``); None for any other tables.
     Returns ``o [B, HQ, N, D]`` in q's dtype and ``lse [B, HQ, N]`` fp32 (natural log)."""
     B, HQ, N, _ = q.shape
     # TMA takes 16-byte aligned rows; a contiguous view at an odd storage offset is copied
@@ -309,5 +341,8 @@ def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool
         for t in (q, v)
     )
     lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
-    o = launch(q, k_rot, v, causal, 1.0, (cos, sin, lse, q_fold))
+    row_step = ROW_STEP if range_factor is not None else 0
+    if row_step:  # each cos and sin is then a product of two table entries: one factor too many
+        q_fold = q_fold / range_factor
+    o = launch(q, k_rot, v, causal, 1.0, (cos, sin, lse, q_fold), row_step=row_step)
     return o, lse

@@ -439,6 +439,36 @@ def test_rope_tables_hold_the_angles_of_every_row(NQ, NK, positions, dtype):
         assert got_cos[..., 20:].eq(1).all() and got_sin[..., 20:].eq(0).all()
 
 
+@pytest.mark.parametrize("heads", [1, 2, 8])
+@pytest.mark.parametrize("rope_dim", [24, 32], ids=["partial", "full"])
+def test_rotation_pass_with_heads_a_program_matches_the_reference(heads, rope_dim, monkeypatch):
+    """The pass that rotates q or k once a call (``_rotated_segments``), a program rotating
+    ``heads`` heads of one batch with one load of the tables: every head of every batch (H = 5,
+    not a multiple of 2 or 8; per-batch positions, so each batch reads its own table rows)
+    equals the reference rotation rounded once to the dtype, the pass-through channels after it."""
+    from fused_rope import _attention_common as common
+    from fused_rope.naive import apply_rope_ref
+
+    monkeypatch.setattr(common, "ROTATE_HEADS", heads)
+    B, H, N, D = 2, 5, 37, 32
+    gen = torch.Generator(device=DEVICE).manual_seed(heads)
+    x = torch.randn(B, H, N, D, device=DEVICE, generator=gen, dtype=torch.float16)
+    inv_freq = rope_frequencies(rope_dim, device=DEVICE)[0].float()
+    pos = torch.randint(0, 5000, (B, N), device=DEVICE, generator=gen).float()
+    meta = common._meta(D, rope_dim, False, True, x.dtype, 1.0, 0)
+    _, _, cos, sin, _, stride_tb, _, row_off = common._rope_tables(
+        inv_freq, pos, pos, N, N, meta["HALF"], x.dtype
+    )
+    got = common._rotated_segments(x, cos, sin, stride_tb, row_off, 0.5, meta)
+    angles = rope_angles(pos, inv_freq).double()
+    want = apply_rope_ref(x.double(), angles, rope_dim=rope_dim, output_scale=0.5)
+    half = rope_dim // 2
+    segments = (got[..., :half], got[..., meta["HALF"] : meta["HALF"] + half])
+    if rope_dim < D:
+        segments += (got[..., 2 * meta["HALF"] : 2 * meta["HALF"] + D - rope_dim],)
+    assert_close("rotated", torch.cat(segments, -1).double(), want, atol=2e-3, rtol=2e-3)
+
+
 def test_rope_tables_refuse_positions_the_kernels_cannot_index():
     from fused_rope._attention_common import _rope_tables
 
