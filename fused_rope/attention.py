@@ -344,17 +344,17 @@ def _sdpa_is_slowed_by_determinism(q: torch.Tensor) -> bool:
 def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rotation) -> bool:
     """Whether a call with nothing to differentiate runs faster through the fused path's Gluon
     forward on Hopper (``attention_forward_hopper.py``) than through RoPE then cuDNN: square
-    causal attention from 4K keys on, default positions (an H200: 0.88-0.99x the separate
-    path's time at 4K, GQA-4K and 16K, 1.02-1.05x at 2K, slower at 1K; ``README.md``,
-    sessions 55-56). With a gradient to take, the separate path stays: cuDNN's backward beats
+    causal attention from ``HOPPER_MIN_N`` (2K) keys on, default positions (an H200:
+    0.88-0.99x the separate path's time at 4K, GQA-4K and 16K, sessions 55-56; 0.986x at 2K in
+    fp16 and bf16 since session 58's cheaper tables, where it was 1.02-1.05x; ``README.md``).
+    With a gradient to take, the separate path stays: cuDNN's backward beats
     the fused one (1.35-1.48x forward+backward). So the path depends on grad mode: under a
     reentrant ``torch.utils.checkpoint`` the forward (no grad) takes this one and its
     recomputation the separate path, whose outputs differ by rounding."""
-    NQ, D = q.shape[2:]
+    D = q.shape[-1]
     return (
         not needs_autograd(q, k, v, *rotation.values())
         and causal
-        and NQ >= 4096
         and all(rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles"))
         and hopper_forward_takes(q, k, rope_dim, layout == "interleaved", 0,
                                  check_softmax_scale(softmax_scale, D))
@@ -611,7 +611,7 @@ def rope_attention(
             GPU under strict ``torch.use_deterministic_algorithms(True)``, outside
             ``torch.func`` (the switch keeps SDPA from cuDNN:
             there the fused kernel took 0.50-0.87x the separate path's forward+backward time
-            on an H200), and square causal attention from 4K tokens with default positions on
+            on an H200), and square causal attention from 2K tokens with default positions on
             a Hopper GPU when nothing is differentiated (no grad mode, or no input requiring
             grad) and the Gluon forward takes it (0.88-0.99x the separate path's time, H200);
             "separate" elsewhere (square causal attention: 1.10-1.50x faster

@@ -1301,7 +1301,7 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
 
 def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch):
     """``rope_attention``'s "auto" on a Hopper GPU (assumed): the fused path (Gluon forward)
-    for square causal attention from 4K keys on when nothing is differentiated; RoPE then
+    for square causal attention from 2K keys on when nothing is differentiated; RoPE then
     SDPA when a gradient may follow, for shorter or non-causal attention, or positions."""
     monkeypatch.setattr(attention_forward, "gluon_forward_available", lambda device: True)
     q, k = torch.empty(1, 4, 4096, 64, dtype=torch.float16), torch.empty(1, 2, 4096, 64)
@@ -1319,7 +1319,8 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
     assert not wins(k=k.clone().requires_grad_())
     assert not wins(rotation={**none, "inv_freq": torch.ones(32, requires_grad=True)})
     assert not wins(causal=False)
-    assert not wins(q=q[:, :, :2048], k=k[:, :, :2048])
+    assert wins(q=q[:, :, :2048], k=k[:, :, :2048])  # HOPPER_MIN_N
+    assert not wins(q=q[:, :, :1024], k=k[:, :, :1024])
     assert not wins(rotation={**none, "positions": torch.arange(4096)})
 
 
