@@ -1368,19 +1368,20 @@ def test_gpu_hopper_forward_leaves_what_it_lacks_to_triton(monkeypatch):
 
 @pytest.mark.gpu
 @NEEDS_GLUON
+@pytest.mark.parametrize("n", [2048, 4096])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_gpu_auto_inference_at_4k_runs_the_gluon_forward(dtype, monkeypatch):
-    """Under no_grad, "auto" at 4K causal takes the Gluon forward: o by the flash-attention
-    rule against float64."""
+def test_gpu_auto_inference_from_2k_runs_the_gluon_forward(dtype, n, monkeypatch):
+    """Under no_grad, "auto" at 2K and 4K causal takes the Gluon forward: o by the
+    flash-attention rule against float64."""
     calls = _hopper_calls(monkeypatch)
     gen = torch.Generator(device=DEVICE).manual_seed(4)
-    q, k, v = (torch.randn(1, h, 4096, 128, device=DEVICE, dtype=dtype, generator=gen)
+    q, k, v = (torch.randn(1, h, n, 128, device=DEVICE, dtype=dtype, generator=gen)
                for h in (4, 1, 1))  # fmt: skip
     with torch.no_grad():
         o = rope_attention(q, k, v)
     assert calls, "auto did not take the Gluon forward"
     o64, _ = rope_attention_ref(q.double(), k.double(), v.double())
-    angles = rope_angles(torch.arange(4096, device=DEVICE), rope_frequencies(128)[0].to(DEVICE))
+    angles = rope_angles(torch.arange(n, device=DEVICE), rope_frequencies(128)[0].to(DEVICE))
     o_b, _, _ = rope_attention_in_dtype(
         q, k, v, q_angles=angles, k_angles=angles, causal=True, scale=128**-0.5, layout="half",
         rope_dim=128,
