@@ -115,7 +115,10 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold, ROW_STEP: gl.con
     and ``t`` by the angle-addition formulas, in fp32. A CTA then reads ``ROWS / s`` rows of
     the tables plus ``s`` rows every CTA shares (cached), not ``ROWS``: at the start of a CTA
     the tables' bytes (fp32: twice Q's) wait in the same L2 queue as Q's and the first K and V
-    tiles, while the tensor cores idle."""
+    tiles, while the tensor cores idle. The two rounded entries cost little: over 16K positions
+    at D = 128 the RMS error of cos is 1.5e-4 against 1.2e-4 read directly from fp16 tables
+    (bf16 inputs, whose rotated q rounds with an RMS of about 2e-3), 1.9e-8 against 1.5e-8
+    from fp32 tables (fp16 inputs)."""
     ROWS: gl.constexpr = q_smem.type.shape[0]
     HALF: gl.constexpr = q_smem.type.shape[1] // 2
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
