@@ -26,7 +26,9 @@ from fused_rope._validation import (
     check_kernel_device,
     check_no_functorch,
     check_no_tangent,
+    check_op_tensors,
     check_window,
+    checked,
     eager_function,
     on_input_device,
     refuse_double_backward,
@@ -35,6 +37,34 @@ from fused_rope._validation import (
 
 # What the refusals name: the PyTorch reference, which differentiates in every mode
 _REFERENCE = "corope.corope_attention_ref"
+
+
+def _check_op_inputs(q, k, v, inv_freq, softmax_scale, rope_dim, leader, window=0,
+                     queries_last=True, like_q=(), rows=()):  # fmt: skip
+    """The kernels' contract for the tensors the custom ops pass them, as
+    ``fused_rope._validation.check_op_tensors`` says why: the public function's shape rules
+    (``check_corope_inputs``; ``queries_last``: NQ <= NK, the forward's), a head dim the
+    kernels take, and a causal window of ``window`` keys (0: none)."""
+    check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=queries_last)
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+    check_op_tensors(q, inv_freq, rope_dim, like_q=like_q, rows=rows, k=k, v=v)
+    check_window(window or None, causal=True)
+
+
+def _check_attention_op(q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage,
+                        deterministic, window):  # fmt: skip
+    _check_op_inputs(q, k, v, inv_freq, softmax_scale, rope_dim, leader, window)
+
+
+def _check_decode_op(q, k, v, inv_freq, softmax_scale, rope_dim, leader):
+    _check_op_inputs(q, k, v, inv_freq, softmax_scale, rope_dim, leader)
+
+
+def _check_attention_backward_op(do, q, k, v, o, lse, inv_freq, softmax_scale, rope_dim, leader,
+                                 detach_mileage, deterministic, freq_grad, window):  # fmt: skip
+    _check_op_inputs(q, k, v, inv_freq, softmax_scale, rope_dim, leader, window,
+                     queries_last=False, like_q=(("do", do), ("o", o)), rows=(("lse", lse),))  # fmt: skip
 
 
 def _attention(
@@ -56,7 +86,7 @@ def _attention(
 
 
 _attention_op = torch.library.custom_op("corope::attention", mutates_args=())(
-    on_input_device(_attention)
+    on_input_device(checked(_check_attention_op)(_attention))
 )
 
 
@@ -69,6 +99,7 @@ def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader, detach_mileage, determ
 
 @torch.library.custom_op("corope::decode", mutates_args=())
 @on_input_device
+@checked(_check_decode_op)
 def _decode_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -88,6 +119,7 @@ def _(q, k, v, inv_freq, softmax_scale, rope_dim, leader):
 
 @torch.library.custom_op("corope::attention_backward", mutates_args=())
 @on_input_device
+@checked(_check_attention_backward_op)
 def _attention_backward_op(
     do: torch.Tensor,
     q: torch.Tensor,

@@ -298,6 +298,21 @@ def eager_function(name: str, launch, setup_context, backward) -> type[torch.aut
     return type(name, (torch.autograd.Function,), methods)
 
 
+def checked(check):
+    """A decorator: ``fn`` runs after ``check`` has seen its arguments (the custom ops' bodies,
+    whose callers through ``torch.ops`` skip the public functions' checks)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            check(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 def on_input_device(fn):
     """``fn``, whose first parameter is a tensor, run with the current CUDA device set to that
     tensor's. Triton launches a kernel on the current device whatever its tensors' device: a
@@ -494,6 +509,36 @@ def check_attention_shapes(q, k, v) -> None:
     HKV = k.shape[1]
     if HKV == 0 or HQ % HKV:
         raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads (GQA)")
+
+
+def check_op_tensors(q, inv_freq, rope_dim: int, *, like_q=(), rows=(), **others) -> None:
+    """What the attention kernels assume of the tensors their custom ops pass them, checked in
+    the ops' bodies: a call through ``torch.ops`` (``torch.ops.fused_rope.rope_attention_fwd``,
+    ``torch.ops.corope.attention``, ...) skips the public functions' checks, and the kernels
+    index by these shapes, so a shorter ``inv_freq`` or ``o`` would be read past its end. The
+    caller checks ``q [B, HQ, NQ, D]``, k and v first (``check_attention_shapes`` or Co-RoPE's
+    own); here: q of ``KERNEL_DTYPES``, ``inv_freq`` ``[rope_dim / 2]`` fp32 or fp64,
+    ``like_q`` (name, tensor) pairs of q's shape and dtype (o and its cotangent), ``rows``
+    (name, tensor or None) pairs of fp32 ``[B, HQ, NQ]`` (the LSE and its cotangent), and all of
+    them and ``others`` (k, v) on q's device."""
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q must have dtype in {[str(d) for d in KERNEL_DTYPES]}, got {q.dtype}")
+    check_inv_freq(inv_freq, check_rope_dim(rope_dim, q.shape[-1]))
+    for name, x in like_q:
+        check_float_tensor(x, name)
+        if x.shape != q.shape or x.dtype != q.dtype:
+            raise ValueError(
+                f"{name} must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                f"{tuple(x.shape)} {x.dtype}"
+            )
+    rows = [(name, x) for name, x in rows if x is not None]
+    for name, x in rows:
+        check_float_tensor(x, name, dtypes=(torch.float32,))
+        if x.shape != q.shape[:3]:
+            raise ValueError(
+                f"{name} must be [B, HQ, NQ] = {tuple(q.shape[:3])}, got {tuple(x.shape)}"
+            )
+    check_same_device(q=q, **others, inv_freq=inv_freq, **dict(like_q), **dict(rows))
 
 
 def _check_position_rows(pos, name: str, batch: int, length: int, device) -> None:

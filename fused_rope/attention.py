@@ -33,11 +33,13 @@ from fused_rope._validation import (
     check_layout,
     check_no_functorch,
     check_no_tangent,
+    check_op_tensors,
     check_rope_dim,
     check_rotation_inputs,
     check_same_device,
     check_softmax_scale,
     check_window,
+    checked,
     eager_function,
     element_span,
     needs_autograd,
@@ -105,8 +107,50 @@ def pinned_config(index: int):
 # --------------------------------------------------------------------------- custom ops
 
 
+def _check_op_inputs(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, rope_dim, window,
+                     like_q=(), rows=()):  # fmt: skip
+    """The fused kernels' contract for the tensors the custom ops pass them, as
+    ``check_op_tensors`` says why; ``q_pos``, ``k_pos``: None or positions ``[1 | B, N]`` /
+    angles ``[1 | B, N, R/2]`` of the queries' and the keys' N (their dtype and layout are
+    ``_rope_tables``' to check)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(x, name, ndim=4)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_attention_shapes(q, k, v)
+    check_op_tensors(q, inv_freq, rope_dim, like_q=like_q, rows=rows, k=k, v=v)
+    check_softmax_scale(softmax_scale, q.shape[-1])
+    check_window(window or None, causal)
+    B, _, NQ, _ = q.shape
+    for name, pos, n in (("q_pos", q_pos, NQ), ("k_pos", k_pos, k.shape[2])):
+        if pos is None:
+            continue
+        check_float_tensor(pos, name, ndim=(2, 3))
+        if pos.shape[0] not in (1, B) or pos.shape[1] != n:
+            raise ValueError(
+                f"{name} must be positions [1 | B, {n}] or angles [1 | B, {n}, R/2] with "
+                f"B = {B}, got {tuple(pos.shape)}"
+            )
+        check_same_device(q=q, **{name: pos})
+    limit = _fused_limit(q, k, v, rope_dim, **dict(like_q))
+    if limit is not None:
+        raise ValueError(limit)
+
+
+def _check_fwd_op(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_dim,
+                  attention_factor, window):  # fmt: skip
+    _check_op_inputs(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, rope_dim, window)
+
+
+def _check_bwd_op(do, dlse, q, k, v, o, lse, inv_freq, q_pos, k_pos, causal, softmax_scale,
+                  interleaved, rope_dim, attention_factor, window):  # fmt: skip
+    _check_op_inputs(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, rope_dim, window,
+                     like_q=(("do", do), ("o", o)), rows=(("lse", lse), ("dlse", dlse)))  # fmt: skip
+
+
 @torch.library.custom_op("fused_rope::rope_attention_fwd", mutates_args=())
 @on_input_device
+@checked(_check_fwd_op)
 def _fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,6 +183,7 @@ def _(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, interleaved, rope_
 
 @torch.library.custom_op("fused_rope::rope_attention_bwd", mutates_args=())
 @on_input_device
+@checked(_check_bwd_op)
 def _bwd_op(
     do: torch.Tensor,
     dlse: torch.Tensor,
@@ -274,6 +319,48 @@ def _head_span(x: torch.Tensor) -> int:
     within it in int32, so a head seen through a transpose of a long ``[B, N, H, D]`` buffer can
     be past ``INT32_INDEX_LIMIT``."""
     return element_span(x.shape[2:], x.stride()[2:])
+
+
+def _fused_limit(q, k, v, rope_dim: int, **more) -> str | None:
+    """Why the fused kernels cannot take ``q [B, HQ, NQ, D]``, ``k, v [B, HKV, NK, D]`` (and
+    ``more`` tensors of q's shape: o and the cotangents), or None: a head dim past
+    ``max_head_dim``, a (batch, head) past their int32 indexing, or more (batch, head) programs
+    than a grid axis holds."""
+    B, HQ, NQ, D = q.shape
+    NK = k.shape[2]
+    if D > max_head_dim(q.dtype):
+        return (
+            f"head dim must be at most {max_head_dim(q.dtype)} for {q.dtype} inputs in the "
+            f"fused kernel, got {D}"
+        )
+    tensors = {"q": q, "k": k, "v": v, **more}
+    spans = {name: _head_span(x) for name, x in tensors.items()}
+    widest = "q"  # a loop, not max(key=): Dynamo traces neither max nor sorted by symbolic keys
+    for name in tensors:
+        if spans[name] > spans[widest]:
+            widest = name
+    x = tensors[widest]
+    if spans[widest] >= INT32_INDEX_LIMIT:
+        return (
+            f"{widest} spans {spans[widest]} elements within one (batch, head) (shape "
+            f"{tuple(x.shape)}, strides {tuple(x.stride())}), past the fused kernels' int32 "
+            f"indexing ({INT32_INDEX_LIMIT}): make it contiguous if its strides leave gaps"
+        )
+    # The kernels also read rotated copies of q and k, and write o and the gradients, each
+    # indexed per (batch, head) in int32: rows of rotated_width(D, R) >= D elements.
+    rotated_span = max(NQ, NK) * rotated_width(D, rope_dim)
+    if rotated_span >= INT32_INDEX_LIMIT:
+        return (
+            f"the fused kernels' rotated copies of q and k take {max(NQ, NK)} rows of "
+            f"{rotated_width(D, rope_dim)} elements a (batch, head) (head dim {D}, rope_dim "
+            f"{rope_dim}, padded for the rotation): {rotated_span}, past their int32 "
+            f"indexing ({INT32_INDEX_LIMIT})"
+        )
+    if B * HQ > MAX_GRID_AXIS1:
+        return (
+            f"batch x query heads must be at most {MAX_GRID_AXIS1}, got {B} x {HQ}: split the batch"
+        )
+    return None
 
 
 def _sdpa_has_lower_right_kernel(q, k, v) -> bool:
@@ -445,20 +532,8 @@ def _check_inputs(
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     blocker = _separate_blocker(return_lse, causal, NQ, NK, window)
-    spans = {name: _head_span(x) for name, x in (("q", q), ("k", k), ("v", v))}
-    widest = "q"  # a loop, not max(key=): Dynamo traces neither max nor sorted by symbolic keys
-    for name in ("k", "v"):
-        if spans[name] > spans[widest]:
-            widest = name
-    # The kernels also read rotated copies of q and k, and write o and the gradients, each
-    # indexed per (batch, head) in int32: rows of rotated_width(D, R) >= D elements.
-    rotated_span = max(NQ, NK) * rotated_width(D, rope_dim)
-    fused_fits = (
-        D <= max_head_dim(q.dtype)
-        and B * HQ <= MAX_GRID_AXIS1
-        and spans[widest] < INT32_INDEX_LIMIT
-        and rotated_span < INT32_INDEX_LIMIT
-    )
+    limit = _fused_limit(q, k, v, rope_dim)
+    fused_fits = limit is None
     if impl == "auto":  # the faster path (README: measured on an H100 and an H200)
         # Causal NQ != NK (a prefill continuing a KV cache): the fused kernel where it has work
         # for every SM (0.65-0.81x the separate path's time forward there) or SDPA has no
@@ -501,29 +576,8 @@ def _check_inputs(
                 remedy = f"use {cast}impl='separate'"
             else:
                 remedy = f"{instead}: use {cast}fused_rope.naive.rope_attention_ref at small sizes"
-            raise ValueError(
-                f"head dim must be at most {max_head_dim(q.dtype)} for {q.dtype} inputs in the "
-                f"fused kernel, got {D}; {remedy}"
-            )
-        if spans[widest] >= INT32_INDEX_LIMIT:
-            x = {"q": q, "k": k, "v": v}[widest]
-            raise ValueError(
-                f"{widest} spans {spans[widest]} elements within one (batch, head) (shape "
-                f"{tuple(x.shape)}, strides {tuple(x.stride())}), past the fused kernels' int32 "
-                f"indexing ({INT32_INDEX_LIMIT}): make it contiguous if its strides leave gaps; "
-                f"{instead}"
-            )
-        if rotated_span >= INT32_INDEX_LIMIT:
-            raise ValueError(
-                f"the fused kernels' rotated copies of q and k take {max(NQ, NK)} rows of "
-                f"{rotated_width(D, rope_dim)} elements a (batch, head) (head dim {D}, rope_dim "
-                f"{rope_dim}, padded for the rotation): {rotated_span}, past their int32 "
-                f"indexing ({INT32_INDEX_LIMIT}); {instead}"
-            )
-        raise ValueError(
-            f"batch x query heads must be at most {MAX_GRID_AXIS1}, got {B} x {HQ}: split the "
-            f"batch; {instead}"
-        )
+            raise ValueError(f"{limit}; {remedy}")
+        raise ValueError(f"{limit}; {instead}")
     check_kernel_device(device, "q", dot_dtype=q.dtype if impl == "fused" else None)
     if impl == "fused":  # the separate path's RoPE Function and SDPA support torch.func
         check_no_functorch("impl='separate' or fused_rope.naive.rope_attention_ref")
