@@ -39,6 +39,11 @@ from fused_rope._validation import (
 _REFERENCE = "corope.corope_attention_ref"
 
 
+def _check_head_dim(D: int) -> None:
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+
+
 def _check_op_inputs(q, k, v, inv_freq, softmax_scale, rope_dim, leader, window=0,
                      queries_last=True, like_q=(), rows=()):  # fmt: skip
     """The kernels' contract for the tensors the custom ops pass them, as
@@ -46,8 +51,7 @@ def _check_op_inputs(q, k, v, inv_freq, softmax_scale, rope_dim, leader, window=
     (``check_corope_inputs``; ``queries_last``: NQ <= NK, the forward's), a head dim the
     kernels take, and a causal window of ``window`` keys (0: none)."""
     check_corope_inputs(q, k, v, rope_dim, leader, softmax_scale, queries_last=queries_last)
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+    _check_head_dim(q.shape[-1])
     check_op_tensors(q, inv_freq, rope_dim, like_q=like_q, rows=rows, k=k, v=v)
     check_window(window or None, causal=True)
 
@@ -271,9 +275,7 @@ def corope_attention(
     check_no_tangent(_REFERENCE, q=q, k=k, v=v, inv_freq=inv_freq)
     check_no_functorch(_REFERENCE)
     check_kernel_device(q.device, "q", dot_dtype=q.dtype)
-    D = q.shape[-1]
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    _check_head_dim(q.shape[-1])
     differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, w))
     if differentiable and q.shape[0] * k.shape[1] > MAX_GRID_AXIS1:  # the backward's B x HKV
         raise ValueError(

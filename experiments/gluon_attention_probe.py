@@ -232,7 +232,6 @@ def bench_shape(name: str, dtype: torch.dtype) -> list[dict]:
     error at most twice cuDNN's, or with RoPE, twice the Triton fused path's)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from experiments.timing import time_ms
     from fused_rope import apply_rope_qk, rope_attention, rope_frequencies
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -271,27 +270,43 @@ def bench_shape(name: str, dtype: torch.dtype) -> list[dict]:
         "rope_attention fused, Triton forward (RoPE)": lambda: triton_rope_attention(q, k, v, inv_freq),
         "rope_attention auto (RoPE)": lambda: rope_attention(q, k, v, inv_freq=inv_freq),
     }  # fmt: skip
-    rows, floor = [], None
-    for provider, fn in providers.items():
-        try:
-            o = fn()
-            torch.cuda.synchronize()
-            err = ""
-            if "gluon" in provider:
-                r, bound, who = (ref, base, "cuDNN") if "no RoPE" in provider else (
-                    ref_rope, base_rope, "Triton fused")  # fmt: skip
-                e = (o.float() - r).abs().max().item()
-                err = f"{e:.1e} ({'ok' if e <= 2 * bound else 'FAIL'}: {who} {bound:.1e})"
-            ms = time_ms(fn)[0]
-        except Exception as e:  # noqa: BLE001 - a variant that fails is a result
-            ms, err = float("nan"), f"failed: {type(e).__name__}: {str(e)[-200:]}"
-        floor = ms if floor is None else floor
-        flops = 4 * b * hq * n * n * d / 2  # causal: half the pairs
+
+    def error(provider, o):
+        if "gluon" not in provider:
+            return ""
+        r, bound, who = (ref, base, "cuDNN") if "no RoPE" in provider else (
+            ref_rope, base_rope, "Triton fused")  # fmt: skip
+        e = (o.float() - r).abs().max().item()
+        return f"{e:.1e} ({'ok' if e <= 2 * bound else 'FAIL'}: {who} {bound:.1e})"
+
+    flops = 4 * b * hq * n * n * d / 2  # causal: half the pairs
+    rows = []
+    for provider, ms, x_cudnn, err in _timed(providers, error):
         rows.append({"shape": f"{name} ({b},{hq}/{hkv},{n},{d})", "dtype": str(dtype)[6:],
                      "provider": provider, "ms": ms, "tflops": flops / ms / 1e9,
-                     "x_cudnn": ms / floor, "max_abs_err": err})  # fmt: skip
+                     "x_cudnn": x_cudnn, "max_abs_err": err})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
+
+
+def _timed(providers: dict, check) -> list[tuple]:
+    """``(provider, ms, ms / the first provider's ms, check(provider, output))`` for each of
+    ``providers`` (name -> fn), timed with ``time_ms``; a provider that raises is a row with NaN
+    ms and its error."""
+    from experiments.timing import time_ms
+
+    out, first = [], None
+    for provider, fn in providers.items():
+        try:
+            result = fn()
+            torch.cuda.synchronize()
+            note = check(provider, result)
+            ms = time_ms(fn)[0]
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+            ms, note = float("nan"), f"failed: {type(e).__name__}: {str(e)[-200:]}"
+        first = ms if first is None else first
+        out.append((provider, ms, ms / first, note))
+    return out
 
 
 def components(shapes, dtypes) -> list[dict]:
@@ -305,7 +320,6 @@ def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
     (``_attention_common.ROTATE_HEADS``), the kernel with Q rotated inside from a table row per
     row or every ``row_step`` rows; cuDNN and the kernel without RoPE for scale. Each kernel
     variant's o is compared with ``row_step`` 0's."""
-    from experiments.timing import time_ms
     from fused_rope import _attention_common as common
     from fused_rope import rope_frequencies
     from fused_rope.attention_forward import query_fold
@@ -345,21 +359,17 @@ def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
         **{f"gluon, Q rotated inside, row_step {rs}": (lambda rs=rs: q_inside(rs))
            for rs in (0, 8)},
     }  # fmt: skip
-    rows, floor = [], None
-    for provider, fn in providers.items():
-        try:
-            out = fn()
-            torch.cuda.synchronize()
-            diff = ""
-            if "Q rotated" in provider:
-                diff = f"{(out.float() - ref.float()).abs().max().item():.1e}"
-            ms = time_ms(fn)[0]
-        except Exception as e:  # noqa: BLE001 - a variant that fails is a result
-            ms, diff = float("nan"), f"failed: {type(e).__name__}: {str(e)[-200:]}"
-        floor = ms if floor is None else floor
+
+    def diff(provider, out):
+        if "Q rotated" not in provider:
+            return ""
+        return f"{(out.float() - ref.float()).abs().max().item():.1e}"
+
+    rows = []
+    for provider, ms, x_cudnn, note in _timed(providers, diff):
         rows.append({"shape": f"{name} ({b},{hq}/{hkv},{n},{d})", "dtype": str(dtype)[6:],
-                     "part": provider, "ms": ms, "x_cudnn": ms / floor,
-                     "max_diff_vs_package": diff})  # fmt: skip
+                     "part": provider, "ms": ms, "x_cudnn": x_cudnn,
+                     "max_diff_vs_package": note})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
 

@@ -511,6 +511,18 @@ def check_attention_shapes(q, k, v) -> None:
         raise ValueError(f"q's {HQ} heads must be a multiple of k's {HKV} heads (GQA)")
 
 
+def check_qkv(q, k, v) -> torch.device:
+    """``q [B, HQ, NQ, D]``, ``k, v [B, HKV, NK, D]``: 4-d tensors of one of ``KERNEL_DTYPES``,
+    one dtype, one device (returned), grouped heads (``check_attention_shapes``)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(x, name, ndim=4, dtypes=KERNEL_DTYPES)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    device = check_same_device(q=q, k=k, v=v)
+    check_attention_shapes(q, k, v)
+    return device
+
+
 def check_op_tensors(q, inv_freq, rope_dim: int, *, like_q=(), rows=(), **others) -> None:
     """What the attention kernels assume of the tensors their custom ops pass them, checked in
     the ops' bodies: a call through ``torch.ops`` (``torch.ops.fused_rope.rope_attention_fwd``,

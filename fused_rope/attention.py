@@ -21,12 +21,10 @@ from fused_rope._device import compute_capability, num_sms
 from fused_rope._validation import (
     FP16_MAX,
     INT32_INDEX_LIMIT,
-    KERNEL_DTYPES,
     MAX_GRID_AXIS1,
     autocast_inputs,
     backward_launches_directly,
     check_attention_factor,
-    check_attention_shapes,
     check_bool,
     check_float_tensor,
     check_kernel_device,
@@ -34,6 +32,7 @@ from fused_rope._validation import (
     check_no_functorch,
     check_no_tangent,
     check_op_tensors,
+    check_qkv,
     check_rope_dim,
     check_rotation_inputs,
     check_same_device,
@@ -113,11 +112,7 @@ def _check_op_inputs(q, k, v, inv_freq, q_pos, k_pos, causal, softmax_scale, rop
     ``check_op_tensors`` says why; ``q_pos``, ``k_pos``: None or positions ``[1 | B, N]`` /
     angles ``[1 | B, N, R/2]`` of the queries' and the keys' N (their dtype and layout are
     ``_rope_tables``' to check)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_float_tensor(x, name, ndim=4)
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    check_attention_shapes(q, k, v)
+    check_qkv(q, k, v)
     check_op_tensors(q, inv_freq, rope_dim, like_q=like_q, rows=rows, k=k, v=v)
     check_softmax_scale(softmax_scale, q.shape[-1])
     check_window(window or None, causal)
@@ -506,12 +501,7 @@ def _check_inputs(
 ):
     """Validates every argument; returns ``(rope_dim, impl, window)`` with "auto" resolved and
     the window as the kernels take it (0: none)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_float_tensor(x, name, ndim=4, dtypes=KERNEL_DTYPES)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    device = check_same_device(q=q, k=k, v=v)
-    check_attention_shapes(q, k, v)
+    device = check_qkv(q, k, v)
     B, HQ, NQ, D = q.shape
     NK = k.shape[2]
     if min(NQ, NK) == 0:
