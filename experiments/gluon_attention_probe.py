@@ -46,12 +46,12 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 def gluon_attention(q, k, v, *, causal=True, softmax_scale=None, stages=2, overlap=False):
-    """o [B, HQ, N, D] = softmax(q k^T * scale) v, q [B, HQ, N, D], k, v [B, HKV, N, D]: the
-    package's Gluon kernel without RoPE."""
+    """o [B, HQ, NQ, D] = softmax(q k^T * scale) v, q [B, HQ, NQ, D], k, v [B, HKV, NK, D]
+    (NQ <= NK; causal at the bottom right): the package's Gluon kernel without RoPE."""
     b, hq, n, d = q.shape
     half = q.dtype in (torch.float16, torch.bfloat16)
-    if n % CTA_ROWS or d not in (64, 128) or hq % k.shape[1] or not half:
-        raise ValueError(f"probe shapes only: N % {CTA_ROWS} == 0, D in (64, 128), got {q.shape}")
+    if n > k.shape[2] or d not in (64, 128) or hq % k.shape[1] or not half:
+        raise ValueError(f"probe shapes only: NQ <= NK, D in (64, 128), got {q.shape}")
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     q, k, v = (t.contiguous() for t in (q, k, v))
     return launch(q, k, v, causal, scale * LOG2E, stages=stages, overlap=overlap)
@@ -92,18 +92,19 @@ def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(CTA_ROWS * 2, d, dtype=dtype)
-    descs = descriptors(t[None], t[None], t[None], t[None])
+    descs = descriptors(*[t[None, None]] * 4)
     names = ["q_desc", "k_desc", "v_desc", "o_desc"]
     sig = {name: mangle_type(desc) for name, desc in zip(names, descs, strict=True)}
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig.update(Q=ptr, COS="*fp16", SIN="*fp16", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
-               N="i32", HQ="i32", HKV="i32", CAUSAL="constexpr", STAGES="constexpr",
-               OVERLAP="constexpr", ROPE="constexpr", ROW_STEP="constexpr")  # fmt: skip
+               NQ="i32", NK="i32", HQ="i32", HKV="i32", TABLE_OFF="i32", CAUSAL="constexpr",
+               STAGES="constexpr", OVERLAP="constexpr", ROPE="constexpr",
+               ROW_STEP="constexpr")  # fmt: skip
     consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope,
               ("ROW_STEP",): row_step if rope else 0}  # fmt: skip
     consts = {(list(sig).index(k[0]),): v for k, v in consts.items()}
     attrs = {(list(sig).index(name),): [["tt.divisibility", 16]]
-             for name in ("Q", "COS", "SIN", "LSE", "N", "HQ", "HKV")}  # fmt: skip
+             for name in ("Q", "COS", "SIN", "LSE", "NQ", "NK", "HQ", "HKV")}  # fmt: skip
     return triton.compile(
         GluonASTSource(attention_fwd_kernel, sig, consts, attrs),
         target=GPUTarget("cuda", 90, 32),
@@ -338,7 +339,7 @@ def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
     cos, sin = tables()[:2]
     k_rot = common._rotated_segments(k, cos, sin, 0, 0, 1.0, meta)
     lse = torch.empty(b, hq, n, device="cuda")
-    ref = launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold), row_step=0)
+    ref = launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold, 0), row_step=0)
 
     def k_pass(heads):
         common.ROTATE_HEADS, old = heads, common.ROTATE_HEADS
@@ -348,7 +349,7 @@ def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
             common.ROTATE_HEADS = old
 
     def q_inside(row_step):
-        return launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold), row_step=row_step)
+        return launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold, 0), row_step=row_step)
 
     providers = {
         "sdpa (cuDNN), no RoPE": lambda: torch.nn.functional.scaled_dot_product_attention(

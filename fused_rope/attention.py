@@ -437,6 +437,7 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
     return (
         not needs_autograd(q, k, v, *rotation.values())
         and causal
+        and q.shape[2] == k.shape[2]  # a prefill (NQ < NK) follows the prefill rule
         and all(rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles"))
         and hopper_forward_takes(q, k, rope_dim, layout == "interleaved", 0,
                                  check_softmax_scale(softmax_scale, D))

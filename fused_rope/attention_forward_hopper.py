@@ -22,8 +22,10 @@ intra-warpgroup pipelining). The kernel writes the natural-log LSE that the Trit
 (``attention_backward.py``) takes, so training pairs this forward with that backward.
 
 Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128}, the "half"
-layout over every channel, NQ = NK a multiple of 128 (the tiles are not masked at the end),
-one table row per position shared by the batch, no sliding window. Gluon has no interpreter:
+layout over every channel, any NQ <= NK (causal: aligned at the bottom right, a prefill that
+continues a KV cache; the descriptors' boxes stop at each head's end, so the tiles past it
+read zeros and their stores are dropped, and the scores past the keys' end are masked), one
+table row per position shared by the batch, no sliding window. Gluon has no interpreter:
 this module is imported only on a Hopper GPU, and its tests are GPU-only.
 """
 
@@ -43,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from fused_rope._intmath import cdiv
 from fused_rope.attention_forward import HOPPER_CTA_ROWS as CTA_ROWS
 
 ROWS = CTA_ROWS // 2  # query rows a consumer warpgroup (wgmma's M per warpgroup)
@@ -58,16 +61,24 @@ MAXNREG = 168  # 12 warps (3 warpgroups) in one CTA an SM: 65536 / 384 registers
 
 
 @gluon.jit
+def _as_box(tile):
+    """A ``[rows, D]`` shared-memory tile seen as the ``[1, rows, D]`` box of the descriptors
+    (``descriptors``: one (batch, head) a box, so TMA fills the rows past a sequence's end with
+    zeros and drops the stores there, instead of reaching into the next head)."""
+    return tile.reshape([1, tile.type.shape[0], tile.type.shape[1]])
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-            kv_empty, q_row, kv_row, n_tiles, ROPE: gl.constexpr):  # fmt: skip
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+            kv_empty, bh, q_pos, kv_bh, n_tiles, ROPE: gl.constexpr):  # fmt: skip
+    ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     if not ROPE:  # with RoPE each consumer rotates its own Q tile into shared memory
         for c in gl.static_range(2):
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
-                q_desc, [q_row + c * ROWS, 0], q_ready.index(c), q_smem.index(c)
+                q_desc, [bh, q_pos + c * ROWS, 0], q_ready.index(c), _as_box(q_smem.index(c))
             )
     for j in range(n_tiles):
         s = j % STAGES
@@ -77,25 +88,31 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_
         mbarrier.wait(kv_empty.index(s), phase ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s)
+            k_desc, [kv_bh, j * BLOCK_N, 0], k_ready.index(s), _as_box(k_smem.index(s))
         )
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s)
+            v_desc, [kv_bh, j * BLOCK_N, 0], v_ready.index(s), _as_box(v_smem.index(s))
         )
 
 
 @gluon.jit
-def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, CAUSAL: gl.constexpr,
+def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, NK, CAUSAL: gl.constexpr,
                   BLOCK_N: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):  # fmt: skip
-    """Masks the scores of key tile ``j``; returns P = exp2(qk_scale (S - max)) (fp32, S_L), the
-    updated running max (of the unscaled scores) and sum, and the factor (O_L's rows) that
-    rescales the accumulator. ``qk_scale`` enters each score through one FFMA, as FlashAttention-3
-    folds it (with RoPE, Q carries the fold and ``qk_scale`` is 1)."""
+    """Masks the scores of key tile ``j`` (causal: keys past each row's position ``row_pos``,
+    the first of them ``first_row``; else keys past ``NK``, which TMA filled with zeros);
+    returns P = exp2(qk_scale (S - max)) (fp32, S_L), the updated running max (of the unscaled
+    scores) and sum, and the factor (O_L's rows) that rescales the accumulator. ``qk_scale``
+    enters each score through one FFMA, as FlashAttention-3 folds it (with RoPE, Q carries the
+    fold and ``qk_scale`` is 1). A causal row sees key 0, so every row's max is finite after
+    tile 0 (rows past NQ included: their positions are past NK)."""
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_L))
     if CAUSAL:
         if j * BLOCK_N + BLOCK_N - 1 > first_row:  # the tile reaches past the first row's key
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_L))
             sc = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(row_pos, 1), sc, -float("inf"))
+    else:
+        if j * BLOCK_N + BLOCK_N > NK:  # the last tile, past the keys' end
+            sc = gl.where(gl.expand_dims(cols, 0) < NK, sc, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(sc, 1))
     alpha = gl.exp2((m_i - m_new) * qk_scale)
     p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
@@ -104,10 +121,12 @@ def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, CAUSAL: gl.cons
 
 
 @gluon.jit
-def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold, ROW_STEP: gl.constexpr):
-    """Rows ``row .. row + ROWS`` of ``Q [B * HQ * N, D]`` rotated ("half" layout, every channel)
-    by the tables ``COS, SIN [N, D / 2]`` at positions ``first_pos ..``, times ``q_fold``, into
-    ``q_smem [ROWS, D]``: the fused forward's Q, made once per CTA.
+def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold,
+                   ROW_STEP: gl.constexpr):  # fmt: skip
+    """Rows ``row .. row + ROWS`` of ``Q [B * HQ * NQ, D]`` rotated ("half" layout, every
+    channel) by the tables ``COS, SIN [rows, D / 2]`` at rows ``first_pos ..``, times
+    ``q_fold``, into ``q_smem [ROWS, D]``: the fused forward's Q, made once per CTA. Rows from
+    ``rows_left`` on are past the sequence's end: zeros, neither Q nor the tables read.
 
     ``ROW_STEP = 0``: each row's cos and sin read from its own table row. ``ROW_STEP = s > 0``
     (tables whose row ``p`` holds position ``p``'s angles times one factor, which ``q_fold``
@@ -124,20 +143,22 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold, ROW_STEP: gl.con
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.expand_dims(gl.arange(0, ROWS, gl.SliceLayout(1, L)), 1)
     c = gl.expand_dims(gl.arange(0, HALF, gl.SliceLayout(0, L)), 0)
+    valid = r < rows_left
     x = Q + (row + r).to(gl.int64) * (2 * HALF) + c
-    x1 = gl.load(x).to(gl.float32)
-    x2 = gl.load(x + HALF).to(gl.float32)
+    x1 = gl.load(x, mask=valid, other=0.0).to(gl.float32)
+    x2 = gl.load(x + HALF, mask=valid, other=0.0).to(gl.float32)
+    pos = first_pos + r
     if ROW_STEP == 0:
-        t = (first_pos + r) * HALF + c
-        cos = gl.load(COS + t).to(gl.float32)
-        sin = gl.load(SIN + t).to(gl.float32)
+        t = pos * HALF + c
+        cos = gl.load(COS + t, mask=valid, other=0.0).to(gl.float32)
+        sin = gl.load(SIN + t, mask=valid, other=0.0).to(gl.float32)
     else:
-        base = (first_pos + r - r % ROW_STEP) * HALF + c
-        step = (r % ROW_STEP) * HALF + c
-        cos_b = gl.load(COS + base).to(gl.float32)
-        sin_b = gl.load(SIN + base).to(gl.float32)
-        cos_t = gl.load(COS + step).to(gl.float32)
-        sin_t = gl.load(SIN + step).to(gl.float32)
+        base = (pos - pos % ROW_STEP) * HALF + c
+        step = (pos % ROW_STEP) * HALF + c
+        cos_b = gl.load(COS + base, mask=valid, other=0.0).to(gl.float32)
+        sin_b = gl.load(SIN + base, mask=valid, other=0.0).to(gl.float32)
+        cos_t = gl.load(COS + step, mask=valid, other=0.0).to(gl.float32)
+        sin_t = gl.load(SIN + step, mask=valid, other=0.0).to(gl.float32)
         cos = cos_b * cos_t - sin_b * sin_t
         sin = sin_b * cos_t + cos_b * sin_t
     cos = cos * q_fold
@@ -148,10 +169,10 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, first_pos, q_fold, ROW_STEP: gl.con
 
 
 @gluon.jit
-def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
-              q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, CONSUMER: gl.constexpr,
-              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, ROPE: gl.constexpr,
-              ROW_STEP: gl.constexpr):  # fmt: skip
+def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, bh, q_pos,
+              n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK, TABLE_OFF,
+              CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+              ROPE: gl.constexpr, ROW_STEP: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -167,14 +188,18 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
 
     q = q_smem.index(CONSUMER)
-    first_row = q_pos + CONSUMER * ROWS
-    row_pos = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, S_L))
+    first_q = q_pos + CONSUMER * ROWS  # this warpgroup's first query row
+    rows = first_q + gl.arange(0, ROWS, gl.SliceLayout(1, S_L))
+    # the rows' positions among the keys: causal attention aligned at the bottom right
+    first_row = first_q + NK - NQ
+    row_pos = rows + NK - NQ
     m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, S_L))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_L)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, S_L)
     if ROPE:
-        _rotate_q_tile(q, Q, COS, SIN, q_row + CONSUMER * ROWS, first_row, q_fold, ROW_STEP)
+        _rotate_q_tile(q, Q, COS, SIN, bh * NQ + first_q, NQ - first_q, TABLE_OFF + first_q,
+                       q_fold, ROW_STEP)  # fmt: skip
     else:
         mbarrier.wait(q_ready.index(CONSUMER), 0)
 
@@ -185,8 +210,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
         sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)  # fmt: skip
         sc = warpgroup_mma_wait(0, deps=[sc])
-        p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, 0, qk_scale, CAUSAL,
-                                           BLOCK_N, S_L, O_L)  # fmt: skip
+        p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, 0, qk_scale, NK,
+                                           CAUSAL, BLOCK_N, S_L, O_L)  # fmt: skip
         for j in range(n_tiles):
             s = j % STAGES
             # the last iteration's scores repeat its own tile (unused): one wgmma a CTA, and no
@@ -201,7 +226,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
             sc = warpgroup_mma_wait(1, deps=[sc])
             if j + 1 < n_tiles:
                 p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j + 1,
-                                                   qk_scale, CAUSAL, BLOCK_N, S_L, O_L)  # fmt: skip
+                                                   qk_scale, NK, CAUSAL, BLOCK_N, S_L,
+                                                   O_L)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(s), count=1)
             if j + 1 < n_tiles:
@@ -215,7 +241,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
                                is_async=True)  # fmt: skip
             sc = warpgroup_mma_wait(0, deps=[sc])
             p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale,
-                                               CAUSAL, BLOCK_N, S_L, O_L)  # fmt: skip
+                                               NK, CAUSAL, BLOCK_N, S_L, O_L)  # fmt: skip
             acc = acc * alpha
             p16 = gl.convert_layout(p.to(dtype), P_L)
             mbarrier.wait(v_ready.index(s), phase)
@@ -224,44 +250,46 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
             mbarrier.arrive(kv_empty.index(s), count=1)
 
     if ROPE:  # the natural-log LSE the Triton backward takes: Q carried log2(e)
-        gl.store(LSE + q_row + CONSUMER * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, S_L)),
-                 (m_i * qk_scale + gl.log2(l_i)) * LN2)  # fmt: skip
+        gl.store(LSE + bh * NQ + rows, (m_i * qk_scale + gl.log2(l_i)) * LN2, mask=rows < NQ)
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, O_L)), 1)
     q.store(acc.to(dtype))  # Q's buffer is free: the output leaves through it
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row + CONSUMER * ROWS, 0], q)
+    tma.async_copy_shared_to_global(o_desc, [bh, first_q, 0], _as_box(q))  # rows past NQ: dropped
     tma.store_wait(0)
 
 
 @gluon.jit
-def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, N,
-                         HQ, HKV, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, NQ,
+                         NK, HQ, HKV, TABLE_OFF, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                          OVERLAP: gl.constexpr, ROPE: gl.constexpr,
                          ROW_STEP: gl.constexpr):  # fmt: skip
-    """q_desc, o_desc: [B * HQ * N, D] in tiles of [64, D]; k_desc, v_desc: [B * HKV * N, D] in
-    tiles of [BLOCK_N, D]. Grid (N / 128, B * HQ). Without ROPE: qk_scale = softmax_scale *
-    log2(e), Q, COS, SIN, LSE unused. With ROPE: the keys come rotated, Q (the pointer of
-    q_desc's tensor) is rotated in the kernel by COS, SIN [N, D / 2] times q_fold = softmax_scale
-    * log2(e), qk_scale = 1, and LSE [B * HQ * N] fp32 takes the natural-log LSE."""
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    """q_desc, o_desc: [B * HQ, NQ, D] in boxes of [1, 64, D]; k_desc, v_desc: [B * HKV, NK, D]
+    in boxes of [1, BLOCK_N, D] (``descriptors``); NQ <= NK, causal attention aligned at the
+    bottom right (query i at key position NK - NQ + i). Grid (cdiv(NQ, 128), B * HQ). Without
+    ROPE: qk_scale = softmax_scale * log2(e); Q, COS, SIN, LSE, TABLE_OFF unused. With ROPE:
+    the keys come rotated, Q (the pointer of q_desc's tensor) is rotated in the kernel by rows
+    TABLE_OFF + i of COS, SIN [rows, D / 2] times q_fold = softmax_scale * log2(e), qk_scale =
+    1, and LSE [B * HQ * NQ] fp32 takes the natural-log LSE."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    n_blocks = N // (2 * ROWS)
+    n_blocks = gl.cdiv(NQ, 2 * ROWS)
     block = n_blocks - 1 - gl.program_id(0)  # the longest key sweeps first
     bh = gl.program_id(1)
     kv_bh = (bh // HQ) * HKV + (bh % HQ) // (HQ // HKV)
     q_pos = block * 2 * ROWS
-    q_row = bh * N + q_pos
-    kv_row = kv_bh * N
-    if CAUSAL:
-        n_tiles = gl.cdiv(q_pos + 2 * ROWS, BLOCK_N)
+    if CAUSAL:  # up to the CTA's last row's key (rows past NQ see no more: NK is the end)
+        n_tiles = gl.cdiv(gl.minimum(q_pos + 2 * ROWS + NK - NQ, NK), BLOCK_N)
     else:
-        n_tiles = N // BLOCK_N
+        n_tiles = gl.cdiv(NK, BLOCK_N)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    # the tiles as the tensor cores read them; TMA sees each as a [1, rows, D] box (_as_box)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -277,13 +305,13 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     gl.warp_specialize(
         [
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 0, CAUSAL,
-                         OVERLAP, ROPE, ROW_STEP)),
+                         bh, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
+                         TABLE_OFF, 0, CAUSAL, OVERLAP, ROPE, ROW_STEP)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, 1, CAUSAL,
-                         OVERLAP, ROPE, ROW_STEP)),
+                         bh, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
+                         TABLE_OFF, 1, CAUSAL, OVERLAP, ROPE, ROW_STEP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                       kv_empty, q_row, kv_row, n_tiles, ROPE)),
+                       kv_empty, bh, q_pos, kv_bh, n_tiles, ROPE)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
@@ -292,50 +320,51 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
 
 
 def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
-    """TMA descriptors of ``q, o [B, HQ, N, D]`` (tiles of ``[ROWS, D]``) and ``k, v
-    [B, HKV, N, D]`` (tiles of ``[block_n, D]``), contiguous, seen as ``[B * H * N, D]``."""
+    """TMA descriptors of ``q, o [B, HQ, NQ, D]`` (boxes of ``[1, ROWS, D]``) and ``k, v
+    [B, HKV, NK, D]`` (boxes of ``[1, block_n, D]``), contiguous, seen as ``[B * H, N, D]``: a
+    box stops at its head's last row (TMA's zeros past it, stores dropped)."""
     d = q.shape[-1]
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS, d], gl_dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype)
-    flat = [t.reshape(-1, d) for t in (q, k, v, o)]
-    return (
-        TensorDescriptor.from_tensor(flat[0], [ROWS, d], q_layout),
-        TensorDescriptor.from_tensor(flat[1], [block_n, d], kv_layout),
-        TensorDescriptor.from_tensor(flat[2], [block_n, d], kv_layout),
-        TensorDescriptor.from_tensor(flat[3], [ROWS, d], q_layout),
-    )
+
+    def descriptor(t, rows):
+        box = [1, rows, d]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+        return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[2], d), box, layout)
+
+    return descriptor(q, ROWS), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, ROWS)
 
 
 def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAGES,
            overlap: bool = True, row_step: int = 0) -> torch.Tensor:  # fmt: skip
-    """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, N, D]``, ``k, v [B, HKV, N, D]``
-    (``N`` a multiple of ``CTA_ROWS``); returns ``o`` like q. ``rope``: None, or ``(cos, sin,
-    lse, q_fold)`` for the RoPE variant (``attention_fwd_kernel``'s arguments); ``row_step``:
+    """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, NQ, D]``, ``k, v [B, HKV, NK,
+    D]``, ``NQ <= NK``; returns ``o`` like q. ``rope``: None, or ``(cos, sin, lse, q_fold,
+    table_off)`` for the RoPE variant (``attention_fwd_kernel``'s arguments); ``row_step``:
     ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only)."""
     if row_step and (rope is None or ROWS % row_step):
         raise ValueError(f"row_step must divide {ROWS} and comes with rope, got {row_step}")
-    B, HQ, N, _ = q.shape
+    B, HQ, NQ, _ = q.shape
     o = torch.empty_like(q)
-    cos, sin, lse, q_fold = rope if rope is not None else (q, q, q, 1.0)
-    attention_fwd_kernel[(N // CTA_ROWS, B * HQ)](
-        *descriptors(q, k, v, o), q, cos, sin, lse, qk_scale, q_fold, N, HQ, k.shape[1], causal,
-        stages, overlap, rope is not None, row_step, num_warps=4, maxnreg=MAXNREG,
+    cos, sin, lse, q_fold, table_off = rope if rope is not None else (q, q, q, 1.0, 0)
+    attention_fwd_kernel[(cdiv(NQ, CTA_ROWS), B * HQ)](
+        *descriptors(q, k, v, o), q, cos, sin, lse, qk_scale, q_fold, NQ, k.shape[2], HQ,
+        k.shape[1], table_off, causal, stages, overlap, rope is not None, row_step, num_warps=4,
+        maxnreg=MAXNREG,
     )  # fmt: skip
     return o
 
 
 def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool,
+                              table_off: int = 0,
                               range_factor: float | None = None) -> tuple:  # fmt: skip
     """The fused forward of ``rope_attention_fwd`` where ``hopper_forward_takes`` holds:
-    ``q [B, HQ, N, D]``, ``k_rot`` (k rotated, ``_rotated_segments``) and ``v [B, HKV, N, D]``,
-    ``cos, sin`` the tables of ``_rope_tables`` (row ``i`` holds query ``i``'s angles, one
-    batch row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other scale);
-    ``range_factor``: the tables' attention factor where their row ``p`` holds position ``p``'s
-    angles (the default positions), which lets Q's cos and sin come from fewer rows
+    ``q [B, HQ, NQ, D]``, ``k_rot`` (k rotated, ``_rotated_segments``) and ``v [B, HKV, NK, D]``,
+    ``cos, sin`` the tables of ``_rope_tables`` (row ``table_off + i`` holds query ``i``'s
+    angles, one batch row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other
+    scale); ``range_factor``: the tables' attention factor where their row ``p`` holds position
+    ``p``'s angles (the default positions), which lets Q's cos and sin come from fewer rows
     (``_rotate_q_tile``); None for any other tables.
-    Returns ``o [B, HQ, N, D]`` in q's dtype and ``lse [B, HQ, N]`` fp32 (natural log)."""
-    B, HQ, N, _ = q.shape
+    Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
+    B, HQ, NQ, _ = q.shape
     # TMA takes 16-byte aligned rows; a contiguous view at an odd storage offset is copied
     q, v = (
         t
@@ -343,9 +372,9 @@ def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool
         else t.clone(memory_format=torch.contiguous_format)
         for t in (q, v)
     )
-    lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
+    lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     row_step = ROW_STEP if range_factor is not None else 0
     if row_step:  # each cos and sin is then a product of two table entries: one factor too many
         q_fold = q_fold / range_factor
-    o = launch(q, k_rot, v, causal, 1.0, (cos, sin, lse, q_fold), row_step=row_step)
+    o = launch(q, k_rot, v, causal, 1.0, (cos, sin, lse, q_fold, table_off), row_step=row_step)
     return o, lse

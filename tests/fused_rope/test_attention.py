@@ -1287,11 +1287,14 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
     assert not takes(rope_dim=64)  # partial rotation
     assert not takes(interleaved=True)
     assert not takes(window=64)
-    assert not takes(k=k[:, :, :128])  # NQ != NK
+    assert not takes(k=k[:, :, :128])  # NQ > NK: rows that see no key
+    assert takes(q=q[:, :, :1])  # NQ < NK, any length: a prefill that continues a cache
+    assert takes(q=q[:, :, :1000])
     assert not takes(q=q[:, :, :1024], k=k[:, :, :1024])  # short: the Triton forward is faster
     monkeypatch.setattr(attention_forward, "HOPPER_MIN_N", 128)
     assert takes(q=q[:, :, :1024], k=k[:, :, :1024])
-    assert not takes(q=q[:, :, :200], k=k[:, :, :200])  # N not a multiple of 128
+    assert takes(q=q[:, :, :200], k=k[:, :, :200])  # N not a multiple of 128
+    assert not takes(q=q[:, :, :100], k=k[:, :, :100])  # fewer keys than HOPPER_MIN_N
     assert not takes(q=q[:0], k=k[:0])  # an empty batch: the Triton forward launches nothing
     assert not takes(scale=1.0)  # fp16: the scores would take a power of two
     assert takes(q=q.bfloat16(), k=k.bfloat16(), scale=1.0)
@@ -1320,6 +1323,8 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
     assert not wins(rotation={**none, "inv_freq": torch.ones(32, requires_grad=True)})
     assert not wins(causal=False)
     assert wins(q=q[:, :, :2048], k=k[:, :, :2048])  # HOPPER_MIN_N
+    assert wins(q=q[:, :, :3000], k=k[:, :, :3000])  # any length
+    assert not wins(q=q[:, :, :1000])  # a prefill (NQ < NK): the prefill rule decides
     assert not wins(q=q[:, :, :1024], k=k[:, :, :1024])
     assert not wins(rotation={**none, "positions": torch.arange(4096)})
 
@@ -1327,14 +1332,20 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
 @pytest.mark.gpu
 @NEEDS_GLUON
 @pytest.mark.parametrize(
-    "B, HQ, HKV, N, D, dtype, opts",
+    "B, HQ, HKV, NQ, NK, D, dtype, opts",
     [
-        (2, 8, 2, 1024, 128, torch.float16, dict()),
-        (2, 8, 8, 384, 64, torch.bfloat16, dict(causal=False)),
-        (1, 8, 1, 512, 128, torch.bfloat16, dict(positions="shared")),
-        (2, 4, 4, 256, 64, torch.float16, dict(attention_factor=1.19, transposed=True)),
-        (1, 4, 2, 640, 128, torch.bfloat16, dict(causal=False, softmax_scale=0.3)),
-        (1, 4, 2, 384, 128, torch.float16, dict(positions="shared", q_positions=True)),
+        (2, 8, 2, 1024, 1024, 128, torch.float16, dict()),
+        (2, 8, 8, 384, 384, 64, torch.bfloat16, dict(causal=False)),
+        (1, 8, 1, 512, 512, 128, torch.bfloat16, dict(positions="shared")),
+        (2, 4, 4, 256, 256, 64, torch.float16, dict(attention_factor=1.19, transposed=True)),
+        (1, 4, 2, 640, 640, 128, torch.bfloat16, dict(causal=False, softmax_scale=0.3)),
+        (1, 4, 2, 384, 384, 128, torch.float16, dict(positions="shared", q_positions=True)),
+        (1, 4, 2, 300, 300, 128, torch.float16, dict()),
+        (2, 4, 4, 500, 500, 64, torch.bfloat16, dict(attention_factor=1.19)),
+        (2, 4, 1, 200, 700, 64, torch.bfloat16, dict()),
+        (1, 4, 2, 1, 333, 128, torch.float16, dict()),
+        (1, 4, 4, 130, 521, 128, torch.float16, dict(causal=False)),
+        (1, 4, 2, 63, 1000, 128, torch.bfloat16, dict(positions="shared", q_positions=True)),
     ],
     ids=[
         "GQA4-fp16-D128",
@@ -1343,26 +1354,33 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         "factor-strided",
         "scale",
         "query-positions",
+        "N300",
+        "N500-factor",
+        "prefill-200x700",
+        "one-row-333",
+        "nomask-130x521",
+        "prefill-query-positions",
     ],  # fmt: skip
 )
-def test_gpu_hopper_forward(B, HQ, HKV, N, D, dtype, opts, monkeypatch):
+def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
     """The fused path with the Gluon forward (and the Triton backward on its LSE): o, lse and
     every gradient by the flash-attention rule; the spy proves the Gluon kernel ran. The
-    query positions of the last case give q and k different tables (q rotated in the
-    kernel by its own, k by the pass)."""
+    query positions give q and k different tables (q rotated in the kernel by its own, k by
+    the pass). Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
+    warpgroup with none, key tiles past NK), and NQ < NK (causal at the bottom right, the
+    table's rows from NK - NQ on)."""
     calls = _hopper_calls(monkeypatch)
-    _check_case(B, HQ, HKV, N, N, D, dtype=dtype, **opts)
+    _check_case(B, HQ, HKV, NQ, NK, D, dtype=dtype, **opts)
     assert calls, "the Gluon forward did not run"
 
 
 @pytest.mark.gpu
 @NEEDS_GLUON
 def test_gpu_hopper_forward_leaves_what_it_lacks_to_triton(monkeypatch):
-    """Positions per batch (one table row per batch row) and N not a multiple of 128 take the
-    Triton forward, still correct."""
+    """Positions per batch (one table row per batch row) take the Triton forward, still
+    correct."""
     calls = _hopper_calls(monkeypatch)
     _check_case(2, 4, 2, 256, 256, 64, dtype=torch.bfloat16, positions="batch")
-    _check_case(1, 4, 2, 300, 300, 128, dtype=torch.float16)
     assert not calls
 
 
