@@ -97,8 +97,8 @@ def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16
     sig = {name: mangle_type(desc) for name, desc in zip(names, descs, strict=True)}
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig.update(Q=ptr, COS="*fp16", SIN="*fp16", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
-               NQ="i32", NK="i32", HQ="i32", HKV="i32", TABLE_OFF="i32", CAUSAL="constexpr",
-               STAGES="constexpr", OVERLAP="constexpr", ROPE="constexpr",
+               NQ="i32", NK="i32", HQ="i32", HKV="i32", TABLE_OFF="i32", TABLE_STRIDE_B="i32",
+               CAUSAL="constexpr", STAGES="constexpr", OVERLAP="constexpr", ROPE="constexpr",
                ROW_STEP="constexpr")  # fmt: skip
     consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope,
               ("ROW_STEP",): row_step if rope else 0}  # fmt: skip
@@ -339,7 +339,7 @@ def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
     cos, sin = tables()[:2]
     k_rot = common._rotated_segments(k, cos, sin, 0, 0, 1.0, meta)
     lse = torch.empty(b, hq, n, device="cuda")
-    ref = launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold, 0), row_step=0)
+    ref = launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold, 0, 0), row_step=0)
 
     def k_pass(heads):
         common.ROTATE_HEADS, old = heads, common.ROTATE_HEADS
@@ -349,7 +349,7 @@ def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
             common.ROTATE_HEADS = old
 
     def q_inside(row_step):
-        return launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold, 0), row_step=row_step)
+        return launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold, 0, 0), row_step=row_step)
 
     providers = {
         "sdpa (cuDNN), no RoPE": lambda: torch.nn.functional.scaled_dot_product_attention(

@@ -253,10 +253,9 @@ def gluon_forward_available(device: torch.device) -> bool:
 def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, window: int,
                          softmax_scale: float) -> bool:  # fmt: skip
     """Whether the Gluon forward takes ``q [B, HQ, NQ, D]``, ``k [B, HKV, NK, D]`` with these
-    options (the tables' indexing aside, which ``rope_attention_fwd`` checks): fp16/bf16,
-    D in {64, 128} all rotated, the "half" layout, ``NQ <= NK`` (any lengths) with at least
-    ``HOPPER_MIN_N`` keys, no window, the whole softmax scale folded into Q, and a GPU that has
-    it (``gluon_forward_available``)."""
+    options (any positions and tables): fp16/bf16, D in {64, 128} all rotated, the "half"
+    layout, ``NQ <= NK`` (any lengths) with at least ``HOPPER_MIN_N`` keys, no window, the
+    whole softmax scale folded into Q, and a GPU that has it (``gluon_forward_available``)."""
     NQ, D = q.shape[2:]
     return (
         q.numel() > 0  # TMA descriptors of an empty tensor fail before an empty grid is skipped
@@ -292,17 +291,14 @@ def rope_attention_fwd(
     )
     # k rotated once: the key loop would rotate every key tile once per query tile
     k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
-    if (
-        hopper_forward_takes(q, k, rope_dim, interleaved, window, softmax_scale)
-        and stride_qtb == 0  # query i's angles in row q_row_off + i of one table
-    ):
+    if hopper_forward_takes(q, k, rope_dim, interleaved, window, softmax_scale):
         from fused_rope.attention_forward_hopper import rope_attention_fwd_hopper
 
         # default positions: table row p holds position p (its first row is position 0 where
         # NQ <= NK, which the Gluon path has)
         range_factor = attention_factor if q_pos is None and attention_factor != 0 else None
         return rope_attention_fwd_hopper(
-            q, k_rot, v, q_cos, q_sin, q_fold, causal, q_row_off, range_factor
+            q, k_rot, v, q_cos, q_sin, q_fold, causal, q_row_off, stride_qtb, range_factor
         )
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)

@@ -24,8 +24,8 @@ intra-warpgroup pipelining). The kernel writes the natural-log LSE that the Trit
 Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128}, the "half"
 layout over every channel, any NQ <= NK (causal: aligned at the bottom right, a prefill that
 continues a KV cache; the descriptors' boxes stop at each head's end, so the tiles past it
-read zeros and their stores are dropped, and the scores past the keys' end are masked), one
-table row per position shared by the batch, no sliding window. Gluon has no interpreter:
+read zeros and their stores are dropped, and the scores past the keys' end are masked), tables
+shared by the batch or one per batch row (positions per batch), no sliding window. Gluon has no interpreter:
 this module is imported only on a Hopper GPU, and its tests are GPU-only.
 """
 
@@ -170,7 +170,7 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold,
 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, bh, q_pos,
-              n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK, TABLE_OFF,
+              n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK, HQ, TABLE_OFF, TABLE_STRIDE_B,
               CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               ROPE: gl.constexpr, ROW_STEP: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -198,8 +198,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_L)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, S_L)
     if ROPE:
-        _rotate_q_tile(q, Q, COS, SIN, bh * NQ + first_q, NQ - first_q, TABLE_OFF + first_q,
-                       q_fold, ROW_STEP)  # fmt: skip
+        batch_table = (bh // HQ).to(gl.int64) * TABLE_STRIDE_B  # 0 for one shared table
+        _rotate_q_tile(q, Q, COS + batch_table, SIN + batch_table, bh * NQ + first_q,
+                       NQ - first_q, TABLE_OFF + first_q, q_fold, ROW_STEP)  # fmt: skip
     else:
         mbarrier.wait(q_ready.index(CONSUMER), 0)
 
@@ -260,15 +261,17 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 
 @gluon.jit
 def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, NQ,
-                         NK, HQ, HKV, TABLE_OFF, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         NK, HQ, HKV, TABLE_OFF, TABLE_STRIDE_B, CAUSAL: gl.constexpr,
+                         STAGES: gl.constexpr,
                          OVERLAP: gl.constexpr, ROPE: gl.constexpr,
                          ROW_STEP: gl.constexpr):  # fmt: skip
     """q_desc, o_desc: [B * HQ, NQ, D] in boxes of [1, 64, D]; k_desc, v_desc: [B * HKV, NK, D]
     in boxes of [1, BLOCK_N, D] (``descriptors``); NQ <= NK, causal attention aligned at the
     bottom right (query i at key position NK - NQ + i). Grid (cdiv(NQ, 128), B * HQ). Without
-    ROPE: qk_scale = softmax_scale * log2(e); Q, COS, SIN, LSE, TABLE_OFF unused. With ROPE:
+    ROPE: qk_scale = softmax_scale * log2(e); Q, COS, SIN, LSE, TABLE_* unused. With ROPE:
     the keys come rotated, Q (the pointer of q_desc's tensor) is rotated in the kernel by rows
-    TABLE_OFF + i of COS, SIN [rows, D / 2] times q_fold = softmax_scale * log2(e), qk_scale =
+    TABLE_OFF + i of COS, SIN [1 | B, rows, D / 2] (batch stride TABLE_STRIDE_B elements, 0
+    for one table) times q_fold = softmax_scale * log2(e), qk_scale =
     1, and LSE [B * HQ * NQ] fp32 takes the natural-log LSE."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[2]
@@ -306,10 +309,10 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
         [
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          bh, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
-                         TABLE_OFF, 0, CAUSAL, OVERLAP, ROPE, ROW_STEP)),
+                         HQ, TABLE_OFF, TABLE_STRIDE_B, 0, CAUSAL, OVERLAP, ROPE, ROW_STEP)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          bh, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
-                         TABLE_OFF, 1, CAUSAL, OVERLAP, ROPE, ROW_STEP)),
+                         HQ, TABLE_OFF, TABLE_STRIDE_B, 1, CAUSAL, OVERLAP, ROPE, ROW_STEP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                        kv_empty, bh, q_pos, kv_bh, n_tiles, ROPE)),
         ],
@@ -338,28 +341,31 @@ def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAG
            overlap: bool = True, row_step: int = 0) -> torch.Tensor:  # fmt: skip
     """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, NQ, D]``, ``k, v [B, HKV, NK,
     D]``, ``NQ <= NK``; returns ``o`` like q. ``rope``: None, or ``(cos, sin, lse, q_fold,
-    table_off)`` for the RoPE variant (``attention_fwd_kernel``'s arguments); ``row_step``:
+    table_off, table_stride_b)`` for the RoPE variant (``attention_fwd_kernel``'s arguments);
+    ``row_step``:
     ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only)."""
     if row_step and (rope is None or ROWS % row_step):
         raise ValueError(f"row_step must divide {ROWS} and comes with rope, got {row_step}")
     B, HQ, NQ, _ = q.shape
     o = torch.empty_like(q)
-    cos, sin, lse, q_fold, table_off = rope if rope is not None else (q, q, q, 1.0, 0)
+    cos, sin, lse, q_fold, table_off, table_stride_b = rope or (q, q, q, 1.0, 0, 0)
     attention_fwd_kernel[(cdiv(NQ, CTA_ROWS), B * HQ)](
         *descriptors(q, k, v, o), q, cos, sin, lse, qk_scale, q_fold, NQ, k.shape[2], HQ,
-        k.shape[1], table_off, causal, stages, overlap, rope is not None, row_step, num_warps=4,
+        k.shape[1], table_off, table_stride_b, causal, stages, overlap, rope is not None,
+        row_step, num_warps=4,
         maxnreg=MAXNREG,
     )  # fmt: skip
     return o
 
 
 def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool,
-                              table_off: int = 0,
+                              table_off: int = 0, table_stride_b: int = 0,
                               range_factor: float | None = None) -> tuple:  # fmt: skip
     """The fused forward of ``rope_attention_fwd`` where ``hopper_forward_takes`` holds:
     ``q [B, HQ, NQ, D]``, ``k_rot`` (k rotated, ``_rotated_segments``) and ``v [B, HKV, NK, D]``,
-    ``cos, sin`` the tables of ``_rope_tables`` (row ``table_off + i`` holds query ``i``'s
-    angles, one batch row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other
+    ``cos, sin`` the tables of ``_rope_tables`` (row ``table_off + i`` of batch row ``b``
+    holds query ``i``'s angles; ``table_stride_b``: the tables' batch stride, 0 for one batch
+    row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other
     scale); ``range_factor``: the tables' attention factor where their row ``p`` holds position
     ``p``'s angles (the default positions), which lets Q's cos and sin come from fewer rows
     (``_rotate_q_tile``); None for any other tables.
@@ -376,5 +382,6 @@ def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool
     row_step = ROW_STEP if range_factor is not None else 0
     if row_step:  # each cos and sin is then a product of two table entries: one factor too many
         q_fold = q_fold / range_factor
-    o = launch(q, k_rot, v, causal, 1.0, (cos, sin, lse, q_fold, table_off), row_step=row_step)
+    rope = (cos, sin, lse, q_fold, table_off, table_stride_b)
+    o = launch(q, k_rot, v, causal, 1.0, rope, row_step=row_step)
     return o, lse

@@ -1346,6 +1346,8 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         (1, 4, 2, 1, 333, 128, torch.float16, dict()),
         (1, 4, 4, 130, 521, 128, torch.float16, dict(causal=False)),
         (1, 4, 2, 63, 1000, 128, torch.bfloat16, dict(positions="shared", q_positions=True)),
+        (2, 4, 2, 256, 256, 64, torch.bfloat16, dict(positions="batch")),
+        (3, 4, 1, 100, 300, 128, torch.float16, dict(positions="batch", q_positions=True)),
     ],
     ids=[
         "GQA4-fp16-D128",
@@ -1360,13 +1362,15 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         "one-row-333",
         "nomask-130x521",
         "prefill-query-positions",
+        "batch-positions",
+        "prefill-batch-positions",
     ],  # fmt: skip
 )
 def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
     """The fused path with the Gluon forward (and the Triton backward on its LSE): o, lse and
     every gradient by the flash-attention rule; the spy proves the Gluon kernel ran. The
     query positions give q and k different tables (q rotated in the kernel by its own, k by
-    the pass). Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
+    the pass), positions per batch a table row per batch row. Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
     warpgroup with none, key tiles past NK), and NQ < NK (causal at the bottom right, the
     table's rows from NK - NQ on)."""
     calls = _hopper_calls(monkeypatch)
@@ -1377,10 +1381,10 @@ def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
 @pytest.mark.gpu
 @NEEDS_GLUON
 def test_gpu_hopper_forward_leaves_what_it_lacks_to_triton(monkeypatch):
-    """Positions per batch (one table row per batch row) take the Triton forward, still
-    correct."""
+    """Partial rotation and a sliding window take the Triton forward, still correct."""
     calls = _hopper_calls(monkeypatch)
-    _check_case(2, 4, 2, 256, 256, 64, dtype=torch.bfloat16, positions="batch")
+    _check_case(2, 4, 2, 256, 256, 64, dtype=torch.bfloat16, rope_dim=32)
+    _check_case(1, 4, 2, 300, 300, 128, dtype=torch.float16, window=100)
     assert not calls
 
 
