@@ -37,6 +37,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 from fused_rope.attention_forward_hopper import (  # noqa: E402 - after the path
     CTA_ROWS,
     MAXNREG,
+    RopeArgs,
     attention_fwd_kernel,
     descriptors,
     launch,
@@ -85,8 +86,10 @@ def triton_rope_attention(q, k, v, inv_freq):
         attention_forward.GLUON_ENABLED = enabled
 
 
-def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16, row_step=8):
-    """The kernel compiled for sm_90a without a GPU: registers, spills, shared memory."""
+def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16, row_step=8,
+                    rotary=None, interleaved=False):  # fmt: skip
+    """The kernel compiled for sm_90a without a GPU: registers, spills, shared memory.
+    ``rotary``: the rotated channels (default all ``d``), ``interleaved`` their layout."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -99,8 +102,9 @@ def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16
     sig.update(Q=ptr, COS="*fp16", SIN="*fp16", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
                NQ="i32", NK="i32", HQ="i32", HKV="i32", TABLE_OFF="i32", TABLE_STRIDE_B="i32",
                CAUSAL="constexpr", STAGES="constexpr", OVERLAP="constexpr", ROPE="constexpr",
-               ROW_STEP="constexpr")  # fmt: skip
+               ROTARY="constexpr", INTERLEAVED="constexpr", ROW_STEP="constexpr")  # fmt: skip
     consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope,
+              ("ROTARY",): rotary or d, ("INTERLEAVED",): interleaved,
               ("ROW_STEP",): row_step if rope else 0}  # fmt: skip
     consts = {(list(sig).index(k[0]),): v for k, v in consts.items()}
     attrs = {(list(sig).index(name),): [["tt.divisibility", 16]]
@@ -339,7 +343,7 @@ def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
     cos, sin = tables()[:2]
     k_rot = common._rotated_segments(k, cos, sin, 0, 0, 1.0, meta)
     lse = torch.empty(b, hq, n, device="cuda")
-    ref = launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold, 0, 0), row_step=0)
+    ref = launch(q, k_rot, v, True, 1.0, RopeArgs(cos, sin, lse, q_fold, rotary=d), row_step=0)
 
     def k_pass(heads):
         common.ROTATE_HEADS, old = heads, common.ROTATE_HEADS
@@ -349,7 +353,9 @@ def components_of_shape(name: str, dtype: torch.dtype) -> list[dict]:
             common.ROTATE_HEADS = old
 
     def q_inside(row_step):
-        return launch(q, k_rot, v, True, 1.0, (cos, sin, lse, q_fold, 0, 0), row_step=row_step)
+        return launch(
+            q, k_rot, v, True, 1.0, RopeArgs(cos, sin, lse, q_fold, rotary=d), row_step=row_step
+        )
 
     providers = {
         "sdpa (cuDNN), no RoPE": lambda: torch.nn.functional.scaled_dot_product_attention(

@@ -32,6 +32,7 @@ this module is imported only on a Hopper GPU, and its tests are GPU-only.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -121,11 +122,14 @@ def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, NK, CAUSAL: gl.
 
 
 @gluon.jit
-def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold,
-                   ROW_STEP: gl.constexpr):  # fmt: skip
-    """Rows ``row .. row + ROWS`` of ``Q [B * HQ * NQ, D]`` rotated ("half" layout, every
-    channel) by the tables ``COS, SIN [rows, D / 2]`` at rows ``first_pos ..``, times
-    ``q_fold``, into ``q_smem [ROWS, D]``: the fused forward's Q, made once per CTA. Rows from
+def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold, ROTARY: gl.constexpr,
+                   INTERLEAVED: gl.constexpr, ROW_STEP: gl.constexpr):  # fmt: skip
+    """Rows ``row .. row + ROWS`` of ``Q [B * HQ * NQ, D]`` rotated by the tables ``COS, SIN
+    [rows, ROTARY / 2]`` at rows ``first_pos ..``, times ``q_fold``, into ``q_smem [ROWS, D]``
+    in the segment layout of the rotated keys (``_rotated_segments``): the pairs' first
+    channels, their second channels, then the ``D - ROTARY`` pass-through channels (each a
+    power of two). A pair is channels ``(d, d + ROTARY / 2)`` of q ("half" layout) or ``(2 d,
+    2 d + 1)`` (``INTERLEAVED``). The fused forward's Q, made once per CTA. Rows from
     ``rows_left`` on are past the sequence's end: zeros, neither Q nor the tables read.
 
     ``ROW_STEP = 0``: each row's cos and sin read from its own table row. ``ROW_STEP = s > 0``
@@ -139,14 +143,19 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold,
     (bf16 inputs, whose rotated q rounds with an RMS of about 2e-3), 1.9e-8 against 1.5e-8
     from fp32 tables (fp16 inputs)."""
     ROWS: gl.constexpr = q_smem.type.shape[0]
-    HALF: gl.constexpr = q_smem.type.shape[1] // 2
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
+    HALF: gl.constexpr = ROTARY // 2
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.expand_dims(gl.arange(0, ROWS, gl.SliceLayout(1, L)), 1)
     c = gl.expand_dims(gl.arange(0, HALF, gl.SliceLayout(0, L)), 0)
     valid = r < rows_left
-    x = Q + (row + r).to(gl.int64) * (2 * HALF) + c
-    x1 = gl.load(x, mask=valid, other=0.0).to(gl.float32)
-    x2 = gl.load(x + HALF, mask=valid, other=0.0).to(gl.float32)
+    x = Q + (row + r).to(gl.int64) * HEAD_DIM
+    if INTERLEAVED:
+        x1 = gl.load(x + 2 * c, mask=valid, other=0.0).to(gl.float32)
+        x2 = gl.load(x + 2 * c + 1, mask=valid, other=0.0).to(gl.float32)
+    else:
+        x1 = gl.load(x + c, mask=valid, other=0.0).to(gl.float32)
+        x2 = gl.load(x + HALF + c, mask=valid, other=0.0).to(gl.float32)
     pos = first_pos + r
     if ROW_STEP == 0:
         t = pos * HALF + c
@@ -165,6 +174,11 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold,
     sin = sin * q_fold
     q_smem.slice(0, HALF, dim=1).store((x1 * cos - x2 * sin).to(q_smem.dtype))
     q_smem.slice(HALF, HALF, dim=1).store((x2 * cos + x1 * sin).to(q_smem.dtype))
+    if ROTARY < HEAD_DIM:  # the pass-through channels: the fold alone
+        PASS: gl.constexpr = HEAD_DIM - ROTARY
+        cp = gl.expand_dims(gl.arange(0, PASS, gl.SliceLayout(0, L)), 0)
+        xp = gl.load(x + ROTARY + cp, mask=valid, other=0.0).to(gl.float32)
+        q_smem.slice(ROTARY, PASS, dim=1).store((xp * q_fold).to(q_smem.dtype))
     fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
 
 
@@ -172,7 +186,8 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold,
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, bh, q_pos,
               n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK, HQ, TABLE_OFF, TABLE_STRIDE_B,
               CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              ROPE: gl.constexpr, ROW_STEP: gl.constexpr):  # fmt: skip
+              ROPE: gl.constexpr, ROTARY: gl.constexpr, INTERLEAVED: gl.constexpr,
+              ROW_STEP: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -200,7 +215,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
     if ROPE:
         batch_table = (bh // HQ).to(gl.int64) * TABLE_STRIDE_B  # 0 for one shared table
         _rotate_q_tile(q, Q, COS + batch_table, SIN + batch_table, bh * NQ + first_q,
-                       NQ - first_q, TABLE_OFF + first_q, q_fold, ROW_STEP)  # fmt: skip
+                       NQ - first_q, TABLE_OFF + first_q, q_fold, ROTARY, INTERLEAVED,
+                       ROW_STEP)  # fmt: skip
     else:
         mbarrier.wait(q_ready.index(CONSUMER), 0)
 
@@ -262,8 +278,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 @gluon.jit
 def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, NQ,
                          NK, HQ, HKV, TABLE_OFF, TABLE_STRIDE_B, CAUSAL: gl.constexpr,
-                         STAGES: gl.constexpr,
-                         OVERLAP: gl.constexpr, ROPE: gl.constexpr,
+                         STAGES: gl.constexpr, OVERLAP: gl.constexpr, ROPE: gl.constexpr,
+                         ROTARY: gl.constexpr, INTERLEAVED: gl.constexpr,
                          ROW_STEP: gl.constexpr):  # fmt: skip
     """q_desc, o_desc: [B * HQ, NQ, D] in boxes of [1, 64, D]; k_desc, v_desc: [B * HKV, NK, D]
     in boxes of [1, BLOCK_N, D] (``descriptors``); NQ <= NK, causal attention aligned at the
@@ -309,10 +325,12 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
         [
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          bh, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
-                         HQ, TABLE_OFF, TABLE_STRIDE_B, 0, CAUSAL, OVERLAP, ROPE, ROW_STEP)),
+                         HQ, TABLE_OFF, TABLE_STRIDE_B, 0, CAUSAL, OVERLAP, ROPE, ROTARY,
+                         INTERLEAVED, ROW_STEP)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          bh, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
-                         HQ, TABLE_OFF, TABLE_STRIDE_B, 1, CAUSAL, OVERLAP, ROPE, ROW_STEP)),
+                         HQ, TABLE_OFF, TABLE_STRIDE_B, 1, CAUSAL, OVERLAP, ROPE, ROTARY,
+                         INTERLEAVED, ROW_STEP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                        kv_empty, bh, q_pos, kv_bh, n_tiles, ROPE)),
         ],
@@ -340,37 +358,47 @@ def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
 def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAGES,
            overlap: bool = True, row_step: int = 0) -> torch.Tensor:  # fmt: skip
     """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, NQ, D]``, ``k, v [B, HKV, NK,
-    D]``, ``NQ <= NK``; returns ``o`` like q. ``rope``: None, or ``(cos, sin, lse, q_fold,
-    table_off, table_stride_b)`` for the RoPE variant (``attention_fwd_kernel``'s arguments);
-    ``row_step``:
-    ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only)."""
+    D]``, ``NQ <= NK``; returns ``o`` like q. ``rope``: None, or a ``RopeArgs`` for the RoPE
+    variant; ``row_step``: ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only)."""
     if row_step and (rope is None or ROWS % row_step):
         raise ValueError(f"row_step must divide {ROWS} and comes with rope, got {row_step}")
-    B, HQ, NQ, _ = q.shape
+    B, HQ, NQ, D = q.shape
     o = torch.empty_like(q)
-    cos, sin, lse, q_fold, table_off, table_stride_b = rope or (q, q, q, 1.0, 0, 0)
+    r = rope or RopeArgs(q, q, q, 1.0, rotary=D)
     attention_fwd_kernel[(cdiv(NQ, CTA_ROWS), B * HQ)](
-        *descriptors(q, k, v, o), q, cos, sin, lse, qk_scale, q_fold, NQ, k.shape[2], HQ,
-        k.shape[1], table_off, table_stride_b, causal, stages, overlap, rope is not None,
-        row_step, num_warps=4,
-        maxnreg=MAXNREG,
+        *descriptors(q, k, v, o), q, r.cos, r.sin, r.lse, qk_scale, r.q_fold, NQ, k.shape[2], HQ,
+        k.shape[1], r.table_off, r.table_stride_b, causal, stages, overlap, rope is not None,
+        r.rotary, r.interleaved, row_step, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return o
 
 
-def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool,
-                              table_off: int = 0, table_stride_b: int = 0,
-                              range_factor: float | None = None) -> tuple:  # fmt: skip
+class RopeArgs(NamedTuple):
+    """The RoPE variant's arguments of ``attention_fwd_kernel``: the tables ``cos, sin [1 | B,
+    rows, rotary / 2]`` (row ``table_off + i`` of batch row ``b`` holds query ``i``'s angles;
+    ``table_stride_b`` their batch stride, 0 for one batch row), ``lse [B, HQ, NQ]`` fp32 to
+    fill, Q's fold ``q_fold``, the rotated channels ``rotary`` and their layout."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    lse: torch.Tensor
+    q_fold: float
+    table_off: int = 0
+    table_stride_b: int = 0
+    rotary: int = 128
+    interleaved: bool = False
+
+
+def rope_attention_fwd_hopper(q, k_rot, v, causal: bool, rope: RopeArgs,
+                              range_factor: float | None = None) -> torch.Tensor:  # fmt: skip
     """The fused forward of ``rope_attention_fwd`` where ``hopper_forward_takes`` holds:
-    ``q [B, HQ, NQ, D]``, ``k_rot`` (k rotated, ``_rotated_segments``) and ``v [B, HKV, NK, D]``,
-    ``cos, sin`` the tables of ``_rope_tables`` (row ``table_off + i`` of batch row ``b``
-    holds query ``i``'s angles; ``table_stride_b``: the tables' batch stride, 0 for one batch
-    row), ``q_fold`` Q's whole fold (``query_fold``: the scores take no other
-    scale); ``range_factor``: the tables' attention factor where their row ``p`` holds position
-    ``p``'s angles (the default positions), which lets Q's cos and sin come from fewer rows
-    (``_rotate_q_tile``); None for any other tables.
-    Returns ``o [B, HQ, NQ, D]`` in q's dtype and ``lse [B, HQ, NQ]`` fp32 (natural log)."""
-    B, HQ, NQ, _ = q.shape
+    ``q [B, HQ, NQ, D]``, ``k_rot`` (k rotated, ``_rotated_segments``, whose rows are then ``D``
+    wide) and ``v [B, HKV, NK, D]``; ``rope`` the tables of ``_rope_tables`` and their
+    indexing, Q's whole fold (``query_fold``: the scores take no other scale) and ``lse [B,
+    HQ, NQ]`` to fill; ``range_factor``: the tables' attention factor where their row ``p``
+    holds position ``p``'s angles (the default positions), which lets Q's cos and sin come from
+    fewer rows (``_rotate_q_tile``); None for any other tables.
+    Returns ``o [B, HQ, NQ, D]`` in q's dtype (and fills ``rope.lse``, natural log)."""
     # TMA takes 16-byte aligned rows; a contiguous view at an odd storage offset is copied
     q, v = (
         t
@@ -378,10 +406,7 @@ def rope_attention_fwd_hopper(q, k_rot, v, cos, sin, q_fold: float, causal: bool
         else t.clone(memory_format=torch.contiguous_format)
         for t in (q, v)
     )
-    lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
     row_step = ROW_STEP if range_factor is not None else 0
     if row_step:  # each cos and sin is then a product of two table entries: one factor too many
-        q_fold = q_fold / range_factor
-    rope = (cos, sin, lse, q_fold, table_off, table_stride_b)
-    o = launch(q, k_rot, v, causal, 1.0, rope, row_step=row_step)
-    return o, lse
+        rope = rope._replace(q_fold=rope.q_fold / range_factor)
+    return launch(q, k_rot, v, causal, 1.0, rope, row_step=row_step)

@@ -1284,8 +1284,12 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
     assert takes(q=q[..., :64], k=k[..., :64], rope_dim=64)
     assert not takes(q=q.float(), k=k.float())
     assert not takes(q=q[..., :96], k=k[..., :96], rope_dim=96)  # D
-    assert not takes(rope_dim=64)  # partial rotation
-    assert not takes(interleaved=True)
+    assert takes(rope_dim=64)  # partial rotation whose segments fill the head
+    assert takes(q=q[..., :64], k=k[..., :64], rope_dim=32)
+    assert not takes(rope_dim=32)  # segments of 16 + 16 + 128 channels: 160 > 128
+    assert not takes(rope_dim=96)
+    assert takes(interleaved=True)
+    assert takes(interleaved=True, rope_dim=64)
     assert not takes(window=64)
     assert not takes(k=k[:, :, :128])  # NQ > NK: rows that see no key
     assert takes(q=q[:, :, :1])  # NQ < NK, any length: a prefill that continues a cache
@@ -1348,6 +1352,10 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         (1, 4, 2, 63, 1000, 128, torch.bfloat16, dict(positions="shared", q_positions=True)),
         (2, 4, 2, 256, 256, 64, torch.bfloat16, dict(positions="batch")),
         (3, 4, 1, 100, 300, 128, torch.float16, dict(positions="batch", q_positions=True)),
+        (1, 4, 2, 300, 300, 128, torch.bfloat16, dict(rope_dim=64)),
+        (2, 4, 4, 256, 256, 64, torch.float16, dict(layout="interleaved")),
+        (1, 4, 1, 200, 400, 128, torch.float16, dict(layout="interleaved", rope_dim=64)),
+        (1, 4, 2, 256, 256, 64, torch.bfloat16, dict(rope_dim=32, causal=False)),
     ],
     ids=[
         "GQA4-fp16-D128",
@@ -1364,13 +1372,19 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         "prefill-query-positions",
         "batch-positions",
         "prefill-batch-positions",
+        "partial-64of128",
+        "interleaved",
+        "interleaved-partial-prefill",
+        "partial-32of64-nomask",
     ],  # fmt: skip
 )
 def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
     """The fused path with the Gluon forward (and the Triton backward on its LSE): o, lse and
     every gradient by the flash-attention rule; the spy proves the Gluon kernel ran. The
     query positions give q and k different tables (q rotated in the kernel by its own, k by
-    the pass), positions per batch a table row per batch row. Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
+    the pass), positions per batch a table row per batch row; partial rotation (the
+    pass-through channels times the fold alone) and the interleaved layout (q's pairs read
+    apart into the keys' segment layout). Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
     warpgroup with none, key tiles past NK), and NQ < NK (causal at the bottom right, the
     table's rows from NK - NQ on)."""
     calls = _hopper_calls(monkeypatch)
@@ -1381,9 +1395,10 @@ def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
 @pytest.mark.gpu
 @NEEDS_GLUON
 def test_gpu_hopper_forward_leaves_what_it_lacks_to_triton(monkeypatch):
-    """Partial rotation and a sliding window take the Triton forward, still correct."""
+    """Partial rotation whose segments do not fill the head (32 of 128 channels: 16 + 16 +
+    128 wide) and a sliding window take the Triton forward, still correct."""
     calls = _hopper_calls(monkeypatch)
-    _check_case(2, 4, 2, 256, 256, 64, dtype=torch.bfloat16, rope_dim=32)
+    _check_case(2, 4, 2, 256, 256, 128, dtype=torch.bfloat16, rope_dim=32)
     _check_case(1, 4, 2, 300, 300, 128, dtype=torch.float16, window=100)
     assert not calls
 
