@@ -138,3 +138,29 @@ def test_gpu_launchers_run_on_a_second_gpu():
     for a, b in zip(got, expected, strict=True):
         assert a.device == torch.device("cuda", 1)
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_device_facts_are_memoized_and_trace_without_warnings(monkeypatch):
+    """``compute_capability`` and ``num_sms`` ask CUDA once per device (mocked here) and trace
+    under ``torch.compile(fullgraph=True)`` without Dynamo's warning about ``lru_cache``
+    wrappers (which ``functools.cache`` drew at every compiled call of ``auto``'s rules)."""
+    import warnings
+
+    from fused_rope import _device
+
+    asked = []
+    monkeypatch.setattr(_device, "_CAPABILITY", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: asked.append(d) or (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert _device.compute_capability(cuda) == (9, 0)
+    assert _device.compute_capability(cuda) == (9, 0)
+    assert asked == [cuda]
+
+    def f(x):
+        return x * 2 if _device.compute_capability(cuda) == (9, 0) else x
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(
+            torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2)), 2 * torch.ones(2)
+        )
