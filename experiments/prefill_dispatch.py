@@ -3,7 +3,8 @@
 A prefill that continues a KV cache can run the fused kernel or the separate path (the Triton
 RoPE kernel, then SDPA with the bottom-right mask). This script times both, in one process, from
 decoding (``NQ = 1``) to long prefills, forward and forward+backward, and prints which path
-``fused_prefill_wins`` (the rule ``auto`` follows) picks next to the faster one. The fused kernel
+``fused_prefill_wins`` (the rule ``auto`` follows, with the Gluon forward where
+``hopper_forward_takes``) picks next to the faster one. The fused kernel
 does not split a program's key sweep, so it needs enough query tiles to fill the GPU; SDPA's
 kernels split the keys when the queries are few.
 
@@ -25,6 +26,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 from experiments.results_io import environment, markdown_table, print_report  # noqa: E402
 from experiments.timing import input_sets, time_ms  # noqa: E402
 from fused_rope.attention import fused_prefill_wins, rope_attention  # noqa: E402
+from fused_rope.attention_forward import hopper_forward_takes  # noqa: E402
 
 # (B, HQ, HKV, D) and the key lengths each is measured at
 HEADS = [
@@ -78,7 +80,11 @@ def main() -> None:
                 row[f"{mode} fused"] = f"{fused:.4f}"
                 row[f"{mode} separate"] = f"{separate:.4f}"
                 row[f"{mode} fused / separate"] = f"{fused / separate:.2f}"
-            row["auto takes"] = "fused" if fused_prefill_wins(B, HQ, NQ, sms) else "separate"
+            q = torch.empty(B, HQ, NQ, D, device="cuda", dtype=torch.float16)
+            k = torch.empty(B, HKV, NK, D, device="cuda", dtype=torch.float16)
+            gluon = hopper_forward_takes(q, k, D, False, 0, D**-0.5)
+            wins = fused_prefill_wins(B, HQ, NQ, sms, D, gluon)
+            row["auto takes"] = "fused" if wins else "separate"
             rows.append(row)
             print(row, flush=True)
     env = environment()

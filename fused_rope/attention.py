@@ -389,23 +389,35 @@ PREFILL_MIN_QUERIES = 16
 # ... and when its query tiles (128 rows) times B * HQ give at least this many programs per SM:
 # the fused kernel does not split a program's key sweep, so fewer programs leave SMs idle.
 PREFILL_MIN_PROGRAMS_PER_SM = 0.5
+# With the Gluon forward (Hopper), whose CTAs cost less, from any number of queries and this
+# many programs per SM, each counted at D / 128 of one (a program's work grows with D): an
+# H200, experiments/results/prefill_dispatch_h200.md (session 59)
+GLUON_PREFILL_MIN_PROGRAMS_PER_SM = 0.45
 
 
-def fused_prefill_wins(B: int, HQ: int, NQ: int, sms: int) -> bool:
-    """Whether a causal ``NQ < NK`` prefill (``B`` batches, ``HQ`` query heads) on a GPU of
-    ``sms`` SMs has enough queries and query tiles for the fused kernel to beat SDPA's
-    bottom-right kernel. The rule fits every shape measured in
-    ``experiments/results/prefill_dispatch_h100.md`` except the ties (within 7%)."""
+def fused_prefill_wins(B: int, HQ: int, NQ: int, sms: int, head_dim: int = 128,
+                       gluon: bool = False) -> bool:  # fmt: skip
+    """Whether a causal ``NQ < NK`` prefill (``B`` batches, ``HQ`` query heads of ``head_dim``
+    channels) on a GPU of ``sms`` SMs has enough queries and query tiles for the fused kernel to
+    beat SDPA's bottom-right kernel; ``gluon``: its forward is the Gluon one
+    (``hopper_forward_takes``). Each rule fits every shape measured in its results file except
+    the ties (within 7%; within 4% in fwd+bwd with Gluon): the Triton forward's
+    ``experiments/results/prefill_dispatch_h100.md``, the Gluon forward's ``..._h200.md``."""
     programs = -(-NQ // 128) * B * HQ
+    if gluon:
+        return programs * head_dim >= GLUON_PREFILL_MIN_PROGRAMS_PER_SM * sms * 128
     return NQ >= PREFILL_MIN_QUERIES and programs >= PREFILL_MIN_PROGRAMS_PER_SM * sms
 
 
-def _fused_prefill_fills_the_gpu(q: torch.Tensor) -> bool:
-    """``fused_prefill_wins`` for ``q [B, HQ, NQ, D]`` on its GPU; False off CUDA."""
+def _fused_prefill_fills_the_gpu(q, k, rope_dim, layout, softmax_scale) -> bool:
+    """``fused_prefill_wins`` for ``q [B, HQ, NQ, D]``, ``k`` on their GPU (with the Gluon
+    forward where it takes the call); False off CUDA."""
     if q.device.type != "cuda":
         return False
-    B, HQ, NQ, _ = q.shape
-    return fused_prefill_wins(B, HQ, NQ, num_sms(q.device))
+    B, HQ, NQ, D = q.shape
+    gluon = hopper_forward_takes(q, k, rope_dim, layout == "interleaved", 0,
+                                 check_softmax_scale(softmax_scale, D))  # fmt: skip
+    return fused_prefill_wins(B, HQ, NQ, num_sms(q.device), D, gluon)
 
 
 def _sdpa_is_slowed_by_determinism(q: torch.Tensor) -> bool:
@@ -541,7 +553,10 @@ def _check_inputs(
         fused_first = not under_functorch() and (
             (
                 bottom_right
-                and (_fused_prefill_fills_the_gpu(q) or not _sdpa_has_lower_right_kernel(q, k, v))
+                and (
+                    _fused_prefill_fills_the_gpu(q, k, rope_dim, layout, softmax_scale)
+                    or not _sdpa_has_lower_right_kernel(q, k, v)
+                )
             )
             or (causal and NQ == NK and _sdpa_is_slowed_by_determinism(q))
             or window > 0

@@ -547,7 +547,7 @@ def test_auto_takes_the_expected_path_and_agrees_with_fused(HQ, HKV, NQ, NK, opt
     q = torch.randn(2, HQ, NQ, 32, device=DEVICE)
     k, v = (torch.randn(2, HKV, NK, 32, device=DEVICE) for _ in range(2))
     if path == "prefill":
-        fused = attention_module._fused_prefill_fills_the_gpu(q)
+        fused = attention_module._fused_prefill_fills_the_gpu(q, k, 32, "half", None)
         fused = fused or not attention_module._sdpa_has_lower_right_kernel(q, k, v)
         path = "fused" if fused else "separate"
     do = torch.randn_like(q)
@@ -1501,7 +1501,7 @@ def test_auto_prefill_dispatch(has_kernel, fills, separate_calls, monkeypatch):
     for the bottom-right mask and the fused kernel would not fill the GPU (both stubbed, so
     every answer is seen on any device), and is right either way."""
     monkeypatch.setattr(attention_module, "_sdpa_has_lower_right_kernel", lambda *a: has_kernel)
-    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: fills)
+    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda *a: fills)
     _check_case(1, 4, 2, 20, 37, 32, dtype=torch.float32, impl="auto")
     assert len(separate_calls) == (1 if has_kernel and not fills else 0)
 
@@ -1556,7 +1556,7 @@ def test_auto_under_torch_func_takes_the_separate_path(nq, separate_calls, monke
     path even where deterministic algorithms (NQ == NK) or a prefill on a GPU it fills or
     without SDPA's bottom-right kernel (NQ < NK) would take the fused kernel (stubbed)."""
     monkeypatch.setattr(attention_module, "_sdpa_is_slowed_by_determinism", lambda q: True)
-    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: True)
+    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda *a: True)
     q, k, v = _qkv(torch.float32, nq=nq, nk=37, d=32)
     grad = torch.func.grad(lambda q: rope_attention(q, k, v).square().sum())(q)
     assert len(separate_calls) == 1
@@ -1583,6 +1583,46 @@ PREFILL_WINS = [
 @pytest.mark.parametrize("shape, fused", PREFILL_WINS)
 def test_fused_prefill_wins_matches_the_measured_faster_path(shape, fused):
     assert attention_module.fused_prefill_wins(*shape) == fused
+
+
+# (B, HQ, NQ, sms, D) -> fused, with the Gluon forward: the shapes of
+# experiments/results/prefill_dispatch_h200.md where one path was more than 7% faster forward
+PREFILL_WINS_GLUON = [
+    ((1, 32, 16, 132, 128), False),
+    ((1, 32, 128, 132, 128), False),
+    ((1, 32, 256, 132, 128), True),  # 64 programs of 128 channels
+    ((8, 32, 1, 132, 128), True),  # one query: no PREFILL_MIN_QUERIES
+    ((4, 8, 256, 132, 64), False),  # 64 programs of 64 channels
+    ((4, 8, 512, 132, 64), True),
+]
+
+
+@pytest.mark.parametrize("shape, fused", PREFILL_WINS_GLUON)
+def test_fused_prefill_wins_with_the_gluon_forward(shape, fused):
+    assert attention_module.fused_prefill_wins(*shape, gluon=True) == fused
+
+
+def test_prefill_rule_asks_whether_the_gluon_forward_takes_the_call(monkeypatch):
+    """``_fused_prefill_fills_the_gpu`` on a CUDA device (mocked: 132 SMs): the Gluon rule
+    where ``hopper_forward_takes``, the Triton forward's where it does not."""
+    from fused_rope import _device
+
+    monkeypatch.setattr(_device, "_SMS", {torch.device("cuda", 0): 132})
+    monkeypatch.setattr(attention_module, "num_sms", _device.num_sms)
+    q = torch.empty(1, 32, 256, 128, device="meta")
+    taken = []
+    monkeypatch.setattr(
+        attention_module, "hopper_forward_takes", lambda *a: taken.append(a[2:]) or True
+    )
+
+    def fills(q):
+        cuda_q = type("CudaView", (), {"device": torch.device("cuda", 0), "shape": q.shape})()
+        return attention_module._fused_prefill_fills_the_gpu(cuda_q, q, 128, "interleaved", 0.1)
+
+    assert fills(q)  # 64 programs: the Gluon rule
+    assert taken == [(128, True, 0, 0.1)]
+    monkeypatch.setattr(attention_module, "hopper_forward_takes", lambda *a: False)
+    assert not fills(q)  # the Triton forward's rule: 0.5 a SM
 
 
 @pytest.mark.parametrize("dtype, D", [(torch.float16, 264), (torch.float32, 136)])
@@ -1622,7 +1662,7 @@ def test_a_head_past_int32_indexing_is_refused_by_fused_and_auto_takes_sdpa(
     refused by "fused", and a prefill that "auto" would give the fused kernel (stubbed) runs
     the separate path instead."""
     monkeypatch.setattr(attention_module, "INT32_INDEX_LIMIT", 2000)
-    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: True)
+    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda *a: True)
     q = torch.randn(1, 20, 4, 32, device=DEVICE).transpose(1, 2)  # head span 19 * 128 + 32
     _, k, v = _qkv(nq=20, nk=37)  # head span 37 * 32
     with pytest.raises(ValueError, match="q spans 2464 elements.*int32 indexing"):
@@ -1640,7 +1680,7 @@ def test_rotated_copies_past_int32_indexing_are_refused_by_fused_and_auto_takes_
     elements against a (lowered) limit of 2000, where the inputs span 37 * 40 = 1480. A prefill
     that "auto" would give the fused kernel (stubbed) runs the separate path instead."""
     monkeypatch.setattr(attention_module, "INT32_INDEX_LIMIT", 2000)
-    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda q: True)
+    monkeypatch.setattr(attention_module, "_fused_prefill_fills_the_gpu", lambda *a: True)
     q, k, v = _qkv(nq=20, nk=37, d=40)
     with pytest.raises(ValueError, match="37 rows of 64 elements.*2368, past their int32"):
         rope_attention(q, k, v, impl="fused")
@@ -1878,7 +1918,7 @@ def test_gpu_prefill_both_paths(HQ, HKV, NQ, NK, D, opts, dtype, separate_calls)
     q = torch.empty(2, HQ, NQ, D, device=DEVICE, dtype=dtype)
     k = torch.empty(2, HKV, NK, D, device=DEVICE, dtype=dtype)
     assert attention_module._lower_right_backend(q, k, k) == "flash"
-    fused = attention_module._fused_prefill_fills_the_gpu(q)
+    fused = attention_module._fused_prefill_fills_the_gpu(q, k, D, "half", None)
     assert fused == (NQ == 600), "the case no longer tests the path it was chosen for"
     _check_case(2, HQ, HKV, NQ, NK, D, dtype=dtype, impl="auto", **opts)
     assert len(separate_calls) == (0 if fused else 1), f"auto did not take the {fused=} path"
