@@ -67,7 +67,7 @@ def gluon_rope_attention(q, k, v, inv_freq, *, causal=True):
     d = q.shape[-1]
     min_n, attention_forward.HOPPER_MIN_N = attention_forward.HOPPER_MIN_N, CTA_ROWS
     try:
-        if not attention_forward.hopper_forward_takes(q, k, d, False, 0, d**-0.5):
+        if not attention_forward.hopper_forward_takes(q, k, d, False, d**-0.5):
             raise ValueError(f"the Gluon forward does not take {tuple(q.shape)} {q.dtype} here")
         return rope_attention(q, k, v, inv_freq=inv_freq, causal=causal, impl="fused",
                               return_lse=True)  # fmt: skip
@@ -87,9 +87,10 @@ def triton_rope_attention(q, k, v, inv_freq):
 
 
 def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16, row_step=8,
-                    rotary=None, interleaved=False):  # fmt: skip
+                    rotary=None, interleaved=False, windowed=False):  # fmt: skip
     """The kernel compiled for sm_90a without a GPU: registers, spills, shared memory.
-    ``rotary``: the rotated channels (default all ``d``), ``interleaved`` their layout."""
+    ``rotary``: the rotated channels (default all ``d``), ``interleaved`` their layout;
+    ``windowed``: the sliding-window variant."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -101,9 +102,11 @@ def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig.update(Q=ptr, COS="*fp16", SIN="*fp16", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
                NQ="i32", NK="i32", HQ="i32", HKV="i32", TABLE_OFF="i32", TABLE_STRIDE_B="i32",
-               CAUSAL="constexpr", STAGES="constexpr", OVERLAP="constexpr", ROPE="constexpr",
-               ROTARY="constexpr", INTERLEAVED="constexpr", ROW_STEP="constexpr")  # fmt: skip
-    consts = {("CAUSAL",): causal, ("STAGES",): stages, ("OVERLAP",): overlap, ("ROPE",): rope,
+               WINDOW="i32", CAUSAL="constexpr", WINDOWED="constexpr", STAGES="constexpr",
+               OVERLAP="constexpr", ROPE="constexpr", ROTARY="constexpr", INTERLEAVED="constexpr",
+               ROW_STEP="constexpr")  # fmt: skip
+    consts = {("CAUSAL",): causal, ("WINDOWED",): windowed, ("STAGES",): stages,
+              ("OVERLAP",): overlap, ("ROPE",): rope,
               ("ROTARY",): rotary or d, ("INTERLEAVED",): interleaved,
               ("ROW_STEP",): row_step if rope else 0}  # fmt: skip
     consts = {(list(sig).index(k[0]),): v for k, v in consts.items()}

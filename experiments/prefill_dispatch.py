@@ -82,7 +82,7 @@ def main() -> None:
                 row[f"{mode} fused / separate"] = f"{fused / separate:.2f}"
             q = torch.empty(B, HQ, NQ, D, device="cuda", dtype=torch.float16)
             k = torch.empty(B, HKV, NK, D, device="cuda", dtype=torch.float16)
-            gluon = hopper_forward_takes(q, k, D, False, 0, D**-0.5)
+            gluon = hopper_forward_takes(q, k, D, False, D**-0.5)
             wins = fused_prefill_wins(B, HQ, NQ, sms, D, gluon)
             row["auto takes"] = "fused" if wins else "separate"
             rows.append(row)

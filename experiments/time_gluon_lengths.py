@@ -1,5 +1,6 @@
 """The Gluon forward at lengths it did not take before session 59: N not a multiple of its
-128-row tiles, and prefills that continue a KV cache (NQ < NK, causal at the bottom right).
+128-row tiles, prefills that continue a KV cache (NQ < NK, causal at the bottom right), and
+causal sliding windows.
 
 Inference (no autograd), causal, default positions, one process on one GPU; ms = median GPU
 time of a CUDA graph of calls (``experiments/timing.py``):
@@ -7,7 +8,8 @@ time of a CUDA graph of calls (``experiments/timing.py``):
 * ``fused, Gluon``: ``rope_attention(impl="fused")``, whose forward is the Gluon kernel where
   ``hopper_forward_takes`` holds; ``fused, Triton``: the same with ``GLUON_ENABLED = False``;
 * ``auto``: ``rope_attention``'s own choice; ``separate``: RoPE then PyTorch's SDPA;
-* ``sdpa, no RoPE``: the floor of issue 5 (for a prefill, SDPA's bottom-right mask).
+* ``sdpa, no RoPE``: the floor of issue 5 (for a prefill, SDPA's bottom-right mask); not
+  timed with a window, for which SDPA has no kernel (``bench_window.py`` times that).
 
 The note gives the largest difference between the Gluon and Triton outputs; their accuracy
 against float64 is the tests' job (``tests/fused_rope/test_attention.py::test_gpu_hopper_forward``).
@@ -30,19 +32,22 @@ from experiments.results_io import environment, markdown_table, print_report  # 
 from experiments.timing import time_ms  # noqa: E402
 from fused_rope import attention_forward, rope_attention  # noqa: E402
 
-SHAPES = {  # name: (B, HQ, HKV, NQ, NK, D)
-    "2K-1": (2, 32, 32, 2047, 2047, 128),
-    "2K+72": (2, 32, 32, 2120, 2120, 128),
-    "GQA-4K-100": (2, 32, 8, 3996, 3996, 128),
-    "16K-1": (1, 8, 8, 16383, 16383, 128),
-    "Prefill-4K": (2, 32, 8, 1024, 4096, 128),
-    "Prefill-16K": (1, 32, 8, 2048, 16384, 128),
-    "Prefill-ragged": (2, 32, 8, 1000, 5000, 128),
-    "Prefill-64x8K": (4, 32, 8, 64, 8192, 128),
+SHAPES = {  # name: (B, HQ, HKV, NQ, NK, D, window)
+    "2K-1": (2, 32, 32, 2047, 2047, 128, None),
+    "2K+72": (2, 32, 32, 2120, 2120, 128, None),
+    "GQA-4K-100": (2, 32, 8, 3996, 3996, 128, None),
+    "16K-1": (1, 8, 8, 16383, 16383, 128, None),
+    "Prefill-4K": (2, 32, 8, 1024, 4096, 128, None),
+    "Prefill-16K": (1, 32, 8, 2048, 16384, 128, None),
+    "Prefill-ragged": (2, 32, 8, 1000, 5000, 128, None),
+    "Prefill-64x8K": (4, 32, 8, 64, 8192, 128, None),
+    "Window-8K-1K": (2, 32, 8, 8192, 8192, 128, 1024),
+    "Window-16K-4K": (1, 32, 8, 16384, 16384, 128, 4096),
+    "Window-prefill": (2, 32, 8, 1000, 9000, 128, 2048),
 }
 
 
-def _providers(q, k, v) -> dict:
+def _providers(q, k, v, window) -> dict:
     nq, nk = q.shape[2], k.shape[2]
     mask = causal_lower_right(nq, nk) if nq != nk else None
 
@@ -50,7 +55,7 @@ def _providers(q, k, v) -> dict:
         def run():
             attention_forward.GLUON_ENABLED, old = gluon, attention_forward.GLUON_ENABLED
             try:
-                return rope_attention(q, k, v, impl="fused")
+                return rope_attention(q, k, v, impl="fused", window=window)
             finally:
                 attention_forward.GLUON_ENABLED = old
 
@@ -66,13 +71,17 @@ def _providers(q, k, v) -> dict:
             q, k, v, attn_mask=mask, enable_gqa=gqa
         )
 
-    return {
+    providers = {
         "fused, Gluon": fused(True),
         "fused, Triton": fused(False),
-        "auto": lambda: rope_attention(q, k, v),
-        "separate": lambda: rope_attention(q, k, v, impl="separate"),
-        "sdpa, no RoPE": sdpa,
+        "auto": lambda: rope_attention(q, k, v, window=window),
     }
+    if window is None:
+        providers.update({
+            "separate": lambda: rope_attention(q, k, v, impl="separate"),
+            "sdpa, no RoPE": sdpa,
+        })  # fmt: skip
+    return providers
 
 
 def main() -> None:
@@ -86,22 +95,22 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     rows = []
     for name in args.shapes:
-        b, hq, hkv, nq, nk, d = SHAPES[name]
+        b, hq, hkv, nq, nk, d, window = SHAPES[name]
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=dtype, generator=gen)
         k, v = (torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=gen)
                 for _ in range(2))  # fmt: skip
-        label = f"{name} ({b},{hq}/{hkv},{nq}x{nk},{d})"
+        label = f"{name} ({b},{hq}/{hkv},{nq}x{nk},{d}" + (f", window {window})" if window else ")")
         with torch.no_grad():
-            providers = _providers(q, k, v)
+            providers = _providers(q, k, v, window)
             outputs = {p: providers[p]() for p in ("fused, Gluon", "fused, Triton")}
             diff = (outputs["fused, Gluon"].float() - outputs["fused, Triton"].float()).abs().max()
             times = {p: time_ms(fn)[0] for p, fn in providers.items()}
-        floor = times["sdpa, no RoPE"]
+        floor = times.get("sdpa, no RoPE")
         for provider, ms in times.items():
             rows.append({
                 "shape": label, "dtype": args.dtype, "provider": provider, "ms": ms,
-                "x_floor": ms / floor,
+                "x_floor": ms / floor if floor else None,
                 "note": f"max |Gluon - Triton| {diff:.1e}" if provider == "fused, Gluon" else "",
             })  # fmt: skip
         print(f"{label}: " + ", ".join(f"{p} {t:.4f}" for p, t in times.items()), flush=True)

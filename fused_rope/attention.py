@@ -415,7 +415,7 @@ def _fused_prefill_fills_the_gpu(q, k, rope_dim, layout, softmax_scale) -> bool:
     if q.device.type != "cuda":
         return False
     B, HQ, NQ, D = q.shape
-    gluon = hopper_forward_takes(q, k, rope_dim, layout == "interleaved", 0,
+    gluon = hopper_forward_takes(q, k, rope_dim, layout == "interleaved",
                                  check_softmax_scale(softmax_scale, D))  # fmt: skip
     return fused_prefill_wins(B, HQ, NQ, num_sms(q.device), D, gluon)
 
@@ -451,7 +451,7 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
         and causal
         and q.shape[2] == k.shape[2]  # a prefill (NQ < NK) follows the prefill rule
         and all(rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles"))
-        and hopper_forward_takes(q, k, rope_dim, layout == "interleaved", 0,
+        and hopper_forward_takes(q, k, rope_dim, layout == "interleaved",
                                  check_softmax_scale(softmax_scale, D))
     )  # fmt: skip
 

@@ -251,14 +251,13 @@ def gluon_forward_available(device: torch.device) -> bool:
     )
 
 
-def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, window: int,
-                         softmax_scale: float) -> bool:  # fmt: skip
+def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, softmax_scale: float) -> bool:
     """Whether the Gluon forward takes ``q [B, HQ, NQ, D]``, ``k [B, HKV, NK, D]`` with these
     options (any positions and tables, either layout): fp16/bf16, D in {64, 128}, rotated
     channels whose segments fill the head (``rotated_width``: every channel, or a power of two
     of at least 32 with a power-of-two rest, as 64 of 128), ``NQ <= NK`` (any lengths) with at
-    least ``HOPPER_MIN_N`` keys, no window, the whole softmax scale folded into Q, and a GPU
-    that has it (``gluon_forward_available``)."""
+    least ``HOPPER_MIN_N`` keys, any causal sliding window, the whole softmax scale folded
+    into Q, and a GPU that has it (``gluon_forward_available``)."""
     NQ, D = q.shape[2:]
     return (
         q.numel() > 0  # TMA descriptors of an empty tensor fail before an empty grid is skipped
@@ -267,7 +266,6 @@ def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, window: int,
         and rotated_width(D, rope_dim) == D  # k_rot's rows are D wide, as v's
         and NQ <= k.shape[2]
         and k.shape[2] >= HOPPER_MIN_N
-        and window == 0
         and query_fold(softmax_scale, q.dtype)[1] == 1.0
         and gluon_forward_available(q.device)
     )
@@ -294,14 +292,14 @@ def rope_attention_fwd(
     # k rotated once: the key loop would rotate every key tile once per query tile
     k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
     lse = torch.empty((B, HQ, NQ), device=q.device, dtype=torch.float32)
-    if hopper_forward_takes(q, k, rope_dim, interleaved, window, softmax_scale):
+    if hopper_forward_takes(q, k, rope_dim, interleaved, softmax_scale):
         from fused_rope.attention_forward_hopper import RopeArgs, rope_attention_fwd_hopper
 
         rope = RopeArgs(q_cos, q_sin, lse, q_fold, q_row_off, stride_qtb, rope_dim, interleaved)
         # default positions: table row p holds position p (its first row is position 0 where
         # NQ <= NK, which the Gluon path has)
         range_factor = attention_factor if q_pos is None and attention_factor != 0 else None
-        return rope_attention_fwd_hopper(q, k_rot, v, causal, rope, range_factor), lse
+        return rope_attention_fwd_hopper(q, k_rot, v, causal, rope, range_factor, window), lse
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     grid = lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)
     _rope_attn_fwd_kernel[grid](

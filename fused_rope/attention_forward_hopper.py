@@ -25,7 +25,8 @@ Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128
 layout over every channel, any NQ <= NK (causal: aligned at the bottom right, a prefill that
 continues a KV cache; the descriptors' boxes stop at each head's end, so the tiles past it
 read zeros and their stores are dropped, and the scores past the keys' end are masked), tables
-shared by the batch or one per batch row (positions per batch), no sliding window. Gluon has no interpreter:
+shared by the batch or one per batch row (positions per batch), a causal sliding window (the
+key tiles before a CTA's first window skipped). Gluon has no interpreter:
 this module is imported only on a Hopper GPU, and its tests are GPU-only.
 """
 
@@ -71,7 +72,8 @@ def _as_box(tile):
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-            kv_empty, bh, q_pos, kv_bh, n_tiles, ROPE: gl.constexpr):  # fmt: skip
+            kv_empty, bh, q_pos, kv_bh, j0, n_tiles, ROPE: gl.constexpr):  # fmt: skip
+    """Q's tiles (without RoPE), then key tiles ``j0 .. j0 + n_tiles`` into the ring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -81,42 +83,53 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_
             tma.async_copy_global_to_shared(
                 q_desc, [bh, q_pos + c * ROWS, 0], q_ready.index(c), _as_box(q_smem.index(c))
             )
-    for j in range(n_tiles):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
+    for i in range(n_tiles):
+        s = i % STAGES
+        phase = (i // STAGES) & 1
         # a fresh mbarrier counts as having completed the phase before 0: the first pass
         # through the ring does not wait
         mbarrier.wait(kv_empty.index(s), phase ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            k_desc, [kv_bh, j * BLOCK_N, 0], k_ready.index(s), _as_box(k_smem.index(s))
+            k_desc, [kv_bh, (j0 + i) * BLOCK_N, 0], k_ready.index(s), _as_box(k_smem.index(s))
         )
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            v_desc, [kv_bh, j * BLOCK_N, 0], v_ready.index(s), _as_box(v_smem.index(s))
+            v_desc, [kv_bh, (j0 + i) * BLOCK_N, 0], v_ready.index(s), _as_box(v_smem.index(s))
         )
 
 
 @gluon.jit
-def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, NK, CAUSAL: gl.constexpr,
-                  BLOCK_N: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):  # fmt: skip
+def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, NK, WINDOW,
+                  CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, BLOCK_N: gl.constexpr,
+                  S_L: gl.constexpr, O_L: gl.constexpr):  # fmt: skip
     """Masks the scores of key tile ``j`` (causal: keys past each row's position ``row_pos``,
     the first of them ``first_row``; else keys past ``NK``, which TMA filled with zeros);
     returns P = exp2(qk_scale (S - max)) (fp32, S_L), the updated running max (of the unscaled
     scores) and sum, and the factor (O_L's rows) that rescales the accumulator. ``qk_scale``
     enters each score through one FFMA, as FlashAttention-3 folds it (with RoPE, Q carries the
     fold and ``qk_scale`` is 1). A causal row sees key 0, so every row's max is finite after
-    tile 0 (rows past NQ included: their positions are past NK)."""
+    tile 0 (rows past NQ included: their positions are past NK). ``WINDOWED``: a causal sliding
+    window of ``WINDOW`` keys also masks keys at or before ``row_pos - WINDOW``; its sweep
+    starts at the tile of the first row's window, where a later row may see no key yet, so a
+    max of -inf is taken as 0 (P and the rescale factor 0, not NaN)."""
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_L))
     if CAUSAL:
         if j * BLOCK_N + BLOCK_N - 1 > first_row:  # the tile reaches past the first row's key
             sc = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(row_pos, 1), sc, -float("inf"))
+        if WINDOWED:
+            if j * BLOCK_N <= first_row + row_pos.shape[0] - 1 - WINDOW:  # a window starts after it
+                start = gl.expand_dims(row_pos - WINDOW, 1)  # the last key before the window
+                sc = gl.where(gl.expand_dims(cols, 0) > start, sc, -float("inf"))
     else:
         if j * BLOCK_N + BLOCK_N > NK:  # the last tile, past the keys' end
             sc = gl.where(gl.expand_dims(cols, 0) < NK, sc, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(sc, 1))
-    alpha = gl.exp2((m_i - m_new) * qk_scale)
-    p = gl.exp2(sc * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
+    m_use = m_new
+    if WINDOWED:
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2((m_i - m_use) * qk_scale)
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(m_use * qk_scale, 1))
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
 
@@ -184,10 +197,13 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold, ROTAR
 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, bh, q_pos,
-              n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK, HQ, TABLE_OFF, TABLE_STRIDE_B,
-              CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              ROPE: gl.constexpr, ROTARY: gl.constexpr, INTERLEAVED: gl.constexpr,
+              j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK, HQ, TABLE_OFF,
+              TABLE_STRIDE_B, WINDOW, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOWED: gl.constexpr, OVERLAP: gl.constexpr, ROPE: gl.constexpr,
+              ROTARY: gl.constexpr, INTERLEAVED: gl.constexpr,
               ROW_STEP: gl.constexpr):  # fmt: skip
+    """One warpgroup's 64 query rows over key tiles ``j0 .. j0 + n_tiles`` (ring slot ``i``
+    holds tile ``j0 + i``)."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -227,8 +243,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
         sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)  # fmt: skip
         sc = warpgroup_mma_wait(0, deps=[sc])
-        p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, 0, qk_scale, NK,
-                                           CAUSAL, BLOCK_N, S_L, O_L)  # fmt: skip
+        p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j0, qk_scale, NK,
+                                           WINDOW, CAUSAL, WINDOWED, BLOCK_N, S_L,
+                                           O_L)  # fmt: skip
         for j in range(n_tiles):
             s = j % STAGES
             # the last iteration's scores repeat its own tile (unused): one wgmma a CTA, and no
@@ -242,9 +259,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
             acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
             sc = warpgroup_mma_wait(1, deps=[sc])
             if j + 1 < n_tiles:
-                p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j + 1,
-                                                   qk_scale, NK, CAUSAL, BLOCK_N, S_L,
-                                                   O_L)  # fmt: skip
+                p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j0 + j + 1,
+                                                   qk_scale, NK, WINDOW, CAUSAL, WINDOWED,
+                                                   BLOCK_N, S_L, O_L)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(s), count=1)
             if j + 1 < n_tiles:
@@ -257,8 +274,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
             sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)  # fmt: skip
             sc = warpgroup_mma_wait(0, deps=[sc])
-            p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale,
-                                               NK, CAUSAL, BLOCK_N, S_L, O_L)  # fmt: skip
+            p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, row_pos, first_row, j0 + j,
+                                               qk_scale, NK, WINDOW, CAUSAL, WINDOWED, BLOCK_N,
+                                               S_L, O_L)  # fmt: skip
             acc = acc * alpha
             p16 = gl.convert_layout(p.to(dtype), P_L)
             mbarrier.wait(v_ready.index(s), phase)
@@ -277,8 +295,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 
 @gluon.jit
 def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, NQ,
-                         NK, HQ, HKV, TABLE_OFF, TABLE_STRIDE_B, CAUSAL: gl.constexpr,
-                         STAGES: gl.constexpr, OVERLAP: gl.constexpr, ROPE: gl.constexpr,
+                         NK, HQ, HKV, TABLE_OFF, TABLE_STRIDE_B, WINDOW, CAUSAL: gl.constexpr,
+                         WINDOWED: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                         ROPE: gl.constexpr,
                          ROTARY: gl.constexpr, INTERLEAVED: gl.constexpr,
                          ROW_STEP: gl.constexpr):  # fmt: skip
     """q_desc, o_desc: [B * HQ, NQ, D] in boxes of [1, 64, D]; k_desc, v_desc: [B * HKV, NK, D]
@@ -288,7 +307,9 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     the keys come rotated, Q (the pointer of q_desc's tensor) is rotated in the kernel by rows
     TABLE_OFF + i of COS, SIN [1 | B, rows, D / 2] (batch stride TABLE_STRIDE_B elements, 0
     for one table) times q_fold = softmax_scale * log2(e), qk_scale =
-    1, and LSE [B * HQ * NQ] fp32 takes the natural-log LSE."""
+    1, and LSE [B * HQ * NQ] fp32 takes the natural-log LSE. WINDOWED (causal): query i sees
+    only the WINDOW keys up to its own, and the key tiles before the CTA's first window are
+    not loaded."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -298,8 +319,12 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     bh = gl.program_id(1)
     kv_bh = (bh // HQ) * HKV + (bh % HQ) // (HQ // HKV)
     q_pos = block * 2 * ROWS
+    j0 = 0
     if CAUSAL:  # up to the CTA's last row's key (rows past NQ see no more: NK is the end)
         n_tiles = gl.cdiv(gl.minimum(q_pos + 2 * ROWS + NK - NQ, NK), BLOCK_N)
+        if WINDOWED:  # from the tile of the first row's first key
+            j0 = gl.maximum(q_pos + NK - NQ - WINDOW + 1, 0) // BLOCK_N
+            n_tiles = n_tiles - j0
     else:
         n_tiles = gl.cdiv(NK, BLOCK_N)
 
@@ -324,15 +349,15 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     gl.warp_specialize(
         [
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         bh, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
-                         HQ, TABLE_OFF, TABLE_STRIDE_B, 0, CAUSAL, OVERLAP, ROPE, ROTARY,
-                         INTERLEAVED, ROW_STEP)),
+                         bh, q_pos, j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
+                         HQ, TABLE_OFF, TABLE_STRIDE_B, WINDOW, 0, CAUSAL, WINDOWED, OVERLAP,
+                         ROPE, ROTARY, INTERLEAVED, ROW_STEP)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         bh, q_pos, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
-                         HQ, TABLE_OFF, TABLE_STRIDE_B, 1, CAUSAL, OVERLAP, ROPE, ROTARY,
-                         INTERLEAVED, ROW_STEP)),
+                         bh, q_pos, j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
+                         HQ, TABLE_OFF, TABLE_STRIDE_B, WINDOW, 1, CAUSAL, WINDOWED, OVERLAP,
+                         ROPE, ROTARY, INTERLEAVED, ROW_STEP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                       kv_empty, bh, q_pos, kv_bh, n_tiles, ROPE)),
+                       kv_empty, bh, q_pos, kv_bh, j0, n_tiles, ROPE)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
@@ -356,19 +381,22 @@ def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
 
 
 def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAGES,
-           overlap: bool = True, row_step: int = 0) -> torch.Tensor:  # fmt: skip
+           overlap: bool = True, row_step: int = 0, window: int = 0) -> torch.Tensor:  # fmt: skip
     """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, NQ, D]``, ``k, v [B, HKV, NK,
     D]``, ``NQ <= NK``; returns ``o`` like q. ``rope``: None, or a ``RopeArgs`` for the RoPE
-    variant; ``row_step``: ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only)."""
+    variant; ``row_step``: ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only); ``window``: a
+    causal sliding window of that many keys (0: none)."""
     if row_step and (rope is None or ROWS % row_step):
         raise ValueError(f"row_step must divide {ROWS} and comes with rope, got {row_step}")
+    if window and not causal:
+        raise ValueError(f"a window needs causal attention, got window={window}, causal=False")
     B, HQ, NQ, D = q.shape
     o = torch.empty_like(q)
     r = rope or RopeArgs(q, q, q, 1.0, rotary=D)
     attention_fwd_kernel[(cdiv(NQ, CTA_ROWS), B * HQ)](
         *descriptors(q, k, v, o), q, r.cos, r.sin, r.lse, qk_scale, r.q_fold, NQ, k.shape[2], HQ,
-        k.shape[1], r.table_off, r.table_stride_b, causal, stages, overlap, rope is not None,
-        r.rotary, r.interleaved, row_step, num_warps=4, maxnreg=MAXNREG,
+        k.shape[1], r.table_off, r.table_stride_b, window, causal, window > 0, stages, overlap,
+        rope is not None, r.rotary, r.interleaved, row_step, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return o
 
@@ -390,14 +418,16 @@ class RopeArgs(NamedTuple):
 
 
 def rope_attention_fwd_hopper(q, k_rot, v, causal: bool, rope: RopeArgs,
-                              range_factor: float | None = None) -> torch.Tensor:  # fmt: skip
+                              range_factor: float | None = None,
+                              window: int = 0) -> torch.Tensor:  # fmt: skip
     """The fused forward of ``rope_attention_fwd`` where ``hopper_forward_takes`` holds:
     ``q [B, HQ, NQ, D]``, ``k_rot`` (k rotated, ``_rotated_segments``, whose rows are then ``D``
     wide) and ``v [B, HKV, NK, D]``; ``rope`` the tables of ``_rope_tables`` and their
     indexing, Q's whole fold (``query_fold``: the scores take no other scale) and ``lse [B,
     HQ, NQ]`` to fill; ``range_factor``: the tables' attention factor where their row ``p``
     holds position ``p``'s angles (the default positions), which lets Q's cos and sin come from
-    fewer rows (``_rotate_q_tile``); None for any other tables.
+    fewer rows (``_rotate_q_tile``); None for any other tables; ``window``: a causal sliding
+    window of that many keys (0: none).
     Returns ``o [B, HQ, NQ, D]`` in q's dtype (and fills ``rope.lse``, natural log)."""
     # TMA takes 16-byte aligned rows; a contiguous view at an odd storage offset is copied
     q, v = (
@@ -409,4 +439,4 @@ def rope_attention_fwd_hopper(q, k_rot, v, causal: bool, rope: RopeArgs,
     row_step = ROW_STEP if range_factor is not None else 0
     if row_step:  # each cos and sin is then a product of two table entries: one factor too many
         rope = rope._replace(q_fold=rope.q_fold / range_factor)
-    return launch(q, k_rot, v, causal, 1.0, rope, row_step=row_step)
+    return launch(q, k_rot, v, causal, 1.0, rope, row_step=row_step, window=window)

@@ -1276,8 +1276,8 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
     q, k = torch.empty(1, 4, 2048, 128, dtype=torch.float16), torch.empty(1, 2, 2048, 128)
     k = k.half()
 
-    def takes(q=q, k=k, rope_dim=128, interleaved=False, window=0, scale=128**-0.5):
-        return attention_forward.hopper_forward_takes(q, k, rope_dim, interleaved, window, scale)
+    def takes(q=q, k=k, rope_dim=128, interleaved=False, scale=128**-0.5):
+        return attention_forward.hopper_forward_takes(q, k, rope_dim, interleaved, scale)
 
     assert takes()
     assert takes(q=q.bfloat16(), k=k.bfloat16())
@@ -1290,7 +1290,6 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
     assert not takes(rope_dim=96)
     assert takes(interleaved=True)
     assert takes(interleaved=True, rope_dim=64)
-    assert not takes(window=64)
     assert not takes(k=k[:, :, :128])  # NQ > NK: rows that see no key
     assert takes(q=q[:, :, :1])  # NQ < NK, any length: a prefill that continues a cache
     assert takes(q=q[:, :, :1000])
@@ -1356,6 +1355,10 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         (2, 4, 4, 256, 256, 64, torch.float16, dict(layout="interleaved")),
         (1, 4, 1, 200, 400, 128, torch.float16, dict(layout="interleaved", rope_dim=64)),
         (1, 4, 2, 256, 256, 64, torch.bfloat16, dict(rope_dim=32, causal=False)),
+        (1, 4, 2, 700, 700, 128, torch.float16, dict(window=100)),
+        (2, 4, 1, 200, 900, 64, torch.bfloat16, dict(window=64)),
+        (1, 4, 4, 300, 300, 64, torch.float16, dict(window=1)),
+        (1, 4, 2, 520, 520, 128, torch.bfloat16, dict(window=200, positions="batch")),
     ],
     ids=[
         "GQA4-fp16-D128",
@@ -1376,6 +1379,10 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         "interleaved",
         "interleaved-partial-prefill",
         "partial-32of64-nomask",
+        "window-100",
+        "prefill-window-64",
+        "window-1",
+        "window-200-batch-positions",
     ],  # fmt: skip
 )
 def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
@@ -1384,7 +1391,8 @@ def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
     query positions give q and k different tables (q rotated in the kernel by its own, k by
     the pass), positions per batch a table row per batch row; partial rotation (the
     pass-through channels times the fold alone) and the interleaved layout (q's pairs read
-    apart into the keys' segment layout). Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
+    apart into the keys' segment layout); sliding windows (rows of the later warpgroup whose
+    first key tiles are all outside their window, a window of one key). Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
     warpgroup with none, key tiles past NK), and NQ < NK (causal at the bottom right, the
     table's rows from NK - NQ on)."""
     calls = _hopper_calls(monkeypatch)
@@ -1396,10 +1404,9 @@ def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
 @NEEDS_GLUON
 def test_gpu_hopper_forward_leaves_what_it_lacks_to_triton(monkeypatch):
     """Partial rotation whose segments do not fill the head (32 of 128 channels: 16 + 16 +
-    128 wide) and a sliding window take the Triton forward, still correct."""
+    128 wide) takes the Triton forward, still correct."""
     calls = _hopper_calls(monkeypatch)
     _check_case(2, 4, 2, 256, 256, 128, dtype=torch.bfloat16, rope_dim=32)
-    _check_case(1, 4, 2, 300, 300, 128, dtype=torch.float16, window=100)
     assert not calls
 
 
@@ -1620,7 +1627,7 @@ def test_prefill_rule_asks_whether_the_gluon_forward_takes_the_call(monkeypatch)
         return attention_module._fused_prefill_fills_the_gpu(cuda_q, q, 128, "interleaved", 0.1)
 
     assert fills(q)  # 64 programs: the Gluon rule
-    assert taken == [(128, True, 0, 0.1)]
+    assert taken == [(128, True, 0.1)]
     monkeypatch.setattr(attention_module, "hopper_forward_takes", lambda *a: False)
     assert not fills(q)  # the Triton forward's rule: 0.5 a SM
 
