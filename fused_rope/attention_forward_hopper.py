@@ -21,8 +21,8 @@ issues the next tile's ``Q K^T`` before this tile's softmax (FlashAttention-3's
 intra-warpgroup pipelining). The kernel writes the natural-log LSE that the Triton backward
 (``attention_backward.py``) takes, so training pairs this forward with that backward.
 
-Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128}, the "half"
-layout over every channel, any NQ <= NK (causal: aligned at the bottom right, a prefill that
+Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128}, either
+layout, every channel rotated or a partial rotation whose segments fill the head, any NQ <= NK (causal: aligned at the bottom right, a prefill that
 continues a KV cache; the descriptors' boxes stop at each head's end, so the tiles past it
 read zeros and their stores are dropped, and the scores past the keys' end are masked), tables
 shared by the batch or one per batch row (positions per batch), a causal sliding window (the
@@ -135,10 +135,12 @@ def _softmax_step(sc, m_i, l_i, row_pos, first_row, j, qk_scale, NK, WINDOW,
 
 
 @gluon.jit
-def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold, ROTARY: gl.constexpr,
+def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold, rot_fold,
+                   ROTARY: gl.constexpr,
                    INTERLEAVED: gl.constexpr, ROW_STEP: gl.constexpr):  # fmt: skip
     """Rows ``row .. row + ROWS`` of ``Q [B * HQ * NQ, D]`` rotated by the tables ``COS, SIN
-    [rows, ROTARY / 2]`` at rows ``first_pos ..``, times ``q_fold``, into ``q_smem [ROWS, D]``
+    [rows, ROTARY / 2]`` at rows ``first_pos ..`` times ``rot_fold`` (the pass-through channels
+    times ``q_fold``), into ``q_smem [ROWS, D]``
     in the segment layout of the rotated keys (``_rotated_segments``): the pairs' first
     channels, their second channels, then the ``D - ROTARY`` pass-through channels (each a
     power of two). A pair is channels ``(d, d + ROTARY / 2)`` of q ("half" layout) or ``(2 d,
@@ -146,7 +148,7 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold, ROTAR
     ``rows_left`` on are past the sequence's end: zeros, neither Q nor the tables read.
 
     ``ROW_STEP = 0``: each row's cos and sin read from its own table row. ``ROW_STEP = s > 0``
-    (tables whose row ``p`` holds position ``p``'s angles times one factor, which ``q_fold``
+    (tables whose row ``p`` holds position ``p``'s angles times one factor, which ``rot_fold``
     then divides out): row ``p = b + t`` (``b`` a multiple of ``s``, ``t < s``) from rows ``b``
     and ``t`` by the angle-addition formulas, in fp32. A CTA then reads ``ROWS / s`` rows of
     the tables plus ``s`` rows every CTA shares (cached), not ``ROWS``: at the start of a CTA
@@ -183,8 +185,8 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold, ROTAR
         sin_t = gl.load(SIN + step, mask=valid, other=0.0).to(gl.float32)
         cos = cos_b * cos_t - sin_b * sin_t
         sin = sin_b * cos_t + cos_b * sin_t
-    cos = cos * q_fold
-    sin = sin * q_fold
+    cos = cos * rot_fold
+    sin = sin * rot_fold
     q_smem.slice(0, HALF, dim=1).store((x1 * cos - x2 * sin).to(q_smem.dtype))
     q_smem.slice(HALF, HALF, dim=1).store((x2 * cos + x1 * sin).to(q_smem.dtype))
     if ROTARY < HEAD_DIM:  # the pass-through channels: the fold alone
@@ -197,7 +199,7 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold, ROTAR
 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, bh, q_pos,
-              j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK, HQ, TABLE_OFF,
+              j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, rot_fold, NQ, NK, HQ, TABLE_OFF,
               TABLE_STRIDE_B, WINDOW, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOWED: gl.constexpr, OVERLAP: gl.constexpr, ROPE: gl.constexpr,
               ROTARY: gl.constexpr, INTERLEAVED: gl.constexpr,
@@ -231,7 +233,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
     if ROPE:
         batch_table = (bh // HQ).to(gl.int64) * TABLE_STRIDE_B  # 0 for one shared table
         _rotate_q_tile(q, Q, COS + batch_table, SIN + batch_table, bh * NQ + first_q,
-                       NQ - first_q, TABLE_OFF + first_q, q_fold, ROTARY, INTERLEAVED,
+                       NQ - first_q, TABLE_OFF + first_q, q_fold, rot_fold, ROTARY, INTERLEAVED,
                        ROW_STEP)  # fmt: skip
     else:
         mbarrier.wait(q_ready.index(CONSUMER), 0)
@@ -294,7 +296,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 
 
 @gluon.jit
-def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold, NQ,
+def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold,
+                         rot_fold, NQ,
                          NK, HQ, HKV, TABLE_OFF, TABLE_STRIDE_B, WINDOW, CAUSAL: gl.constexpr,
                          WINDOWED: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
                          ROPE: gl.constexpr,
@@ -305,8 +308,9 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     bottom right (query i at key position NK - NQ + i). Grid (cdiv(NQ, 128), B * HQ). Without
     ROPE: qk_scale = softmax_scale * log2(e); Q, COS, SIN, LSE, TABLE_* unused. With ROPE:
     the keys come rotated, Q (the pointer of q_desc's tensor) is rotated in the kernel by rows
-    TABLE_OFF + i of COS, SIN [1 | B, rows, D / 2] (batch stride TABLE_STRIDE_B elements, 0
-    for one table) times q_fold = softmax_scale * log2(e), qk_scale =
+    TABLE_OFF + i of COS, SIN [1 | B, rows, ROTARY / 2] (batch stride TABLE_STRIDE_B elements,
+    0 for one table) times rot_fold (its pass-through channels times q_fold = softmax_scale *
+    log2(e); rot_fold is q_fold over the tables' factor with ROW_STEP, else q_fold), qk_scale =
     1, and LSE [B * HQ * NQ] fp32 takes the natural-log LSE. WINDOWED (causal): query i sees
     only the WINDOW keys up to its own, and the key tiles before the CTA's first window are
     not loaded."""
@@ -349,11 +353,13 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     gl.warp_specialize(
         [
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         bh, q_pos, j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
+                         bh, q_pos, j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, rot_fold,
+                         NQ, NK,
                          HQ, TABLE_OFF, TABLE_STRIDE_B, WINDOW, 0, CAUSAL, WINDOWED, OVERLAP,
                          ROPE, ROTARY, INTERLEAVED, ROW_STEP)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         bh, q_pos, j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, NQ, NK,
+                         bh, q_pos, j0, n_tiles, qk_scale, Q, COS, SIN, LSE, q_fold, rot_fold,
+                         NQ, NK,
                          HQ, TABLE_OFF, TABLE_STRIDE_B, WINDOW, 1, CAUSAL, WINDOWED, OVERLAP,
                          ROPE, ROTARY, INTERLEAVED, ROW_STEP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
@@ -394,7 +400,8 @@ def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAG
     o = torch.empty_like(q)
     r = rope or RopeArgs(q, q, q, 1.0, rotary=D)
     attention_fwd_kernel[(cdiv(NQ, CTA_ROWS), B * HQ)](
-        *descriptors(q, k, v, o), q, r.cos, r.sin, r.lse, qk_scale, r.q_fold, NQ, k.shape[2], HQ,
+        *descriptors(q, k, v, o), q, r.cos, r.sin, r.lse, qk_scale, r.q_fold,
+        r.q_fold / r.range_factor, NQ, k.shape[2], HQ,
         k.shape[1], r.table_off, r.table_stride_b, window, causal, window > 0, stages, overlap,
         rope is not None, r.rotary, r.interleaved, row_step, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
@@ -405,7 +412,9 @@ class RopeArgs(NamedTuple):
     """The RoPE variant's arguments of ``attention_fwd_kernel``: the tables ``cos, sin [1 | B,
     rows, rotary / 2]`` (row ``table_off + i`` of batch row ``b`` holds query ``i``'s angles;
     ``table_stride_b`` their batch stride, 0 for one batch row), ``lse [B, HQ, NQ]`` fp32 to
-    fill, Q's fold ``q_fold``, the rotated channels ``rotary`` and their layout."""
+    fill, Q's fold ``q_fold``, the rotated channels ``rotary`` and their layout, and
+    ``range_factor``: the tables' factor that Q's cos and sin by angle addition (``ROW_STEP``)
+    carry twice, divided out of the rotated channels' fold (1 without)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -415,6 +424,7 @@ class RopeArgs(NamedTuple):
     table_stride_b: int = 0
     rotary: int = 128
     interleaved: bool = False
+    range_factor: float = 1.0
 
 
 def rope_attention_fwd_hopper(q, k_rot, v, causal: bool, rope: RopeArgs,
@@ -438,5 +448,5 @@ def rope_attention_fwd_hopper(q, k_rot, v, causal: bool, rope: RopeArgs,
     )
     row_step = ROW_STEP if range_factor is not None else 0
     if row_step:  # each cos and sin is then a product of two table entries: one factor too many
-        rope = rope._replace(q_fold=rope.q_fold / range_factor)
+        rope = rope._replace(range_factor=range_factor)
     return launch(q, k_rot, v, causal, 1.0, rope, row_step=row_step, window=window)

@@ -1351,7 +1351,7 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         (1, 4, 2, 63, 1000, 128, torch.bfloat16, dict(positions="shared", q_positions=True)),
         (2, 4, 2, 256, 256, 64, torch.bfloat16, dict(positions="batch")),
         (3, 4, 1, 100, 300, 128, torch.float16, dict(positions="batch", q_positions=True)),
-        (1, 4, 2, 300, 300, 128, torch.bfloat16, dict(rope_dim=64)),
+        (1, 4, 2, 300, 300, 128, torch.bfloat16, dict(rope_dim=64, attention_factor=1.19)),
         (2, 4, 4, 256, 256, 64, torch.float16, dict(layout="interleaved")),
         (1, 4, 1, 200, 400, 128, torch.float16, dict(layout="interleaved", rope_dim=64)),
         (1, 4, 2, 256, 256, 64, torch.bfloat16, dict(rope_dim=32, causal=False)),
@@ -1375,7 +1375,7 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         "prefill-query-positions",
         "batch-positions",
         "prefill-batch-positions",
-        "partial-64of128",
+        "partial-64of128-factor",
         "interleaved",
         "interleaved-partial-prefill",
         "partial-32of64-nomask",
@@ -1390,7 +1390,8 @@ def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
     every gradient by the flash-attention rule; the spy proves the Gluon kernel ran. The
     query positions give q and k different tables (q rotated in the kernel by its own, k by
     the pass), positions per batch a table row per batch row; partial rotation (the
-    pass-through channels times the fold alone) and the interleaved layout (q's pairs read
+    pass-through channels times the fold alone, also where Q's cos and sin carry the attention
+    factor twice by angle addition) and the interleaved layout (q's pairs read
     apart into the keys' segment layout); sliding windows (rows of the later warpgroup whose
     first key tiles are all outside their window, a window of one key). Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
     warpgroup with none, key tiles past NK), and NQ < NK (causal at the bottom right, the
