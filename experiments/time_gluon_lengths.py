@@ -116,7 +116,7 @@ def main() -> None:
         print(f"{label}: " + ", ".join(f"{p} {t:.4f}" for p, t in times.items()), flush=True)
     env = environment()
     text = (
-        "# The Gluon forward at ragged lengths and prefills\n\n"
+        "# The Gluon forward at ragged lengths, prefills and sliding windows\n\n"
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}; "
         "causal inference, ms = median GPU time (CUDA graph), x_floor = ms / SDPA without "
         "RoPE.\n\n" + markdown_table(rows, ["shape", "dtype", "provider", "ms", "x_floor", "note"])

@@ -415,9 +415,16 @@ def _fused_prefill_fills_the_gpu(q, k, rope_dim, layout, softmax_scale) -> bool:
     if q.device.type != "cuda":
         return False
     B, HQ, NQ, D = q.shape
-    gluon = hopper_forward_takes(q, k, rope_dim, layout == "interleaved",
-                                 check_softmax_scale(softmax_scale, D))  # fmt: skip
+    gluon = _gluon_forward_takes(q, k, rope_dim, layout, softmax_scale)
     return fused_prefill_wins(B, HQ, NQ, num_sms(q.device), D, gluon)
+
+
+def _gluon_forward_takes(q, k, rope_dim, layout, softmax_scale) -> bool:
+    """``hopper_forward_takes`` for ``rope_attention``'s arguments (``softmax_scale`` None:
+    the default)."""
+    interleaved = layout == "interleaved"
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    return hopper_forward_takes(q, k, rope_dim, interleaved, scale)
 
 
 def _sdpa_is_slowed_by_determinism(q: torch.Tensor) -> bool:
@@ -445,15 +452,15 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
     the fused one (1.35-1.48x forward+backward). So the path depends on grad mode: under a
     reentrant ``torch.utils.checkpoint`` the forward (no grad) takes this one and its
     recomputation the separate path, whose outputs differ by rounding."""
-    D = q.shape[-1]
     return (
         not needs_autograd(q, k, v, *rotation.values())
         and causal
         and q.shape[2] == k.shape[2]  # a prefill (NQ < NK) follows the prefill rule
-        and all(rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles"))
-        and hopper_forward_takes(q, k, rope_dim, layout == "interleaved",
-                                 check_softmax_scale(softmax_scale, D))
-    )  # fmt: skip
+        and all(
+            rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles")
+        )
+        and _gluon_forward_takes(q, k, rope_dim, layout, softmax_scale)
+    )
 
 
 def _rope_then_sdpa(

@@ -22,12 +22,12 @@ intra-warpgroup pipelining). The kernel writes the natural-log LSE that the Trit
 (``attention_backward.py``) takes, so training pairs this forward with that backward.
 
 Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128}, either
-layout, every channel rotated or a partial rotation whose segments fill the head, any NQ <= NK (causal: aligned at the bottom right, a prefill that
-continues a KV cache; the descriptors' boxes stop at each head's end, so the tiles past it
-read zeros and their stores are dropped, and the scores past the keys' end are masked), tables
-shared by the batch or one per batch row (positions per batch), a causal sliding window (the
-key tiles before a CTA's first window skipped). Gluon has no interpreter:
-this module is imported only on a Hopper GPU, and its tests are GPU-only.
+layout, every channel rotated or a partial rotation whose segments fill the head, any NQ <= NK
+(causal: aligned at the bottom right, a prefill that continues a KV cache; the descriptors'
+boxes stop at each head's end, so the tiles past it read zeros and their stores are dropped,
+and the scores past the keys' end are masked), tables shared by the batch or one per batch row
+(positions per batch), a causal sliding window (the key tiles before a CTA's first window
+skipped). Gluon has no interpreter: this module is imported only on a Hopper GPU, and its tests are GPU-only.
 """
 
 from __future__ import annotations
