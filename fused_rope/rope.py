@@ -35,6 +35,7 @@ from fused_rope._validation import (
     check_rope_dim,
     check_same_device,
     check_scale,
+    checked,
     interpreting,
     may_overlap,
     needs_autograd,
@@ -588,6 +589,112 @@ class _RopeFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------
+# Checks: the public functions' and, for calls through torch.ops, the custom ops'
+# --------------------------------------------------------------------------------------------
+
+
+def _check_rotated_tensors(q, k, *, q_name: str = "q", unit_stride: bool = True) -> int:
+    """``q`` ``[B, HQ, NQ, D]`` (named ``q_name``) and ``k`` ``[B, HK, N, D]`` (or None): 4-d
+    tensors of ``KERNEL_DTYPES``, one dtype, ``NQ <= N``; with ``unit_stride`` a contiguous
+    last dimension (the public functions' contract; the ops copy one that is not, except the
+    in-place op, which cannot). Returns the positions' count ``N`` (q's ``NQ`` without k)."""
+    for name, x in ((q_name, q), ("k", k)):
+        if x is None:
+            continue
+        check_float_tensor(x, name, ndim=4, dtypes=KERNEL_DTYPES)
+        if unit_stride and x.stride(-1) != 1 and x.shape[-1] > 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dimension (stride 1), got strides "
+                f"{x.stride()} for shape {tuple(x.shape)}; call .contiguous() first"
+            )
+    if k is None:
+        return q.shape[2]
+    if (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3]) or q.shape[2] > k.shape[2]:
+        raise ValueError(
+            f"k must match q in batch and head dim and have at least q's length (q's rows "
+            f"take k's last positions), got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    return k.shape[2]
+
+
+def _check_angle_operand(t, name: str, batch: int, seq_len: int, rope_dim: int) -> None:
+    """The kernels' angle argument ``t``: ``angles`` ``[N, R/2]`` or ``[1 | B, N, R/2]``, or
+    ``inv_freq`` ``[R/2]`` (``name`` says which), fp32."""
+    if name == "angles":
+        check_angles(t, batch, seq_len, rope_dim)
+    else:
+        check_inv_freq(t, rope_dim)
+    if t.dtype != torch.float32:
+        raise TypeError(
+            f"{name} must be float32 (the kernel's; in half precision, far positions are off by "
+            f"whole radians), got {t.dtype}: pass {name}.float()"
+        )
+
+
+def _check_rotation_op(q, k, angles, layout, rope_dim, offset, *, in_place=False) -> None:
+    """What the rotation kernel indexes by, checked in the rotation ops' bodies: a call
+    through ``torch.ops`` (``torch.ops.fused_rope.rope``, ``rope_qk``, ``rope_``) skips the
+    public functions' checks, and a short ``angles`` or a ``k`` shorter than ``q`` would be
+    read past its end. ``angles``: a table (2 or 3 dimensions) or ``inv_freq`` (1). The
+    in-place op (``in_place``) also needs a contiguous last dimension and elements that do
+    not share memory."""
+    n = _check_rotated_tensors(q, k, q_name="q" if k is not None else "x", unit_stride=in_place)
+    check_layout(layout)
+    R = check_rope_dim(rope_dim, q.shape[-1])
+    check_float_tensor(angles, "angles")
+    table = angles.dim() > 1
+    _check_position_offset(offset, angles if table else None, n)
+    _check_angle_operand(angles, "angles" if table else "inv_freq", q.shape[0], n, R)
+    check_same_device(q=q, k=k, angles=angles)
+    if in_place and may_overlap(q):
+        raise ValueError(
+            f"x's elements share memory (strides {q.stride()} for shape {tuple(q.shape)}): "
+            "an in-place rotation would write them twice"
+        )
+
+
+def _check_rope_op(x, angles, layout, rope_dim, scale, rotary_scale, conjugate, offset):
+    _check_rotation_op(x, None, angles, layout, rope_dim, offset)
+
+
+def _check_rope_qk_op(q, k, angles, layout, rope_dim, q_scale, k_scale, rotary_scale, conjugate,
+                      offset):  # fmt: skip
+    _check_rotation_op(q, k, angles, layout, rope_dim, offset)
+
+
+def _check_rope_inplace_op(x, angles, layout, rope_dim, scale, rotary_scale, offset):
+    _check_rotation_op(x, None, angles, layout, rope_dim, offset, in_place=True)
+
+
+def _check_position_offset(position_offset, angles, seq_len: int):
+    """``position_offset`` as an int (numpy's too; a SymInt as it is), checked: 0 with an angle
+    table (whose rows are the positions), else >= 0 and, when not 0, keeping inv_freq's
+    positions below 2**24 (fp32 holds them exactly there; offset 0 keeps its earlier contract,
+    positions ``0..N-1`` whatever N)."""
+    integral = isinstance(position_offset, (numbers.Integral, torch.SymInt))
+    if isinstance(position_offset, bool) or not integral:
+        raise TypeError(f"position_offset must be an int, got {type(position_offset).__name__}")
+    if isinstance(position_offset, numbers.Integral):
+        position_offset = int(position_offset)
+    if position_offset == 0:
+        return position_offset
+    if angles is not None:
+        raise ValueError(
+            "position_offset shifts inv_freq's positions; with an angle table, pass the "
+            f"table's rows for the input's positions instead (got position_offset="
+            f"{position_offset} and angles)"
+        )
+    if position_offset < 0 or position_offset + seq_len > 2**24:
+        raise ValueError(
+            f"position_offset must be >= 0 with position_offset + N <= 2**24 (fp32 positions "
+            f"are exact below it), got {position_offset} with N={seq_len}"
+        )
+    return position_offset
+
+
+# --------------------------------------------------------------------------------------------
 # Custom ops, what torch.compile traces (fullgraph), autograd registered. No device type is
 # given, so the ops run on CUDA and, through the interpreter, on the CPU.
 #
@@ -608,6 +715,7 @@ TRACEABLE_KERNEL = not interpreting()
 
 @torch.library.custom_op("fused_rope::rope", mutates_args=())
 @on_input_device
+@checked(_check_rope_op)
 def _rope_op(
     x: torch.Tensor,
     angles: torch.Tensor,
@@ -654,6 +762,7 @@ _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
     "fused_rope::rope_qk", mutates_args=()
 )
 @on_input_device
+@checked(_check_rope_qk_op)
 def _rope_qk_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -705,6 +814,7 @@ _rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_rope_qk_setup)
 
 @torch.library.custom_op("fused_rope::rope_", mutates_args=("x",))
 @on_input_device
+@checked(_check_rope_inplace_op)
 def _rope_inplace_op(
     x: torch.Tensor,
     angles: torch.Tensor,
@@ -726,41 +836,6 @@ def _(x, angles, layout, rope_dim, scale, rotary_scale, offset):
 # --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
-
-
-def _check_kernel_tensor(x, name: str) -> None:
-    check_float_tensor(x, name, ndim=4, dtypes=KERNEL_DTYPES)
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        raise ValueError(
-            f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()} "
-            f"for shape {tuple(x.shape)}; call .contiguous() first"
-        )
-
-
-def _check_position_offset(position_offset, angles, seq_len: int):
-    """``position_offset`` as an int (numpy's too; a SymInt as it is), checked: 0 with an angle
-    table (whose rows are the positions), else >= 0 and, when not 0, keeping inv_freq's
-    positions below 2**24 (fp32 holds them exactly there; offset 0 keeps its earlier contract,
-    positions ``0..N-1`` whatever N)."""
-    integral = isinstance(position_offset, (numbers.Integral, torch.SymInt))
-    if isinstance(position_offset, bool) or not integral:
-        raise TypeError(f"position_offset must be an int, got {type(position_offset).__name__}")
-    if isinstance(position_offset, numbers.Integral):
-        position_offset = int(position_offset)
-    if position_offset == 0:
-        return position_offset
-    if angles is not None:
-        raise ValueError(
-            "position_offset shifts inv_freq's positions; with an angle table, pass the "
-            f"table's rows for the input's positions instead (got position_offset="
-            f"{position_offset} and angles)"
-        )
-    if position_offset < 0 or position_offset + seq_len > 2**24:
-        raise ValueError(
-            f"position_offset must be >= 0 with position_offset + N <= 2**24 (fp32 positions "
-            f"are exact below it), got {position_offset} with N={seq_len}"
-        )
-    return position_offset
 
 
 def _dispatch_rotation(q, k, angles, layout: str, R: int, scales: tuple[float, float, float],
@@ -792,15 +867,7 @@ def _kernel_angles(angles, inv_freq, batch: int, seq_len: int, rope_dim: int, **
         given = "both" if angles is not None else "neither"
         raise ValueError(f"pass exactly one of angles and inv_freq, got {given}")
     name, t = ("angles", angles) if angles is not None else ("inv_freq", inv_freq)
-    if angles is not None:
-        check_angles(angles, batch, seq_len, rope_dim)
-    else:
-        check_inv_freq(inv_freq, rope_dim)
-    if t.dtype != torch.float32:
-        raise TypeError(
-            f"{name} must be float32 (the kernel's; in half precision, far positions are off by "
-            f"whole radians), got {t.dtype}: pass {name}.float()"
-        )
+    _check_angle_operand(t, name, batch, seq_len, rope_dim)
     # the reference has forward-mode derivatives; inv_freq reaches it through rope_angles
     reference = "fused_rope.naive.apply_rope_ref" + (
         "" if angles is not None else "(x, fused_rope.rope_angles(positions, inv_freq))"
@@ -863,9 +930,9 @@ def apply_rope(
         Differentiable in ``x`` (backward: the same kernel rotating by ``-angles``) and in
         ``angles`` or ``inv_freq``, unless ``inplace``.
     """
-    _check_kernel_tensor(x, "x")
+    N = _check_rotated_tensors(x, None, q_name="x")
     check_layout(layout)
-    B, _, N, D = x.shape
+    B, _, _, D = x.shape
     R = check_rope_dim(rope_dim, D)
     position_offset = _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, x=x)
@@ -951,18 +1018,9 @@ def apply_rope_qk(
         ``(q_out [B, HQ, NQ, D], k_out [B, HK, N, D])``, dtypes and strides as ``apply_rope``;
         differentiable in q, k and ``angles`` or ``inv_freq``.
     """
-    _check_kernel_tensor(q, "q")
-    _check_kernel_tensor(k, "k")
+    N = _check_rotated_tensors(q, k)
     check_layout(layout)
-    B, _, NQ, D = q.shape
-    N = k.shape[2]
-    if (k.shape[0], k.shape[3]) != (B, D) or NQ > N:
-        raise ValueError(
-            f"k must match q in batch and head dim and have at least q's length (q's rows "
-            f"take k's last positions), got q {tuple(q.shape)} and k {tuple(k.shape)}"
-        )
-    if k.dtype != q.dtype:
-        raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    B, _, _, D = q.shape
     R = check_rope_dim(rope_dim, D)
     position_offset = _check_position_offset(position_offset, angles, N)
     angles = _kernel_angles(angles, inv_freq, B, N, R, q=q, k=k)

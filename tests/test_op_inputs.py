@@ -1,7 +1,8 @@
 """The attention custom ops check their tensors when called directly through ``torch.ops``.
 
-The public functions validate their arguments, but ``torch.ops.fused_rope.rope_attention_fwd``
-and the other ops are reachable on their own, and their kernels index by the shapes they are
+The public functions validate their arguments, but ``torch.ops.fused_rope.rope_attention_fwd``,
+the rotation ops (``torch.ops.fused_rope.rope``, ``rope_qk``, ``rope_``) and the others are
+reachable on their own, and their kernels index by the shapes they are
 given: before these checks a ``v`` with fewer keys than ``k``, or a short ``inv_freq``, ran and
 read past the tensor's end. Each bad call must raise ``ValueError``/``TypeError`` naming the
 argument before any kernel runs (so these tests need neither a GPU nor the interpreter); the
@@ -17,6 +18,7 @@ import corope  # noqa: F401 - registers the corope ops
 import fused_rope  # noqa: F401 - registers the fused_rope ops
 from corope import attention as corope_attention_module
 from fused_rope import attention as attention_module
+from fused_rope import rope as rope_module
 
 B, HQ, HKV, N, D, R = 1, 4, 2, 8, 32, 32
 
@@ -206,3 +208,81 @@ def test_fused_ops_checks_refuse_more_programs_than_a_grid_axis_holds():
     args = _meta(_fwd_args(q=q))
     with pytest.raises(ValueError, match="batch x query heads must be at most"):
         attention_module._check_fwd_op(*args.values())
+
+
+def _rotation_args(op, **change):
+    """The arguments of ``fused_rope::rope_qk`` (``op="rope_qk"``), ``rope`` or ``rope_`` (the
+    one tensor ``x``), valid unless changed: q ``[B, HQ, N, D]``, k ``[B, HKV, N, D]``, an
+    angle table ``[N, R/2]``."""
+    q, k, _ = _qkv()
+    args = dict(q=q, k=k, angles=torch.zeros(N, R // 2), layout="half", rope_dim=R, q_scale=1.0,
+                k_scale=1.0, rotary_scale=1.0, conjugate=False, offset=0)  # fmt: skip
+    args = {**args, **change}
+    if op == "rope_qk":
+        return args
+    names = ["q", "angles", "layout", "rope_dim", "q_scale", "rotary_scale"]
+    names += ["conjugate", "offset"] if op == "rope" else ["offset"]
+    return {name: args[name] for name in names}
+
+
+ROTATION_CASES = {
+    "a short angle table": (dict(angles=torch.zeros(N - 1, R // 2)), ValueError, "positions"),
+    "angles for fewer frequencies": (dict(angles=torch.zeros(N, R // 2 - 1)), ValueError,
+                                     "last dimension"),  # fmt: skip
+    "angles of another batch": (dict(angles=torch.zeros(3, N, R // 2)), ValueError, "batch"),
+    "a short inv_freq": (dict(angles=torch.ones(R // 2 - 1)), ValueError, "inv_freq must have"),
+    "half-precision angles": (dict(angles=torch.zeros(N, R // 2).half()), TypeError, "angles"),
+    "rope_dim past D": (dict(rope_dim=D + 2, angles=torch.zeros(N, D // 2 + 1)), ValueError,
+                        "rope_dim"),  # fmt: skip
+    "an odd rope_dim": (dict(rope_dim=R - 1), ValueError, "rope_dim"),
+    "an unknown layout": (dict(layout="pairs"), ValueError, "layout"),
+    "an offset with a table": (dict(offset=3), ValueError, "position_offset"),
+    "a negative offset": (dict(angles=torch.ones(R // 2), offset=-1), ValueError,
+                          "position_offset"),  # fmt: skip
+    "fp64 inputs": (dict(q=_qkv(torch.float64)[0], k=_qkv(torch.float64)[1]), TypeError,
+                    "must have dtype"),  # fmt: skip
+}  # fmt: skip
+
+QK_CASES = {
+    "k shorter than q": (dict(k=_short(_qkv()[1])), ValueError, "at least q's length"),
+    "k of another head dim": (dict(k=torch.randn(B, HKV, N, 2 * D).half()), ValueError,
+                              "head dim"),  # fmt: skip
+    "k of another dtype": (dict(k=_qkv()[1].bfloat16()), TypeError, "q's dtype"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "op, case",
+    [(op, case) for op in ("rope", "rope_qk", "rope_") for case in ROTATION_CASES]
+    + [("rope_qk", case) for case in QK_CASES],  # the one-tensor ops take no k
+)
+def test_rotation_ops_refuse_what_their_kernel_cannot_index(op, case):
+    change, exc, match = {**ROTATION_CASES, **QK_CASES}[case]
+    with pytest.raises(exc, match=match):
+        getattr(torch.ops.fused_rope, op)(*_rotation_args(op, **change).values())
+
+
+def test_in_place_rotation_op_refuses_what_it_cannot_write():
+    x = torch.randn(B, HQ, N, 2 * D).half()[..., ::2]  # last stride 2
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        torch.ops.fused_rope.rope_(*_rotation_args("rope_", q=x).values())
+    shared = torch.randn(1, 1, N, D).half().expand(B, HQ, N, D)  # heads share memory
+    with pytest.raises(ValueError, match="share memory"):
+        torch.ops.fused_rope.rope_(*_rotation_args("rope_", q=shared).values())
+
+
+def test_rotation_ops_checks_pass_valid_calls():
+    """The checks alone (no kernel): angle tables shared or per batch, inv_freq with an
+    offset, q shorter than k, and (out of place) a strided last dimension, which the ops copy."""
+    rope = rope_module
+    for change in (
+        {},
+        dict(angles=torch.zeros(B, N, R // 2)),
+        dict(angles=torch.ones(R // 2), offset=5),
+        dict(q=_short(_qkv()[0]), layout="interleaved"),
+        dict(rope_dim=R // 2, angles=torch.zeros(1, N, R // 4)),
+    ):
+        rope._check_rope_qk_op(*_rotation_args("rope_qk", **change).values())
+    strided = torch.randn(B, HQ, N, 2 * D).half()[..., ::2]
+    rope._check_rope_op(*_rotation_args("rope", q=strided).values())
+    rope._check_rope_inplace_op(*_rotation_args("rope_").values())
