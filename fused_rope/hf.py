@@ -1,12 +1,14 @@
 """A Hugging Face transformers model's RoPE and attention through ``rope_attention``.
 
 ``fuse_rope_attention(model)`` replaces the forward of each attention module of a supported
-class (``FAMILIES``: Llama, Arcee, Gemma, Granite, Mistral, Mixtral, Ministral, Qwen2,
-Qwen2-MoE, Qwen3, Qwen3-MoE, OLMo 2, Phi-3, and the checkpoints built on them) with one that
+class (``FAMILIES``: Llama, Arcee, Gemma, Gemma 3, Granite, Mistral, Mixtral,
+Ministral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMo 2, Phi-3, Cohere, GLM, GLM-4, GLM-4-MoE,
+and the checkpoints built on them) with one that
 takes the projections, unrotated, to ``rope_attention``: the rotation happens in its kernels
 (the fused FlashAttention kernel or the Triton RoPE kernel before SDPA, by ``impl``), with the
-model's own frequencies (its rotary embedding's ``inv_freq``, dynamic NTK's and LongRoPE's as
-they follow the length) and attention factor (YaRN's, LongRoPE's). ``unfuse_rope_attention``
+model's own frequencies (its rotary embedding's ``inv_freq``, or Gemma 3's of the layer's
+type; dynamic NTK's and LongRoPE's as they follow the length), attention factor (YaRN's,
+LongRoPE's) and layout (Cohere's and GLM's interleaved pairs). ``unfuse_rope_attention``
 puts the stock forwards back.
 
 Which calls take the new path: causal ones (not ``is_causal=False``, in the call, the layer
@@ -62,6 +64,12 @@ def _project_head_norm(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.T
     return q, k, _heads(module, module.v_proj(hidden))
 
 
+def _project_head_norm_if_used(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cohere, GLM-4-MoE: Qwen3's head norms where the config's ``use_qk_norm`` says so (Cohere's
+    are layer norms with a weight per head), else Llama's projections."""
+    return (_project_head_norm if module.use_qk_norm else _project)(module, hidden)
+
+
 def _project_flat_norm(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """OLMo 2: q and k normalized over all heads' channels, before the rotation."""
     q = _heads(module, module.q_norm(module.q_proj(hidden)))
@@ -89,30 +97,35 @@ def _config_window(module: nn.Module) -> int | None:
 
 
 def _layer_window(module: nn.Module) -> int | None:
-    """Qwen2's, Qwen3's and Ministral's forward passes the layer's (None on full layers)."""
+    """Qwen2's, Qwen3's, Ministral's and Gemma 3's forward passes the layer's (None on
+    full layers)."""
     return module.sliding_window or None
 
 
 class Family(NamedTuple):
     """How a class's stock forward forms q, k, v ``[B, H, N, D]`` before the rotation, the
-    sliding window it passes to the attention, and whether it rotates the first ``2 *
-    len(inv_freq)`` channels alone (``partial``: Phi-3's ``partial_rotary_factor``) or
-    requires them to be the whole head."""
+    sliding window it passes to the attention, whether it rotates the first ``2 *
+    len(inv_freq)`` channels alone (``partial``: Phi-3's and GLM's ``partial_rotary_factor``)
+    or requires them to be the whole head, and the channels it pairs (``layout``:
+    ``"half"``, transformers' ``rotate_half`` of Llama, or ``"interleaved"``, Cohere's and
+    GLM's)."""
 
     project: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, ...]]
     window: Callable[[nn.Module], int | None]
     partial: bool = False
+    layout: str = "half"
 
 
-# The attention classes whose stock forward is "project, rotate by position_embeddings (the
-# half layout over the whole head), update the cache, attend causally, o_proj", by class name.
-# Each is tested against its model (tests/fused_rope/test_hf.py): a class of the same forward
-# may still rotate otherwise (GLM's interleaved partial rotation, Cohere's), so none is taken
-# by its shape alone.
+# The attention classes whose stock forward is "project, rotate by position_embeddings, update
+# the cache, attend causally, o_proj", by class name. Each is tested against its model
+# (tests/fused_rope/test_hf.py): a class of the same forward may still rotate otherwise (GLM's
+# interleaved partial rotation, Cohere's interleaved one), so none is taken by its shape alone.
 FAMILIES: dict[str, Family] = {
     "LlamaAttention": Family(_project, _no_window),
     "ArceeAttention": Family(_project, _no_window),
     "GemmaAttention": Family(_project, _no_window),
+    # Gemma 3: local and global layers of their own frequencies (_rotary_frequencies)
+    "Gemma3Attention": Family(_project_head_norm, _layer_window),
     "GraniteAttention": Family(_project, _no_window),  # scaling: config.attention_multiplier
     "Qwen2MoeAttention": Family(_project, _no_window),
     "MistralAttention": Family(_project, _config_window),
@@ -124,6 +137,11 @@ FAMILIES: dict[str, Family] = {
     "Olmo2Attention": Family(_project_flat_norm, _no_window),
     # Phi-3, Phi-3.5, Phi-4-mini (LongRoPE, and 3/4 of the head rotated)
     "Phi3Attention": Family(_project_fused_qkv, _config_window, partial=True),
+    "CohereAttention": Family(_project_head_norm_if_used, _no_window, layout="interleaved"),
+    # GLM and GLM-4: the first half of each head, interleaved (partial_rotary_factor 0.5)
+    "GlmAttention": Family(_project, _no_window, partial=True, layout="interleaved"),
+    "Glm4Attention": Family(_project, _no_window, partial=True, layout="interleaved"),
+    "Glm4MoeAttention": Family(_project_head_norm_if_used, _no_window, partial=True),
 }
 # transformers 5's attention forward, its cache named as from 5.24 on or before (5.17's);
 # 4.x's named it past_key_value and updated it otherwise
@@ -131,6 +149,18 @@ _SIGNATURES = {
     ("hidden_states", "position_embeddings", "attention_mask", name): name
     for name in ("cache", "past_key_values")
 }
+
+
+def _rotary_frequencies(rotary: nn.Module, module: nn.Module) -> tuple[torch.Tensor, float]:
+    """The frequencies ``[R/2]`` and attention factor that ``rotary`` gives ``module``'s
+    rotation: its ``inv_freq`` and ``attention_scaling``, or, where it holds a set for each
+    layer type (Gemma 3's sliding and full layers: ``{layer_type}_inv_freq``), the set of the
+    module's ``layer_type``. Read at each call: dynamic NTK's and LongRoPE's change with the
+    length."""
+    if not hasattr(rotary, "layer_types"):
+        return rotary.inv_freq, rotary.attention_scaling
+    kind = module.layer_type
+    return getattr(rotary, f"{kind}_inv_freq"), getattr(rotary, f"{kind}_attention_scaling")
 
 
 class RopeAttentionForward:
@@ -171,26 +201,30 @@ class RopeAttentionForward:
             positions = torch.arange(hidden.shape[1], device=hidden.device)
         # transformers computes cos and sin from the fp32 frequencies whatever the model's
         # dtype (the rotary embedding may sit on another device of a split model)
-        inv_freq = self.rotary.inv_freq.to(q.device, torch.float32)
-        factor = float(self.rotary.attention_scaling)
+        inv_freq, factor = _rotary_frequencies(self.rotary, module)
+        inv_freq, factor = inv_freq.to(q.device, torch.float32), float(factor)
         rope_dim = 2 * inv_freq.numel()  # the first rope_dim channels rotate, as transformers'
+        layout = self.family.layout
         if cache is not None:  # what the stock forward stores: the keys rotated
             angles = rope_angles(positions, inv_freq)
-            k_rotated = apply_rope(k, angles, rope_dim=rope_dim, attention_factor=factor)
+            k_rotated = apply_rope(
+                k, angles, layout=layout, rope_dim=rope_dim, attention_factor=factor
+            )
             if self.cache_name == "cache":  # as the stock forward calls it
                 cache.update(k_rotated, v, module.layer_idx, kwargs=extra)
             else:
                 cache.update(k_rotated, v, module.layer_idx)
         o = rope_attention(
             q, k, v, inv_freq=inv_freq, positions=positions, softmax_scale=module.scaling,
-            attention_factor=factor, rope_dim=rope_dim, window=self.family.window(module),
-            impl=self.impl,
+            attention_factor=factor, layout=layout, rope_dim=rope_dim,
+            window=self.family.window(module), impl=self.impl,
         )  # fmt: skip
         return module.o_proj(o.transpose(1, 2).reshape(*hidden.shape[:-1], -1)), None
 
 
 def _rotary_embedding(model: nn.Module) -> nn.Module:
-    """The model's one rotary embedding (transformers computes cos and sin once, at the top)."""
+    """The model's one rotary embedding (transformers computes cos and sin once, at the top;
+    Gemma 3's holds a set of frequencies for each layer type)."""
     found = [
         (n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")
     ]
@@ -217,8 +251,8 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
 
     Raises ``TypeError`` for a model that is not an ``nn.Module``, ``ValueError`` for a bad
     ``impl``, a model with no attention module of a supported class, with several rotary
-    embeddings (Gemma 3's local and global ones), whose frequencies do not rotate the whole
-    head (outside Phi-3), whose attention forward is not transformers 5's, or whose
+    embeddings, whose frequencies do not rotate the whole head (outside the families of a
+    partial rotation: Phi-3, GLM), whose attention forward is not transformers 5's, or whose
     attention class only shares a supported one's name (defined outside transformers).
     """
     if not isinstance(model, nn.Module):
@@ -248,11 +282,12 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
                 f"{name}: {cls.__name__}.forward takes {parameters}, not one of transformers "
                 f"5's {sorted(_SIGNATURES)}"
             )
-        rope_dim = 2 * rotary.inv_freq.numel()
+        inv_freq = _rotary_frequencies(rotary, module)[0]
+        rope_dim = 2 * inv_freq.numel()
         partial = FAMILIES[type(module).__name__].partial
         if rope_dim > module.head_dim or (rope_dim != module.head_dim and not partial):
             raise ValueError(
-                f"{name}: the rotary embedding's {rotary.inv_freq.numel()} frequencies rotate "
+                f"{name}: the rotary embedding's {inv_freq.numel()} frequencies rotate "
                 f"{rope_dim} channels, not the head's {module.head_dim}"
                 + ("" if partial else f" ({type(module).__name__} rotates the whole head)")
             )

@@ -59,14 +59,34 @@ FAMILIES = {
         "Qwen3Moe",
         {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32},
     ),
+    # a sliding layer and a full one, each rotating by frequencies of its own (bases 1e4, 1e6)
+    "gemma3": (
+        "Gemma3",
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64,
+         "query_pre_attn_scalar": 24},
+    ),
+    # the interleaved layout; per-head layer norms of q and k
+    "cohere": ("Cohere", {"use_qk_norm": True, "pad_token_id": None}),
+    # the first half of each head rotated, interleaved
+    "glm": ("Glm", {"pad_token_id": None}),
+    "glm4": ("Glm4", {"pad_token_id": None}),
+    # the first half of each head rotated, in halves; per-head RMS norms of q and k
+    "glm4_moe": (
+        "Glm4Moe",
+        {"use_qk_norm": True, "n_routed_experts": 2, "num_experts_per_tok": 1,
+         "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+         "topk_group": 1, "pad_token_id": None},
+    ),
 }  # fmt: skip
+# a family whose config class is not named after its model classes
+CONFIG_CLASSES = {"Gemma3": "Gemma3TextConfig"}
 
 
 def make_model(family="llama", attn_implementation="sdpa", **config):
     """A 2-layer model of ``family`` with random weights: 4 query heads, 2 key-value heads
     of 16 channels, fp32, eval mode."""
     prefix, keys = FAMILIES[family]
-    config = getattr(transformers, f"{prefix}Config")(
+    config = getattr(transformers, CONFIG_CLASSES.get(prefix, f"{prefix}Config"))(
         **{
             "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -140,6 +160,7 @@ WINDOWS = {
     "phi3": [64, 64],
     "ministral": [4096, 4096],
     "qwen2_sliding": [None, 64],
+    "gemma3": [64, None],
 }
 
 
@@ -214,10 +235,12 @@ def step(model, x, cache):
     return model(x, **{name: cache})
 
 
-def test_a_prefill_fills_the_cache_the_decoding_steps_expect(calls):
+@pytest.mark.parametrize("family", ["qwen2", "cohere", "gemma3"])
+def test_a_prefill_fills_the_cache_the_decoding_steps_expect(family, calls):
     """A prefill takes ``rope_attention`` and stores its keys rotated, as the stock forward
-    does; the decoding steps after it take the stock forward and give the stock logits."""
-    model = make_model("qwen2")
+    does (in the family's layout, by the layer's frequencies); the decoding steps after it
+    take the stock forward and give the stock logits."""
+    model = make_model(family)
     x = torch.randint(0, VOCAB, (2, 12), device=DEVICE)
     stock = model(x[:, :9], use_cache=True)
     stock_step = step(model, x[:, 9:], cache_of(stock)).logits
@@ -308,7 +331,7 @@ def test_bad_models_and_arguments_are_refused():
     with pytest.raises(ValueError, match="no attention module of a supported class"):
         fuse_rope_attention(torch.nn.Linear(2, 2))
     two = make_model()
-    two.second_rotary = copy.deepcopy(two.model.rotary_emb)  # Gemma 3 has a local one
+    two.second_rotary = copy.deepcopy(two.model.rotary_emb)  # transformers 4's Gemma 3 had two
     with pytest.raises(ValueError, match="exactly one rotary embedding.* got 2"):
         fuse_rope_attention(two)
     partial = make_model()
@@ -332,7 +355,7 @@ def test_bad_models_and_arguments_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "cohere", "glm"])
 @pytest.mark.parametrize("impl", ["fused", "separate"])
 def test_bf16_models_at_a_longer_sequence(family, impl, calls):
     """On the GPU, in bf16 (the stock baseline rounds its cos and sin to bf16), 1000 tokens."""
