@@ -40,6 +40,7 @@ from fused_rope.attention_forward_hopper import (  # noqa: E402 - after the path
     RopeArgs,
     attention_fwd_kernel,
     descriptors,
+    kv_tiles,
     launch,
 )
 
@@ -96,7 +97,7 @@ def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(CTA_ROWS * 2, d, dtype=dtype)
-    descs = descriptors(*[t[None, None]] * 4)
+    descs = descriptors(*[t[None, None]] * 4, kv_tiles(d)[0])
     names = ["q_desc", "k_desc", "v_desc", "o_desc"]
     sig = {name: mangle_type(desc) for name, desc in zip(names, descs, strict=True)}
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"

@@ -1,6 +1,6 @@
 """The Gluon forward at lengths it did not take before session 59: N not a multiple of its
 128-row tiles, prefills that continue a KV cache (NQ < NK, causal at the bottom right), and
-causal sliding windows.
+causal sliding windows; and at D = 256 (session 60).
 
 Inference (no autograd), causal, default positions, one process on one GPU; ms = median GPU
 time of a CUDA graph of calls (``experiments/timing.py``):
@@ -44,6 +44,11 @@ SHAPES = {  # name: (B, HQ, HKV, NQ, NK, D, window)
     "Window-8K-1K": (2, 32, 8, 8192, 8192, 128, 1024),
     "Window-16K-4K": (1, 32, 8, 16384, 16384, 128, 4096),
     "Window-prefill": (2, 32, 8, 1000, 9000, 128, 2048),
+    # D = 256 (Gemma 3 12B's heads; its local layers' 1024-key window), since session 60
+    "D256-4K": (2, 16, 8, 4096, 4096, 256, None),
+    "D256-16K": (1, 16, 8, 16384, 16384, 256, None),
+    "D256-Prefill-8K": (1, 16, 8, 2048, 8192, 256, None),
+    "D256-Window-8K-1K": (1, 16, 8, 8192, 8192, 256, 1024),
 }
 
 

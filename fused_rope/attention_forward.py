@@ -253,7 +253,7 @@ def gluon_forward_available(device: torch.device) -> bool:
 
 def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, softmax_scale: float) -> bool:
     """Whether the Gluon forward takes ``q [B, HQ, NQ, D]``, ``k [B, HKV, NK, D]`` with these
-    options (any positions and tables, either layout): fp16/bf16, D in {64, 128}, rotated
+    options (any positions and tables, either layout): fp16/bf16, D in {64, 128, 256}, rotated
     channels whose segments fill the head (``rotated_width``: every channel, or a power of two
     of at least 32 with a power-of-two rest, as 64 of 128), ``NQ <= NK`` (any lengths) with at
     least ``HOPPER_MIN_N`` keys, any causal sliding window, the whole softmax scale folded
@@ -262,7 +262,7 @@ def hopper_forward_takes(q, k, rope_dim: int, interleaved: bool, softmax_scale: 
     return (
         q.numel() > 0  # TMA descriptors of an empty tensor fail before an empty grid is skipped
         and q.dtype in (torch.float16, torch.bfloat16)
-        and D in (64, 128)
+        and D in (64, 128, 256)
         and rotated_width(D, rope_dim) == D  # k_rot's rows are D wide, as v's
         and NQ <= k.shape[2]
         and k.shape[2] >= HOPPER_MIN_N

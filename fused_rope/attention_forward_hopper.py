@@ -5,8 +5,8 @@ FlashAttention-3 splits the work, where Triton's ``tl.dot`` FlashAttention-2
 
 A CTA owns 128 query rows of one head:
 
-* a loader partition (1 warp): TMA loads of K and V tiles of 128 keys into a ring of
-  ``STAGES`` buffers, each guarded by a ready and an empty mbarrier (K and V have separate
+* a loader partition (1 warp): TMA loads of K and V tiles of 128 keys (64 at D = 256:
+  ``kv_tiles``) into a ring of ``STAGES`` buffers (2 at D = 256), each guarded by a ready and an empty mbarrier (K and V have separate
   ready barriers, so the scores start before V lands); without RoPE, the CTA's Q tiles too;
 * two consumer partitions (a warpgroup each, 64 query rows each): ``S = Q K^T`` on wgmma from
   shared memory, the online softmax on exp2 in registers, ``O += P V`` with P from registers;
@@ -21,7 +21,7 @@ issues the next tile's ``Q K^T`` before this tile's softmax (FlashAttention-3's
 intra-warpgroup pipelining). The kernel writes the natural-log LSE that the Triton backward
 (``attention_backward.py``) takes, so training pairs this forward with that backward.
 
-Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128}, either
+Supported (``attention_forward.hopper_forward_takes``): fp16/bf16, D in {64, 128, 256}, either
 layout, every channel rotated or a partial rotation whose segments fill the head, any NQ <= NK
 (causal: aligned at the bottom right, a prefill that continues a KV cache; the descriptors'
 boxes stop at each head's end, so the tiles past it read zeros and their stores are dropped,
@@ -60,6 +60,8 @@ LOADER_REGS = gl.constexpr(24)
 # a row each from 2K tokens on, fp16: README, session 58)
 ROW_STEP = 8
 MAXNREG = 168  # 12 warps (3 warpgroups) in one CTA an SM: 65536 / 384 registers a thread
+# Q's pairs rotated a pass (``_rotate_q_tile``): all of them up to D = 128
+ROTATION_CHUNK = gl.constexpr(64)
 
 
 @gluon.jit
@@ -160,40 +162,46 @@ def _rotate_q_tile(q_smem, Q, COS, SIN, row, rows_left, first_pos, q_fold, rot_f
     ROWS: gl.constexpr = q_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
     HALF: gl.constexpr = ROTARY // 2
+    # pairs a pass: at D = 256 a whole half (128 pairs of a 64-row tile, and their cos and
+    # sin) would take 256 registers a thread
+    CHUNK: gl.constexpr = min(HALF, ROTATION_CHUNK)
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.expand_dims(gl.arange(0, ROWS, gl.SliceLayout(1, L)), 1)
-    c = gl.expand_dims(gl.arange(0, HALF, gl.SliceLayout(0, L)), 0)
     valid = r < rows_left
     x = Q + (row + r).to(gl.int64) * HEAD_DIM
-    if INTERLEAVED:
-        x1 = gl.load(x + 2 * c, mask=valid, other=0.0).to(gl.float32)
-        x2 = gl.load(x + 2 * c + 1, mask=valid, other=0.0).to(gl.float32)
-    else:
-        x1 = gl.load(x + c, mask=valid, other=0.0).to(gl.float32)
-        x2 = gl.load(x + HALF + c, mask=valid, other=0.0).to(gl.float32)
     pos = first_pos + r
-    if ROW_STEP == 0:
-        t = pos * HALF + c
-        cos = gl.load(COS + t, mask=valid, other=0.0).to(gl.float32)
-        sin = gl.load(SIN + t, mask=valid, other=0.0).to(gl.float32)
-    else:
-        base = (pos - pos % ROW_STEP) * HALF + c
-        step = (pos % ROW_STEP) * HALF + c
-        cos_b = gl.load(COS + base, mask=valid, other=0.0).to(gl.float32)
-        sin_b = gl.load(SIN + base, mask=valid, other=0.0).to(gl.float32)
-        cos_t = gl.load(COS + step, mask=valid, other=0.0).to(gl.float32)
-        sin_t = gl.load(SIN + step, mask=valid, other=0.0).to(gl.float32)
-        cos = cos_b * cos_t - sin_b * sin_t
-        sin = sin_b * cos_t + cos_b * sin_t
-    cos = cos * rot_fold
-    sin = sin * rot_fold
-    q_smem.slice(0, HALF, dim=1).store((x1 * cos - x2 * sin).to(q_smem.dtype))
-    q_smem.slice(HALF, HALF, dim=1).store((x2 * cos + x1 * sin).to(q_smem.dtype))
+    for c0 in gl.static_range(0, HALF, CHUNK):
+        c = c0 + gl.expand_dims(gl.arange(0, CHUNK, gl.SliceLayout(0, L)), 0)
+        if INTERLEAVED:
+            x1 = gl.load(x + 2 * c, mask=valid, other=0.0).to(gl.float32)
+            x2 = gl.load(x + 2 * c + 1, mask=valid, other=0.0).to(gl.float32)
+        else:
+            x1 = gl.load(x + c, mask=valid, other=0.0).to(gl.float32)
+            x2 = gl.load(x + HALF + c, mask=valid, other=0.0).to(gl.float32)
+        if ROW_STEP == 0:
+            t = pos * HALF + c
+            cos = gl.load(COS + t, mask=valid, other=0.0).to(gl.float32)
+            sin = gl.load(SIN + t, mask=valid, other=0.0).to(gl.float32)
+        else:
+            base = (pos - pos % ROW_STEP) * HALF + c
+            step = (pos % ROW_STEP) * HALF + c
+            cos_b = gl.load(COS + base, mask=valid, other=0.0).to(gl.float32)
+            sin_b = gl.load(SIN + base, mask=valid, other=0.0).to(gl.float32)
+            cos_t = gl.load(COS + step, mask=valid, other=0.0).to(gl.float32)
+            sin_t = gl.load(SIN + step, mask=valid, other=0.0).to(gl.float32)
+            cos = cos_b * cos_t - sin_b * sin_t
+            sin = sin_b * cos_t + cos_b * sin_t
+        cos = cos * rot_fold
+        sin = sin * rot_fold
+        q_smem.slice(c0, CHUNK, dim=1).store((x1 * cos - x2 * sin).to(q_smem.dtype))
+        q_smem.slice(HALF + c0, CHUNK, dim=1).store((x2 * cos + x1 * sin).to(q_smem.dtype))
     if ROTARY < HEAD_DIM:  # the pass-through channels: the fold alone
         PASS: gl.constexpr = HEAD_DIM - ROTARY
-        cp = gl.expand_dims(gl.arange(0, PASS, gl.SliceLayout(0, L)), 0)
-        xp = gl.load(x + ROTARY + cp, mask=valid, other=0.0).to(gl.float32)
-        q_smem.slice(ROTARY, PASS, dim=1).store((xp * q_fold).to(q_smem.dtype))
+        PASS_CHUNK: gl.constexpr = min(PASS, 2 * ROTATION_CHUNK)
+        for p0 in gl.static_range(0, PASS, PASS_CHUNK):
+            cp = p0 + gl.expand_dims(gl.arange(0, PASS_CHUNK, gl.SliceLayout(0, L)), 0)
+            xp = gl.load(x + ROTARY + cp, mask=valid, other=0.0).to(gl.float32)
+            q_smem.slice(ROTARY + p0, PASS_CHUNK, dim=1).store((xp * q_fold).to(q_smem.dtype))
     fence_async_shared()  # the generic stores before the tensor cores' (async proxy) reads
 
 
@@ -371,6 +379,14 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     # fmt: on
 
 
+def kv_tiles(head_dim: int) -> tuple[int, int]:
+    """``(keys a K/V tile, ring stages)`` at ``head_dim``: ``(BLOCK_N, STAGES)`` up to 128
+    channels; at 256, tiles of 64 keys in 2 stages (2 x 2 x 32 KB of K/V beside Q's 64 KB:
+    128-key tiles would not fit twice, nor their scores beside the 128 registers a thread of
+    the output)."""
+    return (BLOCK_N, STAGES) if head_dim <= 128 else (64, 2)
+
+
 def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
     """TMA descriptors of ``q, o [B, HQ, NQ, D]`` (boxes of ``[1, ROWS, D]``) and ``k, v
     [B, HKV, NK, D]`` (boxes of ``[1, block_n, D]``), contiguous, seen as ``[B * H, N, D]``: a
@@ -386,12 +402,13 @@ def descriptors(q, k, v, o, block_n: int = BLOCK_N) -> tuple:
     return descriptor(q, ROWS), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, ROWS)
 
 
-def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAGES,
+def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int | None = None,
            overlap: bool = True, row_step: int = 0, window: int = 0) -> torch.Tensor:  # fmt: skip
     """Runs ``attention_fwd_kernel`` on contiguous ``q [B, HQ, NQ, D]``, ``k, v [B, HKV, NK,
     D]``, ``NQ <= NK``; returns ``o`` like q. ``rope``: None, or a ``RopeArgs`` for the RoPE
-    variant; ``row_step``: ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only); ``window``: a
-    causal sliding window of that many keys (0: none)."""
+    variant; ``stages``: the K/V ring's (None: ``kv_tiles``'); ``row_step``:
+    ``_rotate_q_tile``'s ``ROW_STEP`` (with RoPE only); ``window``: a causal sliding window of
+    that many keys (0: none)."""
     if row_step and (rope is None or ROWS % row_step):
         raise ValueError(f"row_step must divide {ROWS} and comes with rope, got {row_step}")
     if window and not causal:
@@ -399,8 +416,10 @@ def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int = STAG
     B, HQ, NQ, D = q.shape
     o = torch.empty_like(q)
     r = rope or RopeArgs(q, q, q, 1.0, rotary=D)
+    block_n, default_stages = kv_tiles(D)
+    stages = stages or default_stages
     attention_fwd_kernel[(cdiv(NQ, CTA_ROWS), B * HQ)](
-        *descriptors(q, k, v, o), q, r.cos, r.sin, r.lse, qk_scale, r.q_fold,
+        *descriptors(q, k, v, o, block_n), q, r.cos, r.sin, r.lse, qk_scale, r.q_fold,
         r.q_fold / r.range_factor, NQ, k.shape[2], HQ,
         k.shape[1], r.table_off, r.table_stride_b, window, causal, window > 0, stages, overlap,
         rope is not None, r.rotary, r.interleaved, row_step, num_warps=4, maxnreg=MAXNREG,

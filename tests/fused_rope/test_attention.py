@@ -1284,6 +1284,8 @@ def test_hopper_forward_takes_only_what_it_supports(monkeypatch):
     assert takes(q=q[..., :64], k=k[..., :64], rope_dim=64)
     assert not takes(q=q.float(), k=k.float())
     assert not takes(q=q[..., :96], k=k[..., :96], rope_dim=96)  # D
+    wide_q, wide_k = (torch.cat([x, x], dim=-1) for x in (q, k))  # D = 256: 64-key tiles
+    assert takes(q=wide_q, k=wide_k, rope_dim=256) and takes(q=wide_q, k=wide_k, rope_dim=128)
     assert takes(rope_dim=64)  # partial rotation whose segments fill the head
     assert takes(q=q[..., :64], k=k[..., :64], rope_dim=32)
     assert not takes(rope_dim=32)  # segments of 16 + 16 + 128 channels: 160 > 128
@@ -1359,6 +1361,10 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         (2, 4, 1, 200, 900, 64, torch.bfloat16, dict(window=64)),
         (1, 4, 4, 300, 300, 64, torch.float16, dict(window=1)),
         (1, 4, 2, 520, 520, 128, torch.bfloat16, dict(window=200, positions="batch")),
+        (1, 4, 2, 300, 300, 256, torch.bfloat16, dict()),
+        (2, 4, 4, 256, 256, 256, torch.float16, dict(causal=False)),
+        (1, 4, 1, 200, 700, 256, torch.float16, dict(rope_dim=128, attention_factor=1.19)),
+        (1, 4, 2, 520, 520, 256, torch.bfloat16, dict(window=200, layout="interleaved")),
     ],
     ids=[
         "GQA4-fp16-D128",
@@ -1383,6 +1389,10 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
         "prefill-window-64",
         "window-1",
         "window-200-batch-positions",
+        "D256-N300",
+        "D256-nomask",
+        "D256-partial-prefill-factor",
+        "D256-window-interleaved",
     ],  # fmt: skip
 )
 def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
@@ -1393,7 +1403,8 @@ def test_gpu_hopper_forward(B, HQ, HKV, NQ, NK, D, dtype, opts, monkeypatch):
     pass-through channels times the fold alone, also where Q's cos and sin carry the attention
     factor twice by angle addition) and the interleaved layout (q's pairs read
     apart into the keys' segment layout); sliding windows (rows of the later warpgroup whose
-    first key tiles are all outside their window, a window of one key). Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
+    first key tiles are all outside their window, a window of one key); D = 256 (64-key tiles,
+    Q rotated in column chunks). Lengths that are not multiples of the tiles (the last CTA's rows past NQ, a
     warpgroup with none, key tiles past NK), and NQ < NK (causal at the bottom right, the
     table's rows from NK - NQ on)."""
     calls = _hopper_calls(monkeypatch)
