@@ -447,8 +447,9 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
     forward on Hopper (``attention_forward_hopper.py``) than through RoPE then cuDNN: square
     causal attention from ``HOPPER_MIN_N`` (2K) keys on, default positions (an H200:
     0.88-0.99x the separate path's time at 4K, GQA-4K and 16K, sessions 55-56; 0.986x at 2K in
-    fp16 and bf16 since session 58's cheaper tables, where it was 1.02-1.05x; ``README.md``).
-    With a gradient to take, the separate path stays: cuDNN's backward beats
+    fp16 and bf16 since session 58's cheaper tables, where it was 1.02-1.05x; ``README.md``),
+    at D <= 128: at D = 256 its 64-key tiles take 1.17-1.19x the separate path's time (an
+    H200, 4K and 16K, session 60), which prefills and windows still gain from. With a gradient to take, the separate path stays: cuDNN's backward beats
     the fused one (1.35-1.48x forward+backward). So the path depends on grad mode: under a
     reentrant ``torch.utils.checkpoint`` the forward (no grad) takes this one and its
     recomputation the separate path, whose outputs differ by rounding."""
@@ -456,6 +457,7 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
         not needs_autograd(q, k, v, *rotation.values())
         and causal
         and q.shape[2] == k.shape[2]  # a prefill (NQ < NK) follows the prefill rule
+        and q.shape[3] <= 128
         and all(
             rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles")
         )

@@ -1316,8 +1316,10 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
     k = k.half()
     none = dict(inv_freq=None, positions=None, q_positions=None, angles=None, q_angles=None)
 
-    def wins(q=q, k=k, causal=True, rotation=none):
-        return attention_module._hopper_inference_wins(q, k, k, causal, 64, "half", None, rotation)
+    def wins(q=q, k=k, causal=True, rotation=none, rope_dim=64):
+        return attention_module._hopper_inference_wins(
+            q, k, k, causal, rope_dim, "half", None, rotation
+        )
 
     assert wins()
     assert not wins(q=q.requires_grad_())
@@ -1332,6 +1334,10 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
     assert not wins(q=q[:, :, :1000])  # a prefill (NQ < NK): the prefill rule decides
     assert not wins(q=q[:, :, :1024], k=k[:, :, :1024])
     assert not wins(rotation={**none, "positions": torch.arange(4096)})
+    # D = 256: the Gluon forward takes it, but RoPE then SDPA is faster for square attention
+    wide_q, wide_k = torch.empty(1, 4, 4096, 256).half(), torch.empty(1, 2, 4096, 256).half()
+    assert attention_forward.hopper_forward_takes(wide_q, wide_k, 256, False, 256**-0.5)
+    assert not wins(q=wide_q, k=wide_k, rope_dim=256)
 
 
 @pytest.mark.gpu
