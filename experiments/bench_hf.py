@@ -1,9 +1,12 @@
-"""A transformers Llama model with its stock attention and with ``fused_rope.hf``'s, in one
-process on one GPU.
+"""A transformers model with its stock attention and with ``fused_rope.hf``'s, in one process
+on one GPU.
 
-The model: Llama 3 8B's layers (hidden 4096, 32 query heads and 8 key-value heads of 128,
-MLP 14336), ``--layers`` of them (default 4), a 32000-token vocabulary, bf16 weights, SDPA,
-``use_cache=False``. For each sequence length, batch 1, the median time of
+The model (``--model``): ``llama``, Llama 3 8B's layers (hidden 4096, 32 query heads and 8
+key-value heads of 128, MLP 14336); or ``gemma3``, Gemma 3 12B's (hidden 3840, 16 query heads
+and 8 key-value heads of 256, MLP 15360, local layers with a 1024-key window and base 1e4,
+every sixth layer global with base 1e6); ``--layers`` of them (default 4; 6 for Gemma 3: five
+local and one global), a 32000-token vocabulary, bf16 weights, SDPA, ``use_cache=False``. For
+each sequence length, batch 1, the median time of
 
 * ``stock``: transformers' forward (RoPE in PyTorch on q and k, then SDPA);
 * ``no RoPE``: the stock forward with the rotation left out (its ``apply_rotary_pos_emb`` made
@@ -16,6 +19,8 @@ long enough that the host does not bound it). The loss of each path against the 
 the accuracy column (bf16: rounding differences of order 1e-3).
 
     python experiments/bench_hf.py --out experiments/results/bench_hf_h200.md
+    python experiments/bench_hf.py --model gemma3 --lengths 4096 16384 \
+        --out experiments/results/bench_hf_gemma3_h200.md
 """
 
 from __future__ import annotations
@@ -35,36 +40,51 @@ from experiments.timing import time_ms  # noqa: E402
 from fused_rope.hf import fuse_rope_attention, unfuse_rope_attention  # noqa: E402
 
 PATHS = ("stock", "no RoPE", "auto", "fused")
+MODELS = {  # name: (transformers' prefix, title, config keys, layers by default)
+    "llama": ("Llama", "Llama 3 8B", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ), 4),
+    "gemma3": ("Gemma3", "Gemma 3 12B", dict(
+        hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    ), 6),
+}  # fmt: skip
 
 
-def make_model(layers: int):
-    """Llama 3 8B's layers, random weights, bf16 on the GPU, in training mode (no dropout)."""
+def make_model(name: str, layers: int):
+    """``name``'s layers (``MODELS``), random weights, bf16 on the GPU, in training mode (no
+    dropout)."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-    )  # fmt: skip
+    prefix, _, keys, _ = MODELS[name]
+    config_class = "Gemma3TextConfig" if prefix == "Gemma3" else f"{prefix}Config"
+    if "layer_types" in keys:  # the pattern repeated over the layers
+        keys = {**keys, "layer_types": (keys["layer_types"] * layers)[:layers]}
+    config = getattr(transformers, config_class)(
+        vocab_size=32000, num_hidden_layers=layers, max_position_embeddings=32768, **keys
+    )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = getattr(transformers, f"{prefix}ForCausalLM")._from_config(
+        config, attn_implementation="sdpa"
+    )
     return model.to("cuda", torch.bfloat16).train()
 
 
 @contextlib.contextmanager
 def path(model, name: str):
     """The model set up for one path, put back after."""
-    import transformers.models.llama.modeling_llama as llama
-
-    stock_rotation = llama.apply_rotary_pos_emb
+    modeling = sys.modules[type(model).__module__]  # the module whose rotation the layers call
+    stock_rotation = modeling.apply_rotary_pos_emb
     if name == "no RoPE":
-        llama.apply_rotary_pos_emb = lambda q, k, cos, sin, *args, **kwargs: (q, k)
+        modeling.apply_rotary_pos_emb = lambda q, k, cos, sin, *args, **kwargs: (q, k)
     elif name in ("auto", "fused"):
         fuse_rope_attention(model, impl=name)
     try:
         yield
     finally:
-        llama.apply_rotary_pos_emb = stock_rotation
+        modeling.apply_rotary_pos_emb = stock_rotation
         unfuse_rope_attention(model)
 
 
@@ -104,17 +124,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="markdown file to write the table to")
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192])
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--model", choices=list(MODELS), default="llama")
+    ap.add_argument("--layers", type=int, default=None, help="default: the model's (MODELS)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_hf.py times a model on a GPU; no CUDA device here")
-    model = make_model(args.layers)
+    _, title, _, default_layers = MODELS[args.model]
+    layers = args.layers or default_layers
+    model = make_model(args.model, layers)
     rows = [row for n in args.lengths for row in time_length(model, n)]
     columns = ["N", "pass", *(f"{p} ms" for p in PATHS), "RoPE's cost, stock",
                "RoPE's cost, auto", "auto / stock", "loss - stock (auto, fused)"]  # fmt: skip
     env = environment()
     text = (
-        f"# transformers Llama ({args.layers} layers of Llama 3 8B), stock and fused_rope.hf\n\n"
+        f"# transformers {title} ({layers} layers), stock and fused_rope.hf\n\n"
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
         f"{env['date']}; bf16, batch 1, median ms (do_bench).\n\n" + markdown_table(rows, columns)
     )

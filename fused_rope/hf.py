@@ -14,9 +14,11 @@ puts the stock forwards back.
 Which calls take the new path: causal ones (not ``is_causal=False``, in the call, the layer
 or the config) of a model whose attention is SDPA (``attn_implementation="sdpa"``,
 transformers' default where SDPA exists; a model of another attention is patched, but none
-of its calls takes the path) that build no attention mask (no padding, no packed sequences
-without a cache, a sliding window that does not bind; under ``torch.compile`` transformers
-builds the mask, so compiled calls take the stock forward), with no attention dropout in
+of its calls takes the path) that build no attention mask, or only a sliding window's (no
+padding, no packed sequences without a cache: a text model called with no attention mask and
+no position ids, whose windowed layers' masks ``rope_attention``'s ``window`` replaces,
+``PlainCalls``; under ``torch.compile`` transformers builds the mask, so compiled calls take
+the stock forward), with no attention dropout in
 training, no attention weights asked for, and a cache that is empty at the layer or none
 (training, scoring, and a generation's prefill). A prefill stores its keys rotated, as the
 stock forward does (one RoPE kernel over k), so the decoding steps after it, which take the
@@ -35,6 +37,7 @@ and 5.17), and refuses other versions' modules by name.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -163,13 +166,60 @@ def _rotary_frequencies(rotary: nn.Module, module: nn.Module) -> tuple[torch.Ten
     return getattr(rotary, f"{kind}_inv_freq"), getattr(rotary, f"{kind}_attention_scaling")
 
 
+class PlainCalls:
+    """The sliding-window masks a text model built in its plain calls, which
+    ``rope_attention``'s ``window`` computes without a mask.
+
+    A plain call is given no attention mask and no position ids (no padding, no packed
+    sequences): every mask transformers then builds for a layer with a sliding window is the
+    causal one cut to that window (built wherever the window binds, since SDPA has no window),
+    and a layer without a window gets none in eager mode. A pre-hook on the text model (the
+    rotary embedding's parent) opens each call and a hook closes it, also when the call
+    raises; a layer that sees a mask during a plain call records it, so that its
+    recomputation under gradient checkpointing, which runs in the backward after the call,
+    takes the same path. Under ``torch.compile`` no mask counts as plain (nor do hooks run
+    as here)."""
+
+    def __init__(self, text_model: nn.Module):
+        self.signature = inspect.signature(text_model.forward)
+        self.open_calls: list[bool] = []  # a stack (nested calls): whether each is plain
+        self.masks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> mask
+        self.handles = (
+            text_model.register_forward_pre_hook(self._open, with_kwargs=True),
+            text_model.register_forward_hook(self._close, always_call=True),
+        )
+
+    def _open(self, module, args, kwargs):
+        arguments = self.signature.bind_partial(*args, **kwargs).arguments
+        plain = arguments.get("attention_mask") is None and arguments.get("position_ids") is None
+        self.open_calls.append(plain)
+
+    def _close(self, module, args, output):
+        self.open_calls.pop()
+
+    def covers(self, mask: torch.Tensor) -> bool:
+        """Whether ``mask``, a windowed layer's, was built in a plain call (this one's, or an
+        earlier one's whose mask the layer's recomputation sees again)."""
+        if torch.compiler.is_compiling():
+            return False
+        if self.open_calls and self.open_calls[-1]:
+            self.masks[id(mask)] = mask
+            return True
+        return self.masks.get(id(mask)) is mask
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class RopeAttentionForward:
     """The forward of an attention module patched by ``fuse_rope_attention``: its arguments
     and return value are the stock forward's, ``(output [B, N, hidden], None)`` on the
-    ``rope_attention`` path (no attention weights)."""
+    ``rope_attention`` path (no attention weights). ``plain``: the text model's
+    ``PlainCalls``, which says which sliding-window masks the window replaces."""
 
-    def __init__(self, module: nn.Module, rotary: nn.Module, impl: str):
-        self.module, self.rotary, self.impl = module, rotary, impl
+    def __init__(self, module: nn.Module, rotary: nn.Module, impl: str, plain: PlainCalls):
+        self.module, self.rotary, self.impl, self.plain = module, rotary, impl, plain
         self.family = FAMILIES[type(module).__name__]
         self.stock = type(module).forward.__get__(module)
         self.signature = inspect.signature(self.stock)
@@ -181,9 +231,11 @@ class RopeAttentionForward:
         module, cache = self.module, arguments.get(self.cache_name)
         if cache is None:  # the name transformers 5.24 deprecates, still taken
             cache = extra.get("past_key_values")
+        mask, window = arguments.get("attention_mask"), self.family.window(module)
         fusable = (
             getattr(module.config, "_attn_implementation", None) == "sdpa"
-            and arguments.get("attention_mask") is None
+            # no mask, or a windowed layer's that is its causal window alone
+            and (mask is None or (window is not None and self.plain.covers(mask)))
             # SDPA runs bidirectionally without a mask where the call, the layer or the
             # config says so (embedding models, LLM2Vec's encoders)
             and extra.get("is_causal", getattr(module, "is_causal", True)) is not False
@@ -217,14 +269,15 @@ class RopeAttentionForward:
         o = rope_attention(
             q, k, v, inv_freq=inv_freq, positions=positions, softmax_scale=module.scaling,
             attention_factor=factor, layout=layout, rope_dim=rope_dim,
-            window=self.family.window(module), impl=self.impl,
+            window=window, impl=self.impl,
         )  # fmt: skip
         return module.o_proj(o.transpose(1, 2).reshape(*hidden.shape[:-1], -1)), None
 
 
-def _rotary_embedding(model: nn.Module) -> nn.Module:
+def _rotary_embedding(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The model's one rotary embedding (transformers computes cos and sin once, at the top;
-    Gemma 3's holds a set of frequencies for each layer type)."""
+    Gemma 3's holds a set of frequencies for each layer type) and the module holding it, the
+    text model whose forward builds the layers' masks."""
     found = [
         (n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")
     ]
@@ -234,7 +287,8 @@ def _rotary_embedding(model: nn.Module) -> nn.Module:
             f"model must hold exactly one rotary embedding, whose frequencies every layer "
             f"takes, got {len(found)}: {names}"
         )
-    return found[0][1]
+    name, rotary = found[0]
+    return rotary, model.get_submodule(name.rpartition(".")[0])
 
 
 def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
@@ -268,7 +322,7 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
             f"model has no attention module of a supported class {sorted(FAMILIES)}, "
             f"got attention classes {classes}"
         )
-    rotary = _rotary_embedding(model)
+    rotary, text_model = _rotary_embedding(model)
     for name, module in modules:
         cls = type(module)
         if not cls.__module__.startswith("transformers.models."):  # a namesake's own forward
@@ -291,19 +345,23 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
                 f"{rope_dim} channels, not the head's {module.head_dim}"
                 + ("" if partial else f" ({type(module).__name__} rotates the whole head)")
             )
+    unfuse_rope_attention(model)  # patching again replaces the patch, and its hooks
+    plain = PlainCalls(text_model)
     for _, module in modules:
-        module.forward = RopeAttentionForward(module, rotary, impl)
+        module.forward = RopeAttentionForward(module, rotary, impl, plain)
     return [name for name, _ in modules]
 
 
 def unfuse_rope_attention(model: nn.Module) -> list[str]:
-    """Puts back the stock forward of each module that ``fuse_rope_attention`` patched;
-    returns their qualified names (none: an empty list)."""
+    """Puts back the stock forward of each module that ``fuse_rope_attention`` patched, and
+    takes its hooks off the text model; returns their qualified names (none: an empty list)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     restored = []
     for name, module in model.named_modules():
-        if isinstance(module.__dict__.get("forward"), RopeAttentionForward):
+        patched = module.__dict__.get("forward")
+        if isinstance(patched, RopeAttentionForward):
+            patched.plain.remove()  # the modules share one; removing a hook twice is a no-op
             del module.forward
             restored.append(name)
     return restored
@@ -312,6 +370,7 @@ def unfuse_rope_attention(model: nn.Module) -> list[str]:
 __all__ = [
     "FAMILIES",
     "Family",
+    "PlainCalls",
     "RopeAttentionForward",
     "fuse_rope_attention",
     "unfuse_rope_attention",

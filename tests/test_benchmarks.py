@@ -1094,18 +1094,31 @@ def test_causal_pairs_are_the_pairs_a_window_mask_keeps(N, window):
     assert causal_pairs(N) == N * (N + 1) // 2
 
 
-def test_bench_hf_paths_set_up_and_put_back_the_model():
-    """bench_hf.py's paths: "no RoPE" leaves the rotation out, "auto" takes fused_rope.hf's
-    forward and gives the stock logits, and the stock model comes back after each."""
+@pytest.mark.parametrize(
+    "prefix, config_class, keys",
+    [
+        ("Llama", "LlamaConfig", {}),
+        # a local layer whose 4-key window binds at 12 tokens, and a global one
+        ("Gemma3", "Gemma3TextConfig",
+         dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    ],
+    ids=["llama", "gemma3"],
+)  # fmt: skip
+def test_bench_hf_paths_set_up_and_put_back_the_model(prefix, config_class, keys):
+    """bench_hf.py's paths: "no RoPE" leaves the rotation out (in the model's own module),
+    "auto" takes fused_rope.hf's forward and gives the stock logits, and the stock model comes
+    back after each."""
     transformers = pytest.importorskip("transformers", reason="bench_hf.py times its models")
     from experiments.bench_hf import path
 
-    config = transformers.LlamaConfig(
-        vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    config = getattr(transformers, config_class)(
+        vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, **keys,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = getattr(transformers, f"{prefix}ForCausalLM")._from_config(
+        config, attn_implementation="sdpa"
+    )
     model = model.to(DEVICE)
     attention = model.model.layers[0].self_attn
     x = torch.randint(0, 50, (1, 12), device=DEVICE)

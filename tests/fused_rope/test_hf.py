@@ -172,6 +172,47 @@ def test_each_family_matches_its_stock_forward(family, calls):
     assert [window for _, window in calls] == WINDOWS.get(family, [None, None])
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2_sliding", "phi3", "gemma3", "ministral"])
+def test_sliding_windows_that_bind_take_rope_attention(family, calls):
+    """A call with no mask and no position ids, whose windowed layers get a mask from
+    transformers once their window binds (8 keys of 21): ``rope_attention``'s window gives
+    the stock model's logits and gradients, for every layer."""
+    model = make_model(family, sliding_window=8)
+    check_against_transformers(model, torch.randint(0, VOCAB, (2, 21), device=DEVICE), calls)
+    windows = WINDOWS.get(family)
+    assert [window for _, window in calls] == [8 if w else None for w in windows]
+
+
+def test_gradient_checkpointing_recomputes_through_the_same_path(calls):
+    """Under gradient checkpointing a layer runs again in the backward, after the model's
+    call: it must see its window's mask as the forward did (non-reentrant checkpointing
+    checks that the recomputation saves what the forward saved), and the gradients must be
+    the stock model's."""
+    x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    model = make_model("mistral", sliding_window=8).train()
+    # transformers 5.24's name for it, and 5.17's (deprecated in 5.24)
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    enable({"use_reentrant": False})
+    cotangent = torch.randn(*x.shape, VOCAB, device=DEVICE)
+    stock = logits_and_grads(model, x, cotangent)
+    fuse_rope_attention(model)
+    fused = logits_and_grads(model, x, cotangent)
+    assert len(calls) == 4  # two layers, then their recomputation
+    for name, out, ref in zip(("logits", "d embeddings", "d k_proj"), fused, stock, strict=True):
+        assert_close(name, out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_compiled_model_traces_its_hooks_whole(calls):
+    """``torch.compile(fullgraph=True)`` traces a patched model, the text model's hooks
+    included; its calls take the stock forward (transformers builds every mask there)."""
+    model = make_model("mistral", sliding_window=8)
+    x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    stock = model(x, use_cache=False).logits
+    fuse_rope_attention(model)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, use_cache=False).logits, stock) and calls == []
+
+
 @pytest.mark.parametrize("impl", ["fused", "separate"])
 def test_both_implementations_match(impl, calls):
     check_against_transformers(
@@ -280,18 +321,21 @@ def counting_attention():
 def test_calls_with_a_mask_dropout_or_another_attention_take_the_stock_forward(
     calls, counting_attention
 ):
-    """Padding, a sliding window that binds, attention dropout in training, bidirectional
-    attention (asked for by the call, the layers or the config), the eager implementation
-    (which always makes a mask) and one's own attention give transformers' own result."""
+    """Padding (also where a window binds), packed sequences (position ids that restart, with
+    a window that binds), attention dropout in training, bidirectional attention (asked for by
+    the call, the layers or the config), the eager implementation (which always makes a
+    mask) and one's own attention give transformers' own result."""
     x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
     padding = torch.ones_like(x)
     padding[0, :4] = 0
     encoder = make_model()
     for layer in encoder.model.layers:
         layer.self_attn.is_causal = False  # LLM2Vec's conversion of a decoder
+    packed = torch.cat([torch.arange(11), torch.arange(10)]).expand(2, -1)
     cases = [
         (make_model(), {"attention_mask": padding}),
-        (make_model("mistral", sliding_window=8), {}),
+        (make_model("mistral", sliding_window=8), {"attention_mask": padding}),
+        (make_model("mistral", sliding_window=8), {"position_ids": packed.to(DEVICE)}),
         (make_model("llama", attn_implementation="eager"), {}),
         (make_model("llama", attention_dropout=0.5).train(), {}),
         (make_model(), {"is_causal": False}),
