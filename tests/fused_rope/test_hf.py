@@ -399,13 +399,11 @@ def test_bad_models_and_arguments_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "cohere", "glm"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "cohere", "glm", "mistral"])
 @pytest.mark.parametrize("impl", ["fused", "separate"])
 def test_bf16_models_at_a_longer_sequence(family, impl, calls):
     """On the GPU, in bf16 (the stock baseline rounds its cos and sin to bf16), 1000 tokens
-    (Gemma 3's local layers with a window longer than that: one that binds takes the stock
-    forward)."""
-    window = {"sliding_window": 2048} if family == "gemma3" else {}
-    model = make_model(family, **window).to(torch.bfloat16)
+    (Gemma 3's and Mistral's 64-key windows bind: their masks replaced by the window)."""
+    model = make_model(family).to(torch.bfloat16)
     x = torch.randint(0, VOCAB, (2, 1000), device=DEVICE)
     check_against_transformers(model, x, calls, impl)
