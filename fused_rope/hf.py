@@ -15,9 +15,9 @@ Which calls take the new path: causal ones (not ``is_causal=False``, in the call
 or the config) of a model whose attention is SDPA (``attn_implementation="sdpa"``,
 transformers' default where SDPA exists; a model of another attention is patched, but none
 of its calls takes the path) that build no attention mask, or only a sliding window's (no
-padding, no packed sequences without a cache: a text model called with no attention mask and
-no position ids, whose windowed layers' masks ``rope_attention``'s ``window`` replaces,
-``PlainCalls``; under ``torch.compile`` transformers builds the mask, so compiled calls take
+padding, no packed sequences without a cache: a text model called with no position ids and
+no attention mask or one of ones, whose windowed layers' masks ``rope_attention``'s
+``window`` replaces, ``PlainCalls``; under ``torch.compile`` transformers builds the mask, so compiled calls take
 the stock forward), with no attention dropout in
 training, no attention weights asked for, and a cache that is empty at the layer or none
 (training, scoring, and a generation's prefill). A prefill stores its keys rotated, as the
@@ -170,10 +170,12 @@ class PlainCalls:
     """The sliding-window masks a text model built in its plain calls, which
     ``rope_attention``'s ``window`` computes without a mask.
 
-    A plain call is given no attention mask and no position ids (no padding, no packed
-    sequences): every mask transformers then builds for a layer with a sliding window is the
-    causal one cut to that window (built wherever the window binds, since SDPA has no window),
-    and a layer without a window gets none in eager mode. A pre-hook on the text model (the
+    A plain call is given no position ids (no packed sequences) and no attention mask, or a
+    ``[B, N]`` one of ones (the tokenizer's, without padding; read once a call, as
+    transformers reads it to skip the causal mask): every mask transformers then builds for a
+    layer with a sliding window is the causal one cut to that window (built wherever the
+    window binds, since SDPA has no window), and a layer without a window gets none in eager
+    mode. A pre-hook on the text model (the
     rotary embedding's parent) opens each call and a hook closes it, also when the call
     raises; a layer that sees a mask during a plain call records it, so that its
     recomputation under gradient checkpointing, which runs in the backward after the call,
@@ -191,8 +193,17 @@ class PlainCalls:
 
     def _open(self, module, args, kwargs):
         arguments = self.signature.bind_partial(*args, **kwargs).arguments
-        plain = arguments.get("attention_mask") is None and arguments.get("position_ids") is None
-        self.open_calls.append(plain)
+        mask, tokens = arguments.get("attention_mask"), arguments.get("input_ids")
+        if tokens is None:
+            tokens = arguments.get("inputs_embeds")
+        no_padding = mask is None or (
+            isinstance(mask, torch.Tensor)
+            and tokens is not None
+            and mask.shape == tokens.shape[:2]  # not longer: no prefix, no cached keys
+            and not torch.compiler.is_compiling()  # a traced call reads no values
+            and bool(mask.all())
+        )
+        self.open_calls.append(no_padding and arguments.get("position_ids") is None)
 
     def _close(self, module, args, output):
         self.open_calls.pop()

@@ -183,6 +183,18 @@ def test_sliding_windows_that_bind_take_rope_attention(family, calls):
     assert [window for _, window in calls] == [8 if w else None for w in windows]
 
 
+def test_a_mask_of_ones_counts_as_no_mask(calls):
+    """The tokenizer's attention mask without padding (all ones, as a trainer passes it) lets
+    the windowed layers take ``rope_attention`` where their window binds, as no mask does."""
+    x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    model = make_model("mistral", sliding_window=8)
+    stock = model(x, attention_mask=torch.ones_like(x), use_cache=False).logits
+    fuse_rope_attention(model)
+    fused = model(x, attention_mask=torch.ones_like(x), use_cache=False).logits
+    assert calls == [("auto", 8)] * 2
+    assert_close("logits", fused, stock, atol=1e-5, rtol=1e-5)
+
+
 def test_gradient_checkpointing_recomputes_through_the_same_path(calls):
     """Under gradient checkpointing a layer runs again in the backward, after the model's
     call: it must see its window's mask as the forward did (non-reentrant checkpointing
