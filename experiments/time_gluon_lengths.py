@@ -1,6 +1,7 @@
 """The Gluon forward at lengths it did not take before session 59: N not a multiple of its
 128-row tiles, prefills that continue a KV cache (NQ < NK, causal at the bottom right), and
-causal sliding windows; and at D = 256 (session 60).
+causal sliding windows; and at D = 256, the interleaved layout and partial rotation (``--layout``,
+``--rope-dim``; session 60).
 
 Inference (no autograd), causal, default positions, one process on one GPU; ms = median GPU
 time of a CUDA graph of calls (``experiments/timing.py``):
@@ -52,7 +53,8 @@ SHAPES = {  # name: (B, HQ, HKV, NQ, NK, D, window)
 }
 
 
-def _providers(q, k, v, window) -> dict:
+def _providers(q, k, v, window, rotation) -> dict:
+    """Each provider's call; ``rotation``: ``rope_attention``'s ``layout`` and ``rope_dim``."""
     nq, nk = q.shape[2], k.shape[2]
     mask = causal_lower_right(nq, nk) if nq != nk else None
 
@@ -60,7 +62,7 @@ def _providers(q, k, v, window) -> dict:
         def run():
             attention_forward.GLUON_ENABLED, old = gluon, attention_forward.GLUON_ENABLED
             try:
-                return rope_attention(q, k, v, impl="fused", window=window)
+                return rope_attention(q, k, v, impl="fused", window=window, **rotation)
             finally:
                 attention_forward.GLUON_ENABLED = old
 
@@ -79,11 +81,11 @@ def _providers(q, k, v, window) -> dict:
     providers = {
         "fused, Gluon": fused(True),
         "fused, Triton": fused(False),
-        "auto": lambda: rope_attention(q, k, v, window=window),
+        "auto": lambda: rope_attention(q, k, v, window=window, **rotation),
     }
     if window is None:
         providers.update({
-            "separate": lambda: rope_attention(q, k, v, impl="separate"),
+            "separate": lambda: rope_attention(q, k, v, impl="separate", **rotation),
             "sdpa, no RoPE": sdpa,
         })  # fmt: skip
     return providers
@@ -93,6 +95,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--layout", default="half", choices=["half", "interleaved"])
+    parser.add_argument("--rope-dim", type=int, default=None, help="rotated channels (default D)")
     parser.add_argument("--out", type=Path, default=None, help="markdown report to write")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -105,9 +109,13 @@ def main() -> None:
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=dtype, generator=gen)
         k, v = (torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=gen)
                 for _ in range(2))  # fmt: skip
-        label = f"{name} ({b},{hq}/{hkv},{nq}x{nk},{d}" + (f", window {window})" if window else ")")
+        rotation = dict(layout=args.layout, rope_dim=args.rope_dim)
+        label = f"{name} ({b},{hq}/{hkv},{nq}x{nk},{d}" + (f", window {window}" if window else "")
+        if args.layout != "half" or args.rope_dim:
+            label += f", {args.layout}, rope_dim {args.rope_dim or d}"
+        label += ")"
         with torch.no_grad():
-            providers = _providers(q, k, v, window)
+            providers = _providers(q, k, v, window, rotation)
             outputs = {p: providers[p]() for p in ("fused, Gluon", "fused, Triton")}
             diff = (outputs["fused, Gluon"].float() - outputs["fused, Triton"].float()).abs().max()
             times = {p: time_ms(fn)[0] for p, fn in providers.items()}
