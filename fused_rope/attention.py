@@ -393,6 +393,9 @@ PREFILL_MIN_PROGRAMS_PER_SM = 0.5
 # many programs per SM, each counted at D / 128 of one (a program's work grows with D): an
 # H200, experiments/results/prefill_dispatch_h200.md (session 59)
 GLUON_PREFILL_MIN_PROGRAMS_PER_SM = 0.45
+# Square causal inference in the interleaved layout takes the Gluon forward from this many keys
+# (_hopper_inference_wins: an H200, experiments/results/time_gluon_lengths_h200.md, session 60)
+GLUON_INTERLEAVED_MIN_N = 8192
 
 
 def fused_prefill_wins(B: int, HQ: int, NQ: int, sms: int, head_dim: int = 128,
@@ -449,7 +452,10 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
     0.88-0.99x the separate path's time at 4K, GQA-4K and 16K, sessions 55-56; 0.986x at 2K in
     fp16 and bf16 since session 58's cheaper tables, where it was 1.02-1.05x; ``README.md``),
     at D <= 128: at D = 256 its 64-key tiles take 1.17-1.19x the separate path's time (an
-    H200, 4K and 16K, session 60), which prefills and windows still gain from. With a gradient to take, the separate path stays: cuDNN's backward beats
+    H200, 4K and 16K, session 60), which prefills and windows still gain from. The interleaved
+    layout from ``GLUON_INTERLEAVED_MIN_N`` keys on: its Q, read apart in the kernel, costs the
+    Gluon forward 1.00-1.09x the separate path's time at 2K-4K, 0.96x at 8K and 0.90x at 16K
+    (session 60; partial rotation 0.98-1.02x at 2K-4K and 0.90x at 16K, kept). With a gradient to take, the separate path stays: cuDNN's backward beats
     the fused one (1.35-1.48x forward+backward). So the path depends on grad mode: under a
     reentrant ``torch.utils.checkpoint`` the forward (no grad) takes this one and its
     recomputation the separate path, whose outputs differ by rounding."""
@@ -458,6 +464,7 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
         and causal
         and q.shape[2] == k.shape[2]  # a prefill (NQ < NK) follows the prefill rule
         and q.shape[3] <= 128
+        and (layout != "interleaved" or k.shape[2] >= GLUON_INTERLEAVED_MIN_N)
         and all(
             rotation[name] is None for name in ("positions", "q_positions", "angles", "q_angles")
         )

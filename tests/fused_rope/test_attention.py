@@ -1316,9 +1316,9 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
     k = k.half()
     none = dict(inv_freq=None, positions=None, q_positions=None, angles=None, q_angles=None)
 
-    def wins(q=q, k=k, causal=True, rotation=none, rope_dim=64):
+    def wins(q=q, k=k, causal=True, rotation=none, rope_dim=64, layout="half"):
         return attention_module._hopper_inference_wins(
-            q, k, k, causal, rope_dim, "half", None, rotation
+            q, k, k, causal, rope_dim, layout, None, rotation
         )
 
     assert wins()
@@ -1338,6 +1338,10 @@ def test_auto_takes_the_gluon_forward_for_long_causal_inference_only(monkeypatch
     wide_q, wide_k = torch.empty(1, 4, 4096, 256).half(), torch.empty(1, 2, 4096, 256).half()
     assert attention_forward.hopper_forward_takes(wide_q, wide_k, 256, False, 256**-0.5)
     assert not wins(q=wide_q, k=wide_k, rope_dim=256)
+    # the interleaved layout: from GLUON_INTERLEAVED_MIN_N (8K) keys
+    long_q, long_k = torch.empty(1, 4, 8192, 64).half(), torch.empty(1, 2, 8192, 64).half()
+    assert not wins(layout="interleaved")
+    assert wins(q=long_q, k=long_k, layout="interleaved")
 
 
 @pytest.mark.gpu
