@@ -131,7 +131,9 @@ def _offline_report() -> None:
         for rope in (False, True):
             for stages, overlap in _variants(d).values():
                 k = compile_offline(d, True, stages, overlap, rope)
-                print(f"| {d} | {rope} | {stages} | {overlap} | 128 | {report(k, False)} |")
+                print(
+                    f"| {d} | {rope} | {stages} | {overlap} | {kv_tiles(d)[0]} | {report(k, False)} |"
+                )
 
 
 def _variants(d: int) -> dict:

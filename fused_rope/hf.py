@@ -17,8 +17,9 @@ transformers' default where SDPA exists; a model of another attention is patched
 of its calls takes the path) that build no attention mask, or only a sliding window's (no
 padding, no packed sequences without a cache: a text model called with no position ids and
 no attention mask or one of ones, whose windowed layers' masks ``rope_attention``'s
-``window`` replaces, ``PlainCalls``; under ``torch.compile`` transformers builds the mask, so compiled calls take
-the stock forward), with no attention dropout in
+``window`` replaces, ``PlainCalls``; under ``torch.compile`` transformers builds every mask,
+so compiled calls take the stock forward but in those windowed layers), with no attention
+dropout in
 training, no attention weights asked for, and a cache that is empty at the layer or none
 (training, scoring, and a generation's prefill). A prefill stores its keys rotated, as the
 stock forward does (one RoPE kernel over k), so the decoding steps after it, which take the
@@ -37,7 +38,6 @@ and 5.17), and refuses other versions' modules by name.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -100,9 +100,10 @@ def _config_window(module: nn.Module) -> int | None:
 
 
 def _layer_window(module: nn.Module) -> int | None:
-    """Qwen2's, Qwen3's, Ministral's and Gemma 3's forward passes the layer's (None on
-    full layers)."""
-    return module.sliding_window or None
+    """Qwen2's, Qwen3's, Ministral's and Gemma 3's forward passes the layer's (None on full
+    layers): the config's on a sliding layer, read at the call as the masks read it (the
+    layer's own copy dates from its construction)."""
+    return module.config.sliding_window if module.sliding_window else None
 
 
 class Family(NamedTuple):
@@ -166,32 +167,41 @@ def _rotary_frequencies(rotary: nn.Module, module: nn.Module) -> tuple[torch.Ten
     return getattr(rotary, f"{kind}_inv_freq"), getattr(rotary, f"{kind}_attention_scaling")
 
 
+# The keyword with which PlainCalls marks a plain call: the text model passes its keywords to
+# each decoder layer, which passes them to its attention (transformers 5)
+PLAIN_CALL = "fused_rope_plain_call"
+
+
 class PlainCalls:
-    """The sliding-window masks a text model built in its plain calls, which
-    ``rope_attention``'s ``window`` computes without a mask.
+    """Marks the plain calls of a text model (the rotary embedding's parent), whose windowed
+    layers' masks ``rope_attention``'s ``window`` computes without a mask.
 
     A plain call is given no position ids (no packed sequences) and no attention mask, or a
     ``[B, N]`` one of ones (the tokenizer's, without padding; read once a call, as
-    transformers reads it to skip the causal mask): every mask transformers then builds for a
-    layer with a sliding window is the causal one cut to that window (built wherever the
-    window binds, since SDPA has no window), and a layer without a window gets none in eager
-    mode. A pre-hook on the text model (the
-    rotary embedding's parent) opens each call and a hook closes it, also when the call
-    raises; a layer that sees a mask during a plain call records it, so that its
-    recomputation under gradient checkpointing, which runs in the backward after the call,
-    takes the same path. Under ``torch.compile`` no mask counts as plain (nor do hooks run
-    as here)."""
+    transformers reads it to skip the causal mask, but not while a CUDA graph is captured):
+    every mask transformers then builds for a layer with a sliding window is the causal one
+    cut to that window (built wherever the window binds, since SDPA has no window), and a layer
+    without a window gets none in eager mode. A forward pre-hook adds ``PLAIN_CALL=True`` to
+    such a call's keywords, which reach every attention module with the layer's other
+    keywords: no state outside the call (threads, a call interrupted), and a layer recomputed
+    under gradient checkpointing sees the keywords it saw. Installed only where a patched
+    layer has a window and the text model's forward names ``attention_mask`` and
+    ``position_ids`` and takes keywords (``installs``)."""
 
     def __init__(self, text_model: nn.Module):
         self.signature = inspect.signature(text_model.forward)
-        self.open_calls: list[bool] = []  # a stack (nested calls): whether each is plain
-        self.masks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> mask
-        self.handles = (
-            text_model.register_forward_pre_hook(self._open, with_kwargs=True),
-            text_model.register_forward_hook(self._close, always_call=True),
+        self.handle = text_model.register_forward_pre_hook(self._mark, with_kwargs=True)
+
+    @staticmethod
+    def installs(text_model: nn.Module) -> bool:
+        parameters = inspect.signature(text_model.forward).parameters
+        return {"attention_mask", "position_ids"} <= set(parameters) and any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
         )
 
-    def _open(self, module, args, kwargs):
+    def _mark(self, module, args, kwargs):
+        if getattr(module.config, "_attn_implementation", None) != "sdpa":
+            return None  # no keyword of ours for another attention's functions
         arguments = self.signature.bind_partial(*args, **kwargs).arguments
         mask, tokens = arguments.get("attention_mask"), arguments.get("input_ids")
         if tokens is None:
@@ -201,35 +211,25 @@ class PlainCalls:
             and tokens is not None
             and mask.shape == tokens.shape[:2]  # not longer: no prefix, no cached keys
             and not torch.compiler.is_compiling()  # a traced call reads no values
+            and not (mask.is_cuda and torch.cuda.is_current_stream_capturing())
             and bool(mask.all())
         )
-        self.open_calls.append(no_padding and arguments.get("position_ids") is None)
-
-    def _close(self, module, args, output):
-        self.open_calls.pop()
-
-    def covers(self, mask: torch.Tensor) -> bool:
-        """Whether ``mask``, a windowed layer's, was built in a plain call (this one's, or an
-        earlier one's whose mask the layer's recomputation sees again)."""
-        if torch.compiler.is_compiling():
-            return False
-        if self.open_calls and self.open_calls[-1]:
-            self.masks[id(mask)] = mask
-            return True
-        return self.masks.get(id(mask)) is mask
+        if no_padding and arguments.get("position_ids") is None:
+            return args, {**kwargs, PLAIN_CALL: True}
+        return None
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.handle.remove()
 
 
 class RopeAttentionForward:
     """The forward of an attention module patched by ``fuse_rope_attention``: its arguments
     and return value are the stock forward's, ``(output [B, N, hidden], None)`` on the
     ``rope_attention`` path (no attention weights). ``plain``: the text model's
-    ``PlainCalls``, which says which sliding-window masks the window replaces."""
+    ``PlainCalls`` (None where it has none), whose mark says that a windowed layer's mask is
+    its window alone."""
 
-    def __init__(self, module: nn.Module, rotary: nn.Module, impl: str, plain: PlainCalls):
+    def __init__(self, module: nn.Module, rotary: nn.Module, impl: str, plain: PlainCalls | None):
         self.module, self.rotary, self.impl, self.plain = module, rotary, impl, plain
         self.family = FAMILIES[type(module).__name__]
         self.stock = type(module).forward.__get__(module)
@@ -237,6 +237,7 @@ class RopeAttentionForward:
         self.cache_name = _SIGNATURES[tuple(self.signature.parameters)[:4]]
 
     def __call__(self, *args, **kwargs):
+        plain = kwargs.pop(PLAIN_CALL, False)  # PlainCalls' mark, not for the stock forward
         arguments = self.signature.bind(*args, **kwargs).arguments
         extra = arguments.get("kwargs", {})
         module, cache = self.module, arguments.get(self.cache_name)
@@ -246,7 +247,7 @@ class RopeAttentionForward:
         fusable = (
             getattr(module.config, "_attn_implementation", None) == "sdpa"
             # no mask, or a windowed layer's that is its causal window alone
-            and (mask is None or (window is not None and self.plain.covers(mask)))
+            and (mask is None or (window is not None and plain))
             # SDPA runs bidirectionally without a mask where the call, the layer or the
             # config says so (embedding models, LLM2Vec's encoders)
             and extra.get("is_causal", getattr(module, "is_causal", True)) is not False
@@ -356,8 +357,9 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
                 f"{rope_dim} channels, not the head's {module.head_dim}"
                 + ("" if partial else f" ({type(module).__name__} rotates the whole head)")
             )
-    unfuse_rope_attention(model)  # patching again replaces the patch, and its hooks
-    plain = PlainCalls(text_model)
+    unfuse_rope_attention(model)  # patching again replaces the patch, and its hook
+    windowed = any(FAMILIES[type(m).__name__].window(m) is not None for _, m in modules)
+    plain = PlainCalls(text_model) if windowed and PlainCalls.installs(text_model) else None
     for _, module in modules:
         module.forward = RopeAttentionForward(module, rotary, impl, plain)
     return [name for name, _ in modules]
@@ -365,14 +367,15 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
 
 def unfuse_rope_attention(model: nn.Module) -> list[str]:
     """Puts back the stock forward of each module that ``fuse_rope_attention`` patched, and
-    takes its hooks off the text model; returns their qualified names (none: an empty list)."""
+    takes its hook off the text model; returns their qualified names (none: an empty list)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     restored = []
     for name, module in model.named_modules():
         patched = module.__dict__.get("forward")
         if isinstance(patched, RopeAttentionForward):
-            patched.plain.remove()  # the modules share one; removing a hook twice is a no-op
+            if patched.plain is not None:  # the modules share one; a second removal is a no-op
+                patched.plain.remove()
             del module.forward
             restored.append(name)
     return restored

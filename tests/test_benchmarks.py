@@ -1104,12 +1104,21 @@ def test_causal_pairs_are_the_pairs_a_window_mask_keeps(N, window):
     ],
     ids=["llama", "gemma3"],
 )  # fmt: skip
-def test_bench_hf_paths_set_up_and_put_back_the_model(prefix, config_class, keys):
+def test_bench_hf_paths_set_up_and_put_back_the_model(prefix, config_class, keys, monkeypatch):
     """bench_hf.py's paths: "no RoPE" leaves the rotation out (in the model's own module),
-    "auto" takes fused_rope.hf's forward and gives the stock logits, and the stock model comes
-    back after each."""
+    "auto" takes fused_rope.hf's forward in every layer (the windowed one too) and gives the
+    stock logits, and the stock model comes back after each."""
     transformers = pytest.importorskip("transformers", reason="bench_hf.py times its models")
+    import fused_rope.hf
     from experiments.bench_hf import path
+
+    windows = []  # each rope_attention call's window
+
+    def counted(*args, rope_attention=fused_rope.hf.rope_attention, **kwargs):
+        windows.append(kwargs["window"])
+        return rope_attention(*args, **kwargs)
+
+    monkeypatch.setattr(fused_rope.hf, "rope_attention", counted)
 
     config = getattr(transformers, config_class)(
         vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -1134,4 +1143,5 @@ def test_bench_hf_paths_set_up_and_put_back_the_model(prefix, config_class, keys
         auto = logits()
     assert (no_rope - stock).abs().max() > 1e-3  # positions change the logits
     torch.testing.assert_close(auto, stock, atol=1e-5, rtol=1e-5)
+    assert windows == [keys.get("sliding_window"), None]
     assert torch.equal(logits(), stock) and "forward" not in attention.__dict__

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 
 import pytest
 import torch
@@ -118,13 +119,13 @@ def calls(monkeypatch):
     return count
 
 
-def logits_and_grads(model, x, cotangent):
+def logits_and_grads(model, x, cotangent, attention_mask=None):
     """The logits ``[B, N, V]`` of ``x`` and the gradients of ``<logits, cotangent>`` with
     respect to the input embeddings and the first layer's key projection (Phi-3's q, k, v
     one)."""
     model.zero_grad()
     embeddings = model.get_input_embeddings()(x).detach().requires_grad_()
-    logits = model(inputs_embeds=embeddings, use_cache=False).logits
+    logits = model(inputs_embeds=embeddings, attention_mask=attention_mask, use_cache=False).logits
     (logits * cotangent.to(logits.dtype)).sum().backward()
     attention = model.model.layers[0].self_attn
     k_proj = attention.k_proj if hasattr(attention, "k_proj") else attention.qkv_proj  # Phi-3
@@ -195,34 +196,71 @@ def test_a_mask_of_ones_counts_as_no_mask(calls):
     assert_close("logits", fused, stock, atol=1e-5, rtol=1e-5)
 
 
-def test_gradient_checkpointing_recomputes_through_the_same_path(calls):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_through_the_same_path(reentrant, calls):
     """Under gradient checkpointing a layer runs again in the backward, after the model's
-    call: it must see its window's mask as the forward did (non-reentrant checkpointing
-    checks that the recomputation saves what the forward saved), and the gradients must be
-    the stock model's."""
+    call: it must take the path it took in the forward (non-reentrant checkpointing checks
+    that the recomputation saves what the forward saved), the windowed one for a plain call,
+    the stock one for a padded call, and the gradients must be the stock model's."""
     x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    padding = torch.ones_like(x)
+    padding[0, :4] = 0
     model = make_model("mistral", sliding_window=8).train()
     # transformers 5.24's name for it, and 5.17's (deprecated in 5.24)
     enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
-    enable({"use_reentrant": False})
+    enable({"use_reentrant": reentrant})
     cotangent = torch.randn(*x.shape, VOCAB, device=DEVICE)
-    stock = logits_and_grads(model, x, cotangent)
-    fuse_rope_attention(model)
-    fused = logits_and_grads(model, x, cotangent)
-    assert len(calls) == 4  # two layers, then their recomputation
-    for name, out, ref in zip(("logits", "d embeddings", "d k_proj"), fused, stock, strict=True):
-        assert_close(name, out, ref, atol=1e-5, rtol=1e-5)
+    for mask, expected_calls in ((None, 4), (padding, 0)):  # 4: two layers, recomputed
+        stock = logits_and_grads(model, x, cotangent, attention_mask=mask)
+        fuse_rope_attention(model)
+        fused = logits_and_grads(model, x, cotangent, attention_mask=mask)
+        unfuse_rope_attention(model)
+        assert len(calls) == expected_calls
+        calls.clear()
+        for name, out, ref in zip(("logits", "d embeddings", "d k_proj"), fused, stock,
+                                  strict=True):  # fmt: skip
+            assert_close(name, out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_compiled_model_traces_its_hooks_whole(calls):
-    """``torch.compile(fullgraph=True)`` traces a patched model, the text model's hooks
-    included; its calls take the stock forward (transformers builds every mask there)."""
-    model = make_model("mistral", sliding_window=8)
+def test_a_config_window_changed_after_construction_is_the_one_taken(calls):
+    """transformers builds the masks from the config's window at each call; the layers' own
+    copy of it dates from their construction, so the patched forward reads the config's."""
     x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    model = make_model("gemma3", sliding_window=8)
+    model.config.sliding_window = 4
     stock = model(x, use_cache=False).logits
     fuse_rope_attention(model)
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
-    assert torch.equal(compiled(x, use_cache=False).logits, stock) and calls == []
+    assert_close("logits", model(x, use_cache=False).logits, stock, atol=1e-5, rtol=1e-5)
+    assert [window for _, window in calls] == [4, None]
+
+
+def test_a_patched_model_pickles(calls):
+    """``torch.save`` of a patched model (its forwards and the text model's hook) and the
+    loaded copy's calls."""
+    model = make_model("mistral", sliding_window=8)
+    fuse_rope_attention(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    assert torch.equal(loaded(x, use_cache=False).logits, model(x, use_cache=False).logits)
+    assert len(calls) == 4
+
+
+def test_a_compiled_model_traces_its_hook_whole(calls):
+    """``torch.compile(fullgraph=True)`` traces a patched model, the text model's hook
+    included. Compiled, transformers builds every layer's mask: the windowed layers of a plain
+    call take ``rope_attention``, whose window is their mask, the others the stock forward."""
+    x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    for family, windows in (("mistral", [8, 8]), ("qwen2_sliding", [8])):
+        model = make_model(family, sliding_window=8)
+        stock = model(x, use_cache=False).logits
+        fuse_rope_attention(model)
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        assert_close("logits", compiled(x, use_cache=False).logits, stock, atol=1e-5, rtol=1e-5)
+        assert [window for _, window in calls] == windows
+        calls.clear()
 
 
 @pytest.mark.parametrize("impl", ["fused", "separate"])
@@ -419,3 +457,27 @@ def test_bf16_models_at_a_longer_sequence(family, impl, calls):
     model = make_model(family).to(torch.bfloat16)
     x = torch.randint(0, VOCAB, (2, 1000), device=DEVICE)
     check_against_transformers(model, x, calls, impl)
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_captures_a_call_with_a_mask_of_ones(calls):
+    """A mask of ones is read (on the host) to tell a plain call, except while a CUDA graph
+    is captured, where a read would end the capture: that call takes the stock forward and
+    the graph replays what the eager call gives."""
+    model = make_model("mistral", sliding_window=8).to(torch.bfloat16)
+    fuse_rope_attention(model)
+    x = torch.randint(0, VOCAB, (2, 21), device=DEVICE)
+    mask = torch.ones_like(x)
+    with torch.no_grad():
+        eager = model(x, attention_mask=mask, use_cache=False).logits
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture asks
+            model(x, attention_mask=mask, use_cache=False)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = model(x, attention_mask=mask, use_cache=False).logits
+        graph.replay()
+    assert len(calls) == 4  # the eager call and the warm-up took rope_attention, the capture not
+    assert_close("logits", captured.float(), eager.float(), atol=3e-2, rtol=3e-2)
