@@ -19,9 +19,8 @@ padding, no packed sequences without a cache: a text model called with no positi
 no attention mask or one of ones, whose windowed layers' masks ``rope_attention``'s
 ``window`` replaces, ``PlainCalls``; under ``torch.compile`` transformers builds every mask,
 so compiled calls take the stock forward but in those windowed layers), with no attention
-dropout in
-training, no attention weights asked for, and a cache that is empty at the layer or none
-(training, scoring, and a generation's prefill). A prefill stores its keys rotated, as the
+dropout in training, no attention weights asked for, and a cache that is empty at the layer
+or none (training, scoring, and a generation's prefill). A prefill stores its keys rotated, as the
 stock forward does (one RoPE kernel over k), so the decoding steps after it, which take the
 stock forward, see the cache they expect. Every other call takes the stock forward: its
 result is transformers' own. Pass ``use_cache=False`` where nothing decodes after the
