@@ -40,12 +40,12 @@ from experiments.timing import time_ms  # noqa: E402
 from fused_rope.hf import fuse_rope_attention, unfuse_rope_attention  # noqa: E402
 
 PATHS = ("stock", "no RoPE", "auto", "fused")
-MODELS = {  # name: (transformers' prefix, title, config keys, layers by default)
-    "llama": ("Llama", "Llama 3 8B", dict(
+MODELS = {  # name: (transformers' config class, model prefix, title, config keys, layers)
+    "llama": ("LlamaConfig", "Llama", "Llama 3 8B", dict(
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ), 4),
-    "gemma3": ("Gemma3", "Gemma 3 12B", dict(
+    "gemma3": ("Gemma3TextConfig", "Gemma3", "Gemma 3 12B", dict(
         hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8,
         head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
         layer_types=["sliding_attention"] * 5 + ["full_attention"],
@@ -58,8 +58,7 @@ def make_model(name: str, layers: int):
     dropout)."""
     import transformers
 
-    prefix, _, keys, _ = MODELS[name]
-    config_class = "Gemma3TextConfig" if prefix == "Gemma3" else f"{prefix}Config"
+    config_class, prefix, _, keys, _ = MODELS[name]
     if "layer_types" in keys:  # the pattern repeated over the layers
         keys = {**keys, "layer_types": (keys["layer_types"] * layers)[:layers]}
     config = getattr(transformers, config_class)(
@@ -129,7 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_hf.py times a model on a GPU; no CUDA device here")
-    _, title, _, default_layers = MODELS[args.model]
+    _, _, title, _, default_layers = MODELS[args.model]
     layers = args.layers or default_layers
     model = make_model(args.model, layers)
     rows = [row for n in args.lengths for row in time_length(model, n)]

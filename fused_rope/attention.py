@@ -455,8 +455,9 @@ def _hopper_inference_wins(q, k, v, causal, rope_dim, layout, softmax_scale, rot
     H200, 4K and 16K, session 60), which prefills and windows still gain from. The interleaved
     layout from ``GLUON_INTERLEAVED_MIN_N`` keys on: its Q, read apart in the kernel, costs the
     Gluon forward 1.00-1.09x the separate path's time at 2K-4K, 0.96x at 8K and 0.90x at 16K
-    (session 60; partial rotation 0.98-1.02x at 2K-4K and 0.90x at 16K, kept). With a gradient to take, the separate path stays: cuDNN's backward beats
-    the fused one (1.35-1.48x forward+backward). So the path depends on grad mode: under a
+    (session 60; partial rotation 0.98-1.02x at 2K-4K and 0.90x at 16K, kept). With a
+    gradient to take, the separate path stays: cuDNN's backward beats the fused one
+    (1.35-1.48x forward+backward). So the path depends on grad mode: under a
     reentrant ``torch.utils.checkpoint`` the forward (no grad) takes this one and its
     recomputation the separate path, whose outputs differ by rounding."""
     return (

@@ -6,8 +6,9 @@ FlashAttention-3 splits the work, where Triton's ``tl.dot`` FlashAttention-2
 A CTA owns 128 query rows of one head:
 
 * a loader partition (1 warp): TMA loads of K and V tiles of 128 keys (64 at D = 256:
-  ``kv_tiles``) into a ring of ``STAGES`` buffers (2 at D = 256), each guarded by a ready and an empty mbarrier (K and V have separate
-  ready barriers, so the scores start before V lands); without RoPE, the CTA's Q tiles too;
+  ``kv_tiles``) into a ring of ``STAGES`` buffers (2 at D = 256), each guarded by a ready and
+  an empty mbarrier (K and V have separate ready barriers, so the scores start before V
+  lands); without RoPE, the CTA's Q tiles too;
 * two consumer partitions (a warpgroup each, 64 query rows each): ``S = Q K^T`` on wgmma from
   shared memory, the online softmax on exp2 in registers, ``O += P V`` with P from registers;
   each releases a K/V slot after its P V product (the empty barrier counts both). With RoPE
@@ -27,7 +28,8 @@ layout, every channel rotated or a partial rotation whose segments fill the head
 boxes stop at each head's end, so the tiles past it read zeros and their stores are dropped,
 and the scores past the keys' end are masked), tables shared by the batch or one per batch row
 (positions per batch), a causal sliding window (the key tiles before a CTA's first window
-skipped). Gluon has no interpreter: this module is imported only on a Hopper GPU, and its tests are GPU-only.
+skipped). Gluon has no interpreter: this module is imported only on a Hopper GPU, and its
+tests are GPU-only.
 """
 
 from __future__ import annotations
