@@ -104,7 +104,8 @@ def compile_offline(d, causal, stages, overlap, rope=False, dtype=torch.bfloat16
     sig.update(Q=ptr, COS="*fp16", SIN="*fp16", LSE="*fp32", qk_scale="fp32", q_fold="fp32",
                rot_fold="fp32",
                NQ="i32", NK="i32", HQ="i32", HKV="i32", TABLE_OFF="i32", TABLE_STRIDE_B="i32",
-               WINDOW="i32", CAUSAL="constexpr", WINDOWED="constexpr", STAGES="constexpr",
+               WINDOW="i32", SECTION="i32", CAUSAL="constexpr", WINDOWED="constexpr",
+               STAGES="constexpr",
                OVERLAP="constexpr", ROPE="constexpr", ROTARY="constexpr", INTERLEAVED="constexpr",
                ROW_STEP="constexpr")  # fmt: skip
     consts = {("CAUSAL",): causal, ("WINDOWED",): windowed, ("STAGES",): stages,

@@ -231,10 +231,12 @@ def run(name: str, dtype: torch.dtype, baseline) -> list[dict]:
     o_fused = torch.empty_like(q)
 
     def fused_kernel():  # as rope_attention_fwd launches it, on the rotated keys made above
-        grid = lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * HQ)
+        grid = lambda m: (triton.cdiv(N, m["BLOCK_M"]) * B * HQ,)
+        section = heads_per_section(N * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ)
         attention_forward._rope_attn_fwd_kernel[grid](
             q, k_rot, v, o_fused, lse, q_cos, q_sin, q_fold, *q.stride(), *k_rot.stride()[:3],
-            *v.stride(), *o_fused.stride(), sq, q_off, HQ, HQ // HKV, N, N, window=0, **meta,
+            *v.stride(), *o_fused.stride(), sq, q_off, HQ, HQ // HKV, N, N, window=0,
+            SECTION=section, **meta,
         )  # fmt: skip
         return o_fused
 

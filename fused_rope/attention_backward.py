@@ -23,9 +23,11 @@ from fused_rope._attention_common import (
     _rope_tables,
     _rotated_segments,
     _scores,
+    _sectioned_program,
     _store_rotated,
     _strides,
     _visible,
+    heads_per_section,
     query_fold,
 )
 from fused_rope._intmath import cdiv
@@ -239,6 +241,7 @@ def _rope_attn_bwd_dkdv_kernel(
     NQ,
     NK,
     window,
+    SECTION,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -252,7 +255,8 @@ def _rope_attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_bh = tl.program_id(1)
+    # the first key tiles see the most queries: the grid launches them first
+    pid_n, pid_bh = _sectioned_program(tl.cdiv(NK, BLOCK_N), SECTION, False)
     b = (pid_bh // HKV).to(tl.int64)
     hk = (pid_bh % HKV).to(tl.int64)
     h0 = hk * GROUP
@@ -267,7 +271,7 @@ def _rope_attn_bwd_dkdv_kernel(
     KSIN += b * stride_ktb + k_row_off * HALF
     offset = NK - NQ
 
-    start_n = tl.program_id(0) * BLOCK_N
+    start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_mask = offs_n < NK
     k1, k2, kp = _load_segments(
@@ -484,6 +488,7 @@ def _rope_attn_bwd_dq_kernel(
     NQ,
     NK,
     window,
+    SECTION,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -497,7 +502,7 @@ def _rope_attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m, b, h, hk = _query_program(HQ, GROUP, CAUSAL)
+    pid_m, b, h, hk = _query_program(NQ, HQ, GROUP, SECTION, BLOCK_M)
     Q += b * stride_qb + h * stride_qh
     DO += b * stride_dob + h * stride_doh
     K += b * stride_kb + hk * stride_kh
@@ -631,7 +636,7 @@ def rope_attention_bwd(
     # tile once per program that streams it
     q_rot = _rotated_segments(q, q_cos, q_sin, stride_qtb, q_row_off, q_fold, meta)
     k_rot = _rotated_segments(k, k_cos, k_sin, stride_ktb, k_row_off, 1.0, meta)
-    _rope_attn_bwd_dkdv_kernel[lambda m: (cdiv(NK, m["BLOCK_N"]), B * HKV)](
+    _rope_attn_bwd_dkdv_kernel[lambda m: (cdiv(NK, m["BLOCK_N"]) * B * HKV,)](
         q_rot,
         k_rot,
         v,
@@ -655,9 +660,10 @@ def rope_attention_bwd(
         NQ,
         NK,
         window,
+        heads_per_section(NQ * (q_rot.shape[3] + D) * q.element_size() * HQ // HKV),
         **meta,
     )
-    _rope_attn_bwd_dq_kernel[lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)](
+    _rope_attn_bwd_dq_kernel[lambda m: (cdiv(NQ, m["BLOCK_M"]) * B * HQ,)](
         q_rot,
         k_rot,
         v,
@@ -680,6 +686,7 @@ def rope_attention_bwd(
         NQ,
         NK,
         window,
+        heads_per_section(NK * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ),
         **meta,
     )
     return dq, dk, dv

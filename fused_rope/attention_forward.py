@@ -26,6 +26,7 @@ from fused_rope._attention_common import (
     _scores,
     _strides,
     _visible,
+    heads_per_section,
     query_fold,
     rotated_width,
 )
@@ -143,6 +144,7 @@ def _rope_attn_fwd_kernel(
     NQ,
     NK,
     window,
+    SECTION,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -156,7 +158,7 @@ def _rope_attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m, b, h, hk = _query_program(HQ, GROUP, CAUSAL)
+    pid_m, b, h, hk = _query_program(NQ, HQ, GROUP, SECTION, BLOCK_M)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
@@ -301,7 +303,7 @@ def rope_attention_fwd(
         range_factor = attention_factor if q_pos is None and attention_factor != 0 else None
         return rope_attention_fwd_hopper(q, k_rot, v, causal, rope, range_factor, window), lse
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grid = lambda m: (cdiv(NQ, m["BLOCK_M"]), B * HQ)
+    grid = lambda m: (cdiv(NQ, m["BLOCK_M"]) * B * HQ,)
     _rope_attn_fwd_kernel[grid](
         q,
         k_rot,
@@ -322,6 +324,7 @@ def rope_attention_fwd(
         NQ,
         NK,
         window,
+        heads_per_section(NK * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ),
         **meta,
     )
     return o, lse

@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from fused_rope._attention_common import _sectioned_program, heads_per_section
 from fused_rope._intmath import cdiv
 from fused_rope.attention_forward import HOPPER_CTA_ROWS as CTA_ROWS
 
@@ -308,14 +309,16 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
 @gluon.jit
 def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_scale, q_fold,
                          rot_fold, NQ,
-                         NK, HQ, HKV, TABLE_OFF, TABLE_STRIDE_B, WINDOW, CAUSAL: gl.constexpr,
+                         NK, HQ, HKV, TABLE_OFF, TABLE_STRIDE_B, WINDOW, SECTION,
+                         CAUSAL: gl.constexpr,
                          WINDOWED: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
                          ROPE: gl.constexpr,
                          ROTARY: gl.constexpr, INTERLEAVED: gl.constexpr,
                          ROW_STEP: gl.constexpr):  # fmt: skip
     """q_desc, o_desc: [B * HQ, NQ, D] in boxes of [1, 64, D]; k_desc, v_desc: [B * HKV, NK, D]
     in boxes of [1, BLOCK_N, D] (``descriptors``); NQ <= NK, causal attention aligned at the
-    bottom right (query i at key position NK - NQ + i). Grid (cdiv(NQ, 128), B * HQ). Without
+    bottom right (query i at key position NK - NQ + i). Grid (cdiv(NQ, 128) * B * HQ,), in the
+    order of ``_sectioned_program`` (SECTION heads a section: ``heads_per_section``). Without
     ROPE: qk_scale = softmax_scale * log2(e); Q, COS, SIN, LSE, TABLE_* unused. With ROPE:
     the keys come rotated, Q (the pointer of q_desc's tensor) is rotated in the kernel by rows
     TABLE_OFF + i of COS, SIN [1 | B, rows, ROTARY / 2] (batch stride TABLE_STRIDE_B elements,
@@ -328,9 +331,7 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Q, COS, SIN, LSE, qk_sc
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    n_blocks = gl.cdiv(NQ, 2 * ROWS)
-    block = n_blocks - 1 - gl.program_id(0)  # the longest key sweeps first
-    bh = gl.program_id(1)
+    block, bh = _sectioned_program(gl.cdiv(NQ, 2 * ROWS), SECTION, True)
     kv_bh = (bh // HQ) * HKV + (bh % HQ) // (HQ // HKV)
     q_pos = block * 2 * ROWS
     j0 = 0
@@ -420,10 +421,12 @@ def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int | None
     r = rope or RopeArgs(q, q, q, 1.0, rotary=D)
     block_n, default_stages = kv_tiles(D)
     stages = stages or default_stages
-    attention_fwd_kernel[(cdiv(NQ, CTA_ROWS), B * HQ)](
+    NK = k.shape[2]
+    section = heads_per_section(NK * 2 * D * q.element_size() * k.shape[1] // HQ)
+    attention_fwd_kernel[(cdiv(NQ, CTA_ROWS) * B * HQ,)](
         *descriptors(q, k, v, o, block_n), q, r.cos, r.sin, r.lse, qk_scale, r.q_fold,
-        r.q_fold / r.range_factor, NQ, k.shape[2], HQ,
-        k.shape[1], r.table_off, r.table_stride_b, window, causal, window > 0, stages, overlap,
+        r.q_fold / r.range_factor, NQ, NK, HQ,
+        k.shape[1], r.table_off, r.table_stride_b, window, section, causal, window > 0, stages, overlap,
         rope is not None, r.rotary, r.interleaved, row_step, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return o

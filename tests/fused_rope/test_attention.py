@@ -20,12 +20,15 @@ import types
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch.utils.checkpoint import checkpoint
 from triton.runtime.errors import OutOfResources
 
 import fused_rope.sdpa
 from fused_rope import attention as attention_module
 from fused_rope import attention_forward
+from fused_rope._attention_common import _sectioned_program
 from fused_rope.attention import max_head_dim, rope_attention
 from fused_rope.frequencies import mrope_angles, rope_angles, rope_frequencies
 from fused_rope.naive import rope_attention_ref
@@ -467,6 +470,58 @@ def test_rotation_pass_with_heads_a_program_matches_the_reference(heads, rope_di
     if rope_dim < D:
         segments += (got[..., 2 * meta["HALF"] : 2 * meta["HALF"] + D - rope_dim],)
     assert_close("rotated", torch.cat(segments, -1).double(), want, atol=2e-3, rtol=2e-3)
+
+
+@triton.jit
+def _sectioned_program_kernel(BLOCKS, HEADS, n_blocks, SECTION, DESCENDING: tl.constexpr):
+    block, bh = _sectioned_program(n_blocks, SECTION, DESCENDING)
+    tl.store(BLOCKS + tl.program_id(0), block)
+    tl.store(HEADS + tl.program_id(0), bh)
+
+
+@pytest.mark.parametrize("descending", [True, False])
+@pytest.mark.parametrize(
+    "heads, n_blocks, section", [(1, 1, 1), (4, 7, 1), (3, 5, 2), (6, 4, 4), (5, 3, 8), (9, 2, 4)]
+)
+def test_sectioned_program_launches_each_tile_once_section_by_section(
+    heads, n_blocks, section, descending
+):
+    """``_sectioned_program``'s order of the grid: every (tile, head) exactly once; heads in
+    sections of ``section`` (the last one shorter where they do not divide); in a section the
+    heads fastest and the tiles in order (descending: the longest causal sweeps first)."""
+    from fused_rope._attention_common import _sectioned_program
+
+    total = heads * n_blocks
+    blocks, bhs = (torch.full((total,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    _sectioned_program_kernel[(total,)](blocks, bhs, n_blocks, section, descending)
+    want = []
+    for first in range(0, heads, section):
+        tiles = range(n_blocks - 1, -1, -1) if descending else range(n_blocks)
+        want += [(t, h) for t in tiles for h in range(first, min(first + section, heads))]
+    assert list(zip(blocks.tolist(), bhs.tolist())) == want
+
+
+@pytest.mark.parametrize(
+    "bytes_per_head, heads", [(1, 2**25), (2**20, 32), (2**20 + 1, 16), (2**25, 1), (2**30, 1)]
+)
+def test_heads_per_section_fill_the_l2_budget_in_a_power_of_two(bytes_per_head, heads):
+    from fused_rope._attention_common import L2_SECTION_BYTES, heads_per_section
+
+    assert L2_SECTION_BYTES == 2**25
+    assert heads_per_section(bytes_per_head) == heads
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_kernels_in_sections_of_heads_match_the_reference(causal, monkeypatch):
+    """With sections of 2 heads (an L2 budget of two heads' streamed operands: every kernel
+    streams 60 keys or queries of 64 fp32 values a head here, D = 32), 3 heads of 2 batches
+    and 60 queries (several tiles), so the last section of each grid is shorter: forward,
+    lse and gradients as the reference."""
+    from fused_rope import _attention_common as common
+
+    monkeypatch.setattr(common, "L2_SECTION_BYTES", 2 * 60 * 64 * 4)
+    assert common.heads_per_section(60 * 64 * 4) == 2
+    _check_case(2, 3, 3, 60, 60, 32, dtype=torch.float32, causal=causal)
 
 
 def test_rope_tables_refuse_positions_the_kernels_cannot_index():
