@@ -9,7 +9,8 @@ in ``L2_SECTION_BYTES``: every head's longest sweep launches before any shorter 
 set through ``L2_SECTION_BYTES``, which the launchers read at every call:
 
 * ``tiles fastest``: sections of one head, the order before session 61;
-* ``sections``: the default budget;
+* ``sections``: the package's budgets (8 MiB for the query-major kernels, 32 MiB for dK/dV);
+* ``sections of M MiB``: M MiB for both (``--section-mib``);
 * ``one section``: every head in one section (the heads fastest, no regard for L2).
 
 Timed for each order, causal, default positions (ms = median GPU time of a CUDA graph,
@@ -48,18 +49,26 @@ SHAPES = {  # name: (B, HQ, HKV, N, D); issue 5's table, then lengths and heads 
     "GQA-8K": (1, 32, 8, 8192, 128),
     "D256-4K": (2, 16, 8, 4096, 256),
 }
-ORDERS = {  # name: L2_SECTION_BYTES
-    "tiles fastest": 0,
-    "sections": _attention_common.L2_SECTION_BYTES,
-    "one section": 2**40,  # more heads a section than any grid has
-}
+
+
+def _orders(section_mib: list[int]) -> dict:
+    """``{name: L2_SECTION_BYTES}`` of the orders timed: ``section_mib`` budgets that both
+    axes take, after the package's own."""
+    both = lambda budget: {"query": budget, "key": budget}
+    sections = {f"sections of {mib} MiB": both(mib * 2**20) for mib in section_mib}
+    return {
+        "tiles fastest": both(0),
+        "sections": dict(_attention_common.L2_SECTION_BYTES),
+        **sections,
+        "one section": both(2**40),  # more heads a section than any grid has
+    }
 
 
 @contextlib.contextmanager
-def _order(budget: int):
+def _order(budgets: dict):
     """The launchers' grid order for the block, the Triton kernels retuned under it."""
     saved = _attention_common.L2_SECTION_BYTES
-    _attention_common.L2_SECTION_BYTES = budget
+    _attention_common.L2_SECTION_BYTES = budgets
     for kernel, _ in _AUTOTUNED:
         kernel.cache = {}
     try:
@@ -79,26 +88,31 @@ def _gluon(enabled: bool):
         attention_forward.GLUON_ENABLED, attention_forward.HOPPER_MIN_N = saved
 
 
-def _forward(q, k, v, gluon: bool):
-    def run():
-        with _gluon(gluon), torch.no_grad():
+def _fused(gluon: bool):
+    """``rope_attention(impl="fused")`` with the Gluon forward on or off."""
+
+    def attend(q, k, v):
+        with _gluon(gluon):
             return rope_attention(q, k, v, impl="fused")
+
+    return attend
+
+
+def _inference(fn, q, k, v):
+    def run():
+        with torch.no_grad():
+            return fn(q, k, v)
 
     return run
 
 
 def _training(fn, q, k, v, do):
-    """``fn``'s forward and backward (the inputs' gradients dropped between calls)."""
+    """``fn``'s forward and backward, and the inputs whose gradients to drop between calls."""
 
     def run():
         fn(q, k, v).backward(do)
 
     return run, [q, k, v]
-
-
-def _fused(q, k, v):
-    with _gluon(True):
-        return rope_attention(q, k, v, impl="fused")
 
 
 def _sdpa(q, k, v):
@@ -110,6 +124,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument(
+        "--section-mib",
+        nargs="*",
+        type=int,
+        default=[],
+        help="more section budgets to time, MiB (both axes)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="markdown report to write")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -125,19 +146,19 @@ def main() -> None:
         do = torch.randn_like(q)
         label = f"{name} ({b},{hq}/{hkv},{n},{d})"
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        floor_fwd = time_ms(lambda: _sdpa(q.detach(), k.detach(), v.detach()))[0]
+        floor_fwd = time_ms(_inference(_sdpa, q, k, v))[0]
         train, grads = _training(_sdpa, q, k, v, do)
         floor_train = time_ms(train, grad_to_none=grads)[0]
         floors = {"fwd": floor_fwd, "fwd+bwd": floor_train}
         for pass_, ms in floors.items():
             rows.append({"shape": label, "order": "-", "provider": f"sdpa {pass_}, no RoPE",
                          "ms": ms, "x_floor": 1.0})  # fmt: skip
-        for order, budget in ORDERS.items():
+        for order, budget in _orders(args.section_mib).items():
             with _order(budget):
-                train, grads = _training(_fused, q, k, v, do)
+                train, grads = _training(_fused(True), q, k, v, do)
                 times = {
-                    "fused fwd": (time_ms(_forward(q, k, v, True))[0], "fwd"),
-                    "Triton fwd": (time_ms(_forward(q, k, v, False))[0], "fwd"),
+                    "fused fwd": (time_ms(_inference(_fused(True), q, k, v))[0], "fwd"),
+                    "Triton fwd": (time_ms(_inference(_fused(False), q, k, v))[0], "fwd"),
                     "fused fwd+bwd": (time_ms(train, grad_to_none=grads)[0], "fwd+bwd"),
                 }
             for provider, (ms, pass_) in times.items():

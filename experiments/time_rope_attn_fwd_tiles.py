@@ -48,6 +48,7 @@ from fused_rope._attention_common import (  # noqa: E402
     _meta,
     _rope_tables,
     _rotated_segments,
+    heads_per_section,
     query_fold,
 )
 from fused_rope.frequencies import rope_frequencies  # noqa: E402
@@ -232,7 +233,9 @@ def run(name: str, dtype: torch.dtype, baseline) -> list[dict]:
 
     def fused_kernel():  # as rope_attention_fwd launches it, on the rotated keys made above
         grid = lambda m: (triton.cdiv(N, m["BLOCK_M"]) * B * HQ,)
-        section = heads_per_section(N * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ)
+        section = heads_per_section(
+            N * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ, "query"
+        )
         attention_forward._rope_attn_fwd_kernel[grid](
             q, k_rot, v, o_fused, lse, q_cos, q_sin, q_fold, *q.stride(), *k_rot.stride()[:3],
             *v.stride(), *o_fused.stride(), sq, q_off, HQ, HQ // HKV, N, N, window=0,

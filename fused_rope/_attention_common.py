@@ -297,18 +297,24 @@ def _rotated_segments(x, cos, sin, stride_tb: int, row_off: int, scale: float, m
     return out
 
 
-# L2 bytes that a section of heads' streamed operands may take (``heads_per_section``): an
-# H100's or H200's L2 holds 50 MB, shared with the tiles each program reads once and writes
-L2_SECTION_BYTES = 32 * 2**20
+# L2 bytes that a section of heads' streamed operands may take (``heads_per_section``), by the
+# axis its programs run along. An H200 (``experiments/results/time_grid_order_h200.md``, session
+# 61): the query-major kernels (forwards, dQ), which stream K and V, ran fastest with 8 MiB (32
+# MiB: up to 4% slower, one section of every head up to 9%; an H100's or H200's 50 MB of L2 is
+# two partitions); the dK/dV pass, which streams Q and dO of a whole group, with 32 MiB (with 8,
+# a GQA-4 group at 4K keys fills a section alone, and its key tiles launched in order took 1.1x
+# the time).
+L2_SECTION_BYTES = {"query": 8 * 2**20, "key": 32 * 2**20}
 
 
-def heads_per_section(bytes_per_head: int) -> int:
+def heads_per_section(bytes_per_head: int, major: str) -> int:
     """Heads whose programs a ``_sectioned_program`` grid launches together: the largest
-    power of two of them whose streamed operands (``bytes_per_head`` each: the K and V
-    that a query head's programs read, or the Q and dO of a KV head's group) fit in
-    ``L2_SECTION_BYTES``, at least 1. Each program then finds in L2 what its section's other
-    programs read."""
-    return 1 << max((L2_SECTION_BYTES // max(bytes_per_head, 1)).bit_length() - 1, 0)
+    power of two of them whose streamed operands (``bytes_per_head`` each: the K and V that
+    a query head's programs read, or the Q and dO of a KV head's group) fit in
+    ``L2_SECTION_BYTES[major]`` (``major``: "query" or "key", the programs' axis), at least 1.
+    Each program then finds in L2 what its section's other programs read."""
+    budget = L2_SECTION_BYTES[major]
+    return 1 << max((budget // max(bytes_per_head, 1)).bit_length() - 1, 0)
 
 
 @triton.jit

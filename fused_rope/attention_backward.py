@@ -660,7 +660,7 @@ def rope_attention_bwd(
         NQ,
         NK,
         window,
-        heads_per_section(NQ * (q_rot.shape[3] + D) * q.element_size() * HQ // HKV),
+        heads_per_section(NQ * (q_rot.shape[3] + D) * q.element_size() * HQ // HKV, "key"),
         **meta,
     )
     _rope_attn_bwd_dq_kernel[lambda m: (cdiv(NQ, m["BLOCK_M"]) * B * HQ,)](
@@ -686,7 +686,7 @@ def rope_attention_bwd(
         NQ,
         NK,
         window,
-        heads_per_section(NK * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ),
+        heads_per_section(NK * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ, "query"),
         **meta,
     )
     return dq, dk, dv

@@ -324,7 +324,7 @@ def rope_attention_fwd(
         NQ,
         NK,
         window,
-        heads_per_section(NK * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ),
+        heads_per_section(NK * (k_rot.shape[3] + D) * k.element_size() * HKV // HQ, "query"),
         **meta,
     )
     return o, lse

@@ -422,7 +422,7 @@ def launch(q, k, v, causal: bool, qk_scale: float, rope=None, stages: int | None
     block_n, default_stages = kv_tiles(D)
     stages = stages or default_stages
     NK = k.shape[2]
-    section = heads_per_section(NK * 2 * D * q.element_size() * k.shape[1] // HQ)
+    section = heads_per_section(NK * 2 * D * q.element_size() * k.shape[1] // HQ, "query")
     attention_fwd_kernel[(cdiv(NQ, CTA_ROWS) * B * HQ,)](
         *descriptors(q, k, v, o, block_n), q, r.cos, r.sin, r.lse, qk_scale, r.q_fold,
         r.q_fold / r.range_factor, NQ, NK, HQ,

@@ -489,8 +489,6 @@ def test_sectioned_program_launches_each_tile_once_section_by_section(
     """``_sectioned_program``'s order of the grid: every (tile, head) exactly once; heads in
     sections of ``section`` (the last one shorter where they do not divide); in a section the
     heads fastest and the tiles in order (descending: the longest causal sweeps first)."""
-    from fused_rope._attention_common import _sectioned_program
-
     total = heads * n_blocks
     blocks, bhs = (torch.full((total,), -1, dtype=torch.int32, device=DEVICE) for _ in range(2))
     _sectioned_program_kernel[(total,)](blocks, bhs, n_blocks, section, descending)
@@ -498,17 +496,19 @@ def test_sectioned_program_launches_each_tile_once_section_by_section(
     for first in range(0, heads, section):
         tiles = range(n_blocks - 1, -1, -1) if descending else range(n_blocks)
         want += [(t, h) for t in tiles for h in range(first, min(first + section, heads))]
-    assert list(zip(blocks.tolist(), bhs.tolist())) == want
+    assert list(zip(blocks.tolist(), bhs.tolist(), strict=True)) == want
 
 
-@pytest.mark.parametrize(
-    "bytes_per_head, heads", [(1, 2**25), (2**20, 32), (2**20 + 1, 16), (2**25, 1), (2**30, 1)]
-)
-def test_heads_per_section_fill_the_l2_budget_in_a_power_of_two(bytes_per_head, heads):
+@pytest.mark.parametrize("major", ["query", "key"])
+@pytest.mark.parametrize("divisor, heads", [(1 / 4, 1), (1, 1), (3, 2), (32, 32), (2**20, 2**20)])
+def test_heads_per_section_fill_the_budget_in_a_power_of_two(divisor, heads, major):
+    """Heads of ``1 / divisor`` of the axis' L2 budget each: the most that fit, a power of
+    two, at least one; heads of no bytes count as one byte each."""
     from fused_rope._attention_common import L2_SECTION_BYTES, heads_per_section
 
-    assert L2_SECTION_BYTES == 2**25
-    assert heads_per_section(bytes_per_head) == heads
+    budget = L2_SECTION_BYTES[major]
+    assert heads_per_section(int(budget / divisor), major) == heads
+    assert heads_per_section(0, major) == 1 << (budget.bit_length() - 1)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -519,8 +519,9 @@ def test_fused_kernels_in_sections_of_heads_match_the_reference(causal, monkeypa
     lse and gradients as the reference."""
     from fused_rope import _attention_common as common
 
-    monkeypatch.setattr(common, "L2_SECTION_BYTES", 2 * 60 * 64 * 4)
-    assert common.heads_per_section(60 * 64 * 4) == 2
+    per_head = 60 * 64 * 4
+    monkeypatch.setattr(common, "L2_SECTION_BYTES", {"query": 2 * per_head, "key": 2 * per_head})
+    assert common.heads_per_section(per_head, "query") == 2
     _check_case(2, 3, 3, 60, 60, 32, dtype=torch.float32, causal=causal)
 
 
