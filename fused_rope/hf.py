@@ -2,8 +2,9 @@
 
 ``fuse_rope_attention(model)`` replaces the forward of each attention module of a supported
 class (``FAMILIES``: Llama, Arcee, Gemma, Gemma 3, Granite, Mistral, Mixtral,
-Ministral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMo 2, Phi-3, Cohere, GLM, GLM-4, GLM-4-MoE,
-and the checkpoints built on them) with one that
+Ministral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMo 2, Phi-3, Cohere, Cohere 2 (its sliding
+layers; the full ones have no RoPE), GLM, GLM-4, GLM-4-MoE, and the checkpoints built on
+them) with one that
 takes the projections, unrotated, to ``rope_attention``: the rotation happens in its kernels
 (the fused FlashAttention kernel or the Triton RoPE kernel before SDPA, by ``impl``), with the
 model's own frequencies (its rotary embedding's ``inv_freq``, or Gemma 3's of the layer's
@@ -105,18 +106,29 @@ def _layer_window(module: nn.Module) -> int | None:
     return module.config.sliding_window if module.sliding_window else None
 
 
+def _every_layer(module: nn.Module) -> bool:
+    """Every layer of the family rotates its q and k."""
+    return True
+
+
+def _windowed_layers(module: nn.Module) -> bool:
+    """Cohere 2: the sliding layers rotate; the full ones take no position encoding (NoPE)."""
+    return module.sliding_window is not None
+
+
 class Family(NamedTuple):
     """How a class's stock forward forms q, k, v ``[B, H, N, D]`` before the rotation, the
     sliding window it passes to the attention, whether it rotates the first ``2 *
     len(inv_freq)`` channels alone (``partial``: Phi-3's and GLM's ``partial_rotary_factor``)
-    or requires them to be the whole head, and the channels it pairs (``layout``:
-    ``"half"``, transformers' ``rotate_half`` of Llama, or ``"interleaved"``, Cohere's and
-    GLM's)."""
+    or requires them to be the whole head, the channels it pairs (``layout``: ``"half"``,
+    transformers' ``rotate_half`` of Llama, or ``"interleaved"``, Cohere's and GLM's), and
+    which of its layers rotate at all (``rotates``; the others are left unpatched)."""
 
     project: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, ...]]
     window: Callable[[nn.Module], int | None]
     partial: bool = False
     layout: str = "half"
+    rotates: Callable[[nn.Module], bool] = _every_layer
 
 
 # The attention classes whose stock forward is "project, rotate by position_embeddings, update
@@ -141,6 +153,10 @@ FAMILIES: dict[str, Family] = {
     # Phi-3, Phi-3.5, Phi-4-mini (LongRoPE, and 3/4 of the head rotated)
     "Phi3Attention": Family(_project_fused_qkv, _config_window, partial=True),
     "CohereAttention": Family(_project_head_norm_if_used, _no_window, layout="interleaved"),
+    # Cohere 2 (Command R7B, Command A): Cohere's rotation on the sliding layers alone
+    "Cohere2Attention": Family(
+        _project, _layer_window, layout="interleaved", rotates=_windowed_layers
+    ),
     # GLM and GLM-4: the first half of each head, interleaved (partial_rotary_factor 0.5)
     "GlmAttention": Family(_project, _no_window, partial=True, layout="interleaved"),
     "Glm4Attention": Family(_project, _no_window, partial=True, layout="interleaved"),
@@ -324,14 +340,18 @@ def fuse_rope_attention(model: nn.Module, *, impl: str = "auto") -> list[str]:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    modules = [(n, m) for n, m in model.named_modules() if type(m).__name__ in FAMILIES]
+    modules = [
+        (n, m)
+        for n, m in model.named_modules()
+        if type(m).__name__ in FAMILIES and FAMILIES[type(m).__name__].rotates(m)
+    ]
     if not modules:
         classes = sorted(
             {type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__}
         )
         raise ValueError(
-            f"model has no attention module of a supported class {sorted(FAMILIES)}, "
-            f"got attention classes {classes}"
+            f"model has no attention module that rotates, of a supported class "
+            f"{sorted(FAMILIES)}, got attention classes {classes}"
         )
     rotary, text_model = _rotary_embedding(model)
     for name, module in modules:

@@ -68,6 +68,12 @@ FAMILIES = {
     ),
     # the interleaved layout; per-head layer norms of q and k
     "cohere": ("Cohere", {"use_qk_norm": True, "pad_token_id": None}),
+    # Cohere's rotation on the sliding layer; the full one has no RoPE (left unpatched)
+    "cohere2": (
+        "Cohere2",
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64,
+         "pad_token_id": None, "eos_token_id": None, "bos_token_id": None},
+    ),
     # the first half of each head rotated, interleaved
     "glm": ("Glm", {"pad_token_id": None}),
     "glm4": ("Glm4", {"pad_token_id": None}),
@@ -132,6 +138,14 @@ def logits_and_grads(model, x, cotangent, attention_mask=None):
     return logits, embeddings.grad, k_proj.weight.grad
 
 
+def rotating_layers(model) -> list[int]:
+    """The layers whose attention rotates q and k: all but Cohere 2's full layers (NoPE)."""
+    types = getattr(model.config, "layer_types", None)
+    if type(model).__name__.startswith("Cohere2"):
+        return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    return list(range(model.config.num_hidden_layers))
+
+
 def check_against_transformers(model, x, calls, impl="auto"):
     """The patched model's logits and gradients against the stock model's in float64, with
     the stock model's in fp32 as the baseline; ``rope_attention`` called once a layer. The
@@ -140,13 +154,12 @@ def check_against_transformers(model, x, calls, impl="auto"):
     pass after one."""
     cotangent = torch.randn(*x.shape, VOCAB, device=DEVICE)
     patched = copy.deepcopy(model)
-    assert fuse_rope_attention(patched, impl=impl) == [
-        "model.layers.0.self_attn", "model.layers.1.self_attn"
-    ]  # fmt: skip
+    layers = [f"model.layers.{i}.self_attn" for i in rotating_layers(model)]
+    assert fuse_rope_attention(patched, impl=impl) == layers
     fused = logits_and_grads(patched, x, cotangent)
     reference = logits_and_grads(copy.deepcopy(model).double(), x, cotangent)
     baseline = logits_and_grads(model, x, cotangent)
-    assert [impl_called for impl_called, _ in calls] == [impl] * 2
+    assert [impl_called for impl_called, _ in calls] == [impl] * len(layers)
     for name, out, ref, base in zip(
         ("logits", "d embeddings", "d k_proj"), fused, reference, baseline, strict=True
     ):
@@ -162,6 +175,7 @@ WINDOWS = {
     "ministral": [4096, 4096],
     "qwen2_sliding": [None, 64],
     "gemma3": [64, None],
+    "cohere2": [64],  # its sliding layer alone
 }
 
 
@@ -173,7 +187,9 @@ def test_each_family_matches_its_stock_forward(family, calls):
     assert [window for _, window in calls] == WINDOWS.get(family, [None, None])
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2_sliding", "phi3", "gemma3", "ministral"])
+@pytest.mark.parametrize(
+    "family", ["mistral", "qwen2_sliding", "phi3", "gemma3", "ministral", "cohere2"]
+)
 def test_sliding_windows_that_bind_take_rope_attention(family, calls):
     """A call with no mask and no position ids, whose windowed layers get a mask from
     transformers once their window binds (8 keys of 21): ``rope_attention``'s window gives
@@ -326,7 +342,7 @@ def step(model, x, cache):
     return model(x, **{name: cache})
 
 
-@pytest.mark.parametrize("family", ["qwen2", "cohere", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "cohere", "gemma3", "cohere2"])
 def test_a_prefill_fills_the_cache_the_decoding_steps_expect(family, calls):
     """A prefill takes ``rope_attention`` and stores its keys rotated, as the stock forward
     does (in the family's layout, by the layer's frequencies); the decoding steps after it
@@ -336,11 +352,11 @@ def test_a_prefill_fills_the_cache_the_decoding_steps_expect(family, calls):
     stock = model(x[:, :9], use_cache=True)
     stock_step = step(model, x[:, 9:], cache_of(stock)).logits
     stock_tokens = model.generate(x, max_new_tokens=5, do_sample=False)
-    fuse_rope_attention(model)
+    layers = len(fuse_rope_attention(model))
     fused = model(x[:, :9], use_cache=True)
-    assert len(calls) == 2
+    assert len(calls) == layers
     fused_step = step(model, x[:, 9:], cache_of(fused)).logits
-    assert len(calls) == 2  # the step saw a cache with keys: the stock forward
+    assert len(calls) == layers  # the step saw a cache with keys: the stock forward
     assert_close("prefill", fused.logits, stock.logits, atol=1e-5, rtol=1e-6)
     for layer, (ours, theirs) in enumerate(
         zip(cache_of(fused).layers, cache_of(stock).layers, strict=True)
@@ -349,7 +365,7 @@ def test_a_prefill_fills_the_cache_the_decoding_steps_expect(family, calls):
         assert_close(f"values {layer}", ours.values, theirs.values, atol=1e-5, rtol=1e-6)
     assert_close("step", fused_step, stock_step, atol=1e-5, rtol=1e-6)
     assert torch.equal(model.generate(x, max_new_tokens=5, do_sample=False), stock_tokens)
-    assert len(calls) == 4  # generate's prefill
+    assert len(calls) == 2 * layers  # generate's prefill
 
 
 @pytest.fixture
@@ -422,8 +438,11 @@ def test_bad_models_and_arguments_are_refused():
         unfuse_rope_attention(3)
     with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'fused', 'separate'\)"):
         fuse_rope_attention(model, impl="flash")
-    with pytest.raises(ValueError, match="no attention module of a supported class"):
+    with pytest.raises(ValueError, match="no attention module that rotates, of a supported"):
         fuse_rope_attention(torch.nn.Linear(2, 2))
+    nope = make_model("cohere2", layer_types=["full_attention"] * 2)  # no layer has RoPE
+    with pytest.raises(ValueError, match="rotates.* got attention classes .'Cohere2Attention'"):
+        fuse_rope_attention(nope)
     two = make_model()
     two.second_rotary = copy.deepcopy(two.model.rotary_emb)  # transformers 4's Gemma 3 had two
     with pytest.raises(ValueError, match="exactly one rotary embedding.* got 2"):
@@ -449,11 +468,14 @@ def test_bad_models_and_arguments_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "cohere", "glm", "mistral"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "gemma3", "cohere", "cohere2", "glm", "mistral"]
+)
 @pytest.mark.parametrize("impl", ["fused", "separate"])
 def test_bf16_models_at_a_longer_sequence(family, impl, calls):
     """On the GPU, in bf16 (the stock baseline rounds its cos and sin to bf16), 1000 tokens
-    (Gemma 3's and Mistral's 64-key windows bind: their masks replaced by the window)."""
+    (Gemma 3's, Cohere 2's and Mistral's 64-key windows bind: their masks replaced by the
+    window)."""
     model = make_model(family).to(torch.bfloat16)
     x = torch.randint(0, VOCAB, (2, 1000), device=DEVICE)
     check_against_transformers(model, x, calls, impl)
